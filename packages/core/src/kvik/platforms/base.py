@@ -1,0 +1,91 @@
+"""The Platform interface: everything kvik's core needs to know about a kind of hardware."""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvik.config import EngineConfig
+
+
+class Platform:
+    """A kind of device kvik can run on, provided by a platform plugin.
+
+    Subclasses set the class attributes and override what differs. ``is_present()`` must stay cheap:
+    it is called for every installed platform by ``kvik env`` and by automatic selection, so it may
+    import no kernels and must create no device context (the engine process is started later).
+    Kernels are registered in ``on_selected()``, never on import.
+    """
+
+    name: ClassVar[str] = "base"
+    device_type: ClassVar[str] = "cpu"  # torch device type
+    dist_backend: ClassVar[str] = "gloo"
+    #: Higher wins automatic selection. CPU is 0; accelerators use 100; vendors choose their own.
+    priority: ClassVar[int] = 0
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    supported_quantization: ClassVar[tuple[str, ...]] = ()
+    #: Attention backend names in order of preference.
+    attention_backends: ClassVar[tuple[str, ...]] = ()
+    #: The graph runner this platform offers: "cuda_graphs" or "none".
+    graph_support: ClassVar[str] = "none"
+
+    @classmethod
+    def is_present(cls) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def details(cls) -> dict[str, Any]:
+        """What ``kvik env`` shows about this platform (cheap, no device context)."""
+        return {}
+
+    @classmethod
+    def device_capability(cls) -> tuple[int, int] | None:
+        return None
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def free_memory_bytes(cls) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        import torch
+
+        return torch.device(cls.device_type, index) if cls.device_type != "cpu" else torch.device("cpu")
+
+    @classmethod
+    def default_dtype(cls) -> str:
+        """The dtype ``dtype="auto"`` means on this platform."""
+        return cls.supported_dtypes[0]
+
+    @classmethod
+    def on_selected(cls) -> None:
+        """Called once when this platform is chosen: register kernels for its device here."""
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        """Adjust defaults and reject what this platform cannot run (raise ValueError)."""
+
+    @classmethod
+    def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
+        """How much memory the KV cache gets when the user gives no size."""
+        raise NotImplementedError
+
+    @classmethod
+    def seed_everything(cls, seed: int) -> None:
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for queued device work (a no-op where work is synchronous)."""

@@ -1,0 +1,1 @@
+"""kvik's model definitions, registered through the ``kvik_register_models`` hook."""

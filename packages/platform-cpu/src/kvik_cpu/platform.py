@@ -1,0 +1,82 @@
+"""The CPU platform: present everywhere; bf16 by default where the CPU computes it natively."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+from kvik.platforms.base import Platform
+
+if TYPE_CHECKING:
+    from kvik.config import EngineConfig
+
+# vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4): the KV cache gets 4 GiB unless told otherwise.
+DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX: matrix products in bf16 run at full speed."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    dist_backend = "gloo"
+    priority = 0
+    supported_dtypes = ("float32", "bfloat16", "float16")
+    attention_backends = ("TORCH_SDPA",)
+    graph_support = "none"
+
+    @classmethod
+    def is_present(cls) -> bool:
+        return True
+
+    @classmethod
+    def details(cls) -> dict[str, Any]:
+        return {
+            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "total_memory_bytes": cls.total_memory_bytes(),
+            "native_bf16": has_native_bf16(),
+            "amx": "amx_bf16" in cpu_flags(),
+        }
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        return _meminfo("MemTotal")
+
+    @classmethod
+    def free_memory_bytes(cls) -> int:
+        return _meminfo("MemAvailable")
+
+    @classmethod
+    def default_dtype(cls) -> str:
+        return "bfloat16" if has_native_bf16() else "float32"
+
+    @classmethod
+    def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
+        return DEFAULT_KV_CACHE_BYTES

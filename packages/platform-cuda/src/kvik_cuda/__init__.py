@@ -1,0 +1,1 @@
+"""kvik's NVIDIA platform: Hopper and Blackwell, Triton kernels."""

@@ -1,0 +1,1 @@
+"""kvik's OpenAI-compatible HTTP server (FastAPI + uvicorn)."""
