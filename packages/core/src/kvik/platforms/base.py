@@ -10,6 +10,9 @@ if TYPE_CHECKING:
 
     from kvik.config import EngineConfig
 
+#: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
+MEMORY_UTILIZATION = 0.9
+
 
 class Platform:
     """A kind of device kvik can run on, provided by a platform plugin.
@@ -38,7 +41,7 @@ class Platform:
 
     @classmethod
     def details(cls) -> dict[str, Any]:
-        """What ``kvik env`` shows about this platform (cheap, no device context)."""
+        """What ``kvik env`` shows about this platform, present or not (cheap, no device context)."""
         return {}
 
     @classmethod
@@ -75,7 +78,7 @@ class Platform:
     @classmethod
     def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
         """How much memory the KV cache gets when the user gives no size."""
-        raise NotImplementedError
+        return int(cls.free_memory_bytes() * MEMORY_UTILIZATION)
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -1,0 +1,87 @@
+"""The attention backend interface: what a platform's paged attention implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend gets for one step; the runner builds it from the SchedulerOutput.
+
+    Requests are laid out one after another in the flat token dimension T: request r owns tokens
+    ``query_start_loc[r]:query_start_loc[r+1]``, which sit at positions
+    ``seq_lens[r] - query_lens[r] ... seq_lens[r] - 1`` of its sequence. A request's context is its
+    first ``seq_lens[r]`` tokens, read from the paged cache through ``block_table[r]``.
+    """
+
+    num_actual_tokens: int
+    num_reqs: int
+    query_start_loc: Tensor  # [R + 1] int32
+    query_lens: Tensor  # [R] int32
+    seq_lens: Tensor  # [R] int32
+    block_table: Tensor  # [R, max_blocks_per_req] int32
+    slot_mapping: Tensor  # [T] int64
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionImpl(ABC):
+    """One layer's attention. ``forward`` writes the new keys and values into the paged cache and
+    attends each query token over its request's context, causally (and within the sliding window)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+    ) -> None:
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, metadata: Any, output: Tensor
+    ) -> None:
+        """query [T, H*D], key/value [T, Hk*D], kv_cache as ``kv_cache_shape``; fills output [T, H*D]."""
+
+
+class AttentionBackend(ABC):
+    """A paged-attention implementation, registered by a platform plugin under ``name``."""
+
+    name: ClassVar[str]
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    #: None means any head size.
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+
+    @classmethod
+    def unsupported_reason(cls, dtype: torch.dtype, head_size: int, block_size: int) -> str | None:
+        if dtype not in cls.supported_dtypes:
+            return f"dtype {dtype} not in {cls.supported_dtypes}"
+        if cls.supported_head_sizes is not None and head_size not in cls.supported_head_sizes:
+            return f"head size {head_size} not in {cls.supported_head_sizes}"
+        return None
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata) -> Any:
+        """Turn the common metadata into this backend's (once per step, shared by all layers)."""
+        return common
+
+    @classmethod
+    @abstractmethod
+    def impl_class(cls) -> type[AttentionImpl]: ...

@@ -1,0 +1,105 @@
+"""The engine's configuration: what the user asked for, resolved against the model and platform."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """A Hugging Face model folder's config, as the engine needs it."""
+
+    path: Path
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"  # "auto" | "safetensors" | "dummy"
+    tokenizer: str | None = None
+    seed: int = 0
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"{self.path}/config.json names no architecture ('architectures')")
+        return archs[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every EOS id of generation_config.json and config.json."""
+        ids: set[int] = set()
+        for source in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list | tuple):
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+
+def read_generation_config(path: Path) -> dict[str, Any]:
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # exact count; else from kv_cache_memory_bytes or the platform
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: Any  # kvik.scheduler.SchedulerConfig
+    device: str | None = None
+    enforce_eager: bool = False

@@ -1,0 +1,186 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``, as vLLM's."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvik.config import CacheConfig, EngineConfig
+from kvik.engine.core import EngineCore
+from kvik.engine.input_processor import InputProcessor, PromptType
+from kvik.model_loader.loader import load_model_config
+from kvik.outputs import CompletionOutput, RequestOutput
+from kvik.platforms.selection import select_platform
+from kvik.request import Request
+from kvik.sampling_params import SamplingParams
+from kvik.scheduler.output import SchedulerStats
+from kvik.scheduler.scheduler import SchedulerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class LLM:
+    """An engine in this process, for offline batches of prompts.
+
+    ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
+    or the platform's default (4 GiB on the CPU) decides it.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        device: str | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        enable_prefix_caching: bool = True,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        load_format: str = "auto",
+        tokenizer: str | None = None,
+        enable_chunked_prefill: bool = True,
+        scheduling_policy: str = "fcfs",
+    ) -> None:
+        _check_positive(max_num_seqs=max_num_seqs, block_size=block_size)
+        _check_positive(
+            max_num_batched_tokens=max_num_batched_tokens,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            max_model_len=max_model_len,
+            optional=True,
+        )
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+        platform = select_platform(device)
+        model_config = load_model_config(
+            model,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            load_format=load_format,
+            platform_default_dtype=platform.default_dtype(),
+            seed=seed,
+            tokenizer=tokenizer,
+        )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
+        elif not enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                f"({model_config.max_model_len}) when chunked prefill is off"
+            )
+        self.config = EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_kv_blocks,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=scheduling_policy,
+            ),
+            device=platform.name,
+            enforce_eager=enforce_eager,
+        )
+        self.input_processor = InputProcessor(model_config)
+        self.engine = EngineCore(self.config)
+        self._ids = itertools.count()
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Engine statistics: prefix-cache queries and hits (tokens), preemptions, chunks, steps."""
+        return self.engine.scheduler.stats
+
+    def get_tokenizer(self):
+        return self.input_processor.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
+        return SamplingParams.from_generation_config(self.config.model.generation_config)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = self.input_processor.as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
+        processed = [
+            self.input_processor.process(prompt, params)
+            for prompt, params in zip(prompt_list, params_list)
+        ]
+        outputs: dict[str, RequestOutput] = {}
+        children: dict[str, tuple[str, int, Request]] = {}
+        now = time.monotonic()
+        for (prompt_text, token_ids, params), prio in zip(processed, priorities):
+            parent_id = str(next(self._ids))
+            outputs[parent_id] = RequestOutput(parent_id, prompt_text, token_ids)
+            for index in range(params.n):
+                child_id = parent_id if params.n == 1 else f"{index}_{parent_id}"
+                child_params = params
+                if params.n > 1:
+                    seed = None if params.seed is None else params.seed + index
+                    child_params = replace(params, n=1, seed=seed)
+                request = self.input_processor.make_request(
+                    child_id, token_ids, child_params, prio, now
+                )
+                children[child_id] = (parent_id, index, request)
+                self.engine.add_request(request)
+        with tqdm(total=len(children), desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                bar.update(sum(out.finish_reason is not None for out in self.engine.step()))
+        for parent_id, index, request in children.values():
+            result = outputs[parent_id]
+            result.num_cached_tokens = max(result.num_cached_tokens, request.num_cached_tokens)
+            result.outputs.append(
+                CompletionOutput(
+                    index=index,
+                    text=self.input_processor.decode(request.output_token_ids, request.sampling_params),
+                    token_ids=list(request.output_token_ids),
+                    cumulative_logprob=None,
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                )
+            )
+        for result in outputs.values():
+            result.outputs.sort(key=lambda c: c.index)
+            result.finished = True
+        return list(outputs.values())
+
+
+def _check_positive(optional: bool = False, **values: Any) -> None:
+    for name, value in values.items():
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,42 @@
+"""The attention layer models use; the chosen backend does the work behind one custom op."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik.attention.backend import AttentionImpl
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache.
+
+    The runner binds ``impl`` (from the chosen backend) and ``kv_cache`` before the first step and
+    registers the layer by ``layer_name`` in the forward context.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        layer_name: str,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.layer_name = layer_name
+        self.sliding_window = sliding_window
+        self.impl: AttentionImpl | None = None
+        self.kv_cache: Tensor | None = None
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # q: [T, H*D]; k, v: [T, Hk*D]
+        out = torch.empty_like(q)
+        torch.ops.kvik.unified_attention(q, k, v, out, self.layer_name)
+        return out

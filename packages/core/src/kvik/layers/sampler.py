@@ -1,0 +1,77 @@
+"""Sampling a batch of logits rows: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Random rows draw with the exponential-race trick (argmax of probs / q with q ~ Exp(1)), which equals
+sampling from probs. A seeded request draws its q from its own generator, consumed once per token, so
+its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvik.layers.logits_processors import LogitsProcessor
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step's logits [N, V]."""
+
+    temperature: Tensor  # [N] fp32; rows below _GREEDY_EPS are greedy
+    top_k: Tensor  # [N] int64; 0 = off
+    top_p: Tensor  # [N] fp32; 1 = off
+    min_p: Tensor  # [N] fp32; 0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its own RNG
+    # (row, processors, output tokens so far) for the rows that have processors
+    processors: list[tuple[int, list[LogitsProcessor], list[int]]] = field(default_factory=list)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without a seed of their own
+
+    def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
+        """logits [N, V] fp32 -> sampled token ids [N] int64."""
+        for row, processors, output_ids in batch.processors:
+            for processor in processors:
+                logits[row] = processor(output_ids, logits[row])
+        greedy_rows = batch.temperature < _GREEDY_EPS
+        greedy = logits.argmax(dim=-1)
+        if bool(greedy_rows.all()):
+            return greedy
+        temperature = torch.where(greedy_rows, 1.0, batch.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = logits.softmax(dim=-1)
+        if bool((batch.min_p > 0).any()):
+            floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        q = torch.empty_like(probs).exponential_(generator=self.generator)
+        for row, generator in batch.generators.items():
+            q[row].exponential_(generator=generator)
+        sampled = probs.div(q).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy, sampled)
+
+
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Mask (to -inf) what top-k and top-p exclude; rows with neither are returned unchanged."""
+    vocab = logits.shape[-1]
+    use_k = top_k > 0
+    use_p = top_p < 1.0
+    if not bool(use_k.any()) and not bool(use_p.any()):
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if bool(use_k.any()):
+        k = torch.where(use_k, top_k.clamp(max=vocab), vocab)
+        threshold = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # the k-th largest
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
+    if bool(use_p.any()):
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False  # always keep the most likely token
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

@@ -1,0 +1,132 @@
+"""kvik's small ops as ``torch.library`` custom ops, each with its PyTorch reference implementation.
+
+The references run on every device. A platform registers faster kernels for its own device key when
+it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``), never on import,
+because ROCm builds of torch use the CUDA key too. Models call ``torch.ops.kvik.*`` and dispatch
+follows the tensors' device; ``torch.compile`` sees each op as one node.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+@torch.library.custom_op("kvik::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # As Hugging Face: normalise in fp32, scale by the weight in the input dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@rms_norm.register_fake
+def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("kvik::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """Returns (rms_norm(x + residual), x + residual): the next layer's input and residual."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+@fused_add_rms_norm.register_fake
+def _(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+    # x: [T, H, rot_dim]; cos, sin: [T, 1, rot_dim // 2]
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+    else:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if is_neox:
+        return torch.cat((o1, o2), dim=-1)
+    return torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+@torch.library.custom_op("kvik::rotary_embedding", mutates_args=())
+def rotary_embedding(
+    positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool
+) -> tuple[Tensor, Tensor]:
+    """Rotate the first ``rot_dim`` dims of every head of query [T, H*D] and key [T, Hk*D].
+
+    ``cos_sin_cache`` is [max_position, rot_dim]: cos in the first half, sin in the second, fp32.
+    ``is_neox`` pairs dim i with i + rot_dim/2 (Llama, Hugging Face's rotate_half); otherwise
+    adjacent dims (GPT-J).
+    """
+    rot_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rot_dim/2]
+
+    def apply(x: Tensor) -> Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, head_size)
+        rotated = _rotate(x[..., :rot_dim].float(), cos, sin, is_neox).to(x.dtype)
+        return torch.cat((rotated, x[..., rot_dim:]), dim=-1).reshape(t, -1)
+
+    return apply(query), apply(key)
+
+
+@rotary_embedding.register_fake
+def _(positions, query, key, head_size, cos_sin_cache, is_neox):
+    return torch.empty_like(query), torch.empty_like(key)
+
+
+@torch.library.custom_op("kvik::silu_and_mul", mutates_args=())
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x: [T, 2*I] holding gate then up projections -> silu(gate) * up: [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@silu_and_mul.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+@torch.library.custom_op("kvik::reshape_and_cache", mutates_args=("kv_cache",))
+def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Write key/value [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slots [T].
+
+    A slot is block_id * block_size + offset; a negative slot (padding) is skipped.
+    """
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+@reshape_and_cache.register_fake
+def _(key, value, kv_cache, slot_mapping) -> None:
+    return None
+
+
+@torch.library.custom_op("kvik::unified_attention", mutates_args=("output",))
+def unified_attention(
+    query: Tensor, key: Tensor, value: Tensor, output: Tensor, layer_name: str
+) -> None:
+    """The one seam between models and attention backends (and where piecewise compilation splits).
+
+    query [T, H*D], key/value [T, Hk*D]; the result goes to output [T, H*D]. The layer, its KV cache
+    and the step's metadata come from the forward context (kvik.worker.forward_context).
+    """
+    from kvik.worker.forward_context import get_forward_context
+
+    context = get_forward_context()
+    layer = context.attention_layers[layer_name]
+    layer.impl.forward(query, key, value, layer.kv_cache, context.attn_metadata, output)
+
+
+@unified_attention.register_fake
+def _(query, key, value, output, layer_name) -> None:
+    return None

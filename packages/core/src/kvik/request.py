@@ -1,0 +1,97 @@
+"""One generation request as the engine core tracks it: tokens, progress, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvik.sampling_params import SamplingParams
+
+# A block hash is the sha256 digest of (parent hash, token ids, extra keys); see kv_cache.hashing.
+BlockHash = bytes
+
+
+class RequestStatus(enum.IntEnum):
+    # Order matters: every status after PREEMPTED is a finished one.
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)  # identity equality: the scheduler removes requests from its queues by object
+class Request:
+    """A request inside the engine core.
+
+    ``max_tokens`` is resolved by the caller: ``min(sp.max_tokens or inf, max_model_len -
+    len(prompt))``. ``eos_token_ids`` holds every EOS id of the model's generation config; it is
+    ignored when ``sampling_params.ignore_eos`` is set. ``block_hashes`` are the chained hashes of
+    the full blocks of ``all_token_ids``, extended by ``kv_cache.hashing.extend_block_hashes``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    all_token_ids: list[int] = field(init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    # Prefix-cache hit at the first scheduling; -1 until then.
+    num_cached_tokens: int = field(default=-1, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    block_hashes: list[BlockHash] = field(default_factory=list, init=False)
+    # The stop token id that ended the request (a stop string is set by the front end).
+    stop_reason: int | str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must not be empty")
+        if self.max_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id}: max_tokens must be >= 1, got {self.max_tokens} "
+                "(is the prompt as long as the model's context?)"
+            )
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)

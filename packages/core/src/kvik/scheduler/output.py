@@ -1,0 +1,49 @@
+"""What the scheduler hands the model runner each step, and what the engine core streams back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvik.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens ``all_token_ids[start:start + num_tokens]``."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step: position of the first scheduled token
+    num_tokens: int
+    block_ids: list[int]  # all of the request's blocks, for the runner's block table
+    samples: bool  # the step reaches the request's last token, so it samples a new one
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    total_num_scheduled_tokens: int
+    # Finished or aborted since the previous schedule(): the runner can drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Preempted in this step: their blocks are gone and they start over when readmitted.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # tokens, cumulative
+    prefix_cache_hits: int  # tokens, cumulative
+    num_preemptions: int  # cumulative
+    num_prefill_chunks: int  # cumulative: chunks ending before the end of their prompt
+    num_steps: int  # cumulative

@@ -1,0 +1,194 @@
+"""The device-neutral model runner: one forward pass per step over every scheduled request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from kvik.attention.backend import AttentionBackend, AttentionMetadata
+from kvik.attention.selector import select_attention_backend
+from kvik.layers.attention import Attention
+from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
+from kvik.layers.sampler import Sampler, SamplingBatch
+from kvik.model_loader.loader import load_model
+from kvik.worker.forward_context import ForwardContext, forward_context
+
+if TYPE_CHECKING:
+    from kvik.config import EngineConfig
+    from kvik.platforms.base import Platform
+    from kvik.request import Request
+    from kvik.scheduler.output import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: Tensor  # [T]
+    positions: Tensor  # [T]
+    attn_metadata: object  # the backend's metadata
+    logits_indices: Tensor  # [N] rows of the hidden states that sample
+    sampling_requests: list[Request]  # the N requests that sample, in row order
+
+
+@dataclass
+class _RequestState:
+    """What the runner keeps per request across steps."""
+
+    generator: torch.Generator | None
+    processors: list[LogitsProcessor]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device()
+        self.block_size = config.cache.block_size
+        model_config = config.model
+        self.dtype = model_config.dtype
+        self.model: nn.Module = load_model(model_config, self.device)
+        self.attention_layers: dict[str, Attention] = {
+            m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
+        }
+        first = next(iter(self.attention_layers.values()))
+        self.backend: type[AttentionBackend] = select_attention_backend(
+            platform, self.dtype, first.head_size, self.block_size
+        )
+        for layer in self.attention_layers.values():
+            layer.impl = self.backend.impl_class()(
+                layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads, layer.sliding_window
+            )
+        generator = torch.Generator(self.device).manual_seed(model_config.seed)
+        self.sampler = Sampler(generator)
+        self.eos_token_ids = sorted(model_config.eos_token_ids())
+        self.requests: dict[str, _RequestState] = {}
+
+    # --- KV cache -------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        per_layer = sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size
+            for layer in self.attention_layers.values()
+        )
+        return per_layer * self.dtype.itemsize
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for layer in self.attention_layers.values():
+            shape = self.backend.kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            # Zeros, not empty: masked-out slots still meet a zero attention weight, and 0 * NaN
+            # from uninitialised memory would poison the sum.
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # --- one step -------------------------------------------------------------------------
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        scheduled = scheduler_output.scheduled
+        token_ids: list[int] = []
+        for s in scheduled:
+            token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
+        num_reqs = len(scheduled)
+        query_lens = torch.tensor([s.num_tokens for s in scheduled], dtype=torch.int32)
+        starts = torch.tensor([s.start for s in scheduled], dtype=torch.int32)
+        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        num_tokens = len(token_ids)
+        req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens)  # [T]
+        offsets = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_index]
+        positions = starts.long()[req_index] + offsets  # [T]
+        max_blocks = max(len(s.block_ids) for s in scheduled)
+        block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
+        for row, s in enumerate(scheduled):
+            block_table[row, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        bs = self.block_size
+        slot_mapping = block_table.long()[req_index, positions // bs] * bs + positions % bs
+        seq_lens = starts + query_lens
+        sample_rows = [row for row, s in enumerate(scheduled) if s.samples]
+        common = AttentionMetadata(
+            num_actual_tokens=num_tokens,
+            num_reqs=num_reqs,
+            query_start_loc=query_start_loc,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+        )
+        metadata = self.backend.build_metadata(self._to_device(common))
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
+            positions=positions.to(self.device),
+            attn_metadata=metadata,
+            logits_indices=(query_start_loc[1:].long() - 1)[sample_rows].to(self.device),
+            sampling_requests=[scheduled[row].request for row in sample_rows],
+        )
+
+    def _to_device(self, common: AttentionMetadata) -> AttentionMetadata:
+        if self.device.type == "cpu":
+            return common
+        for name, value in vars(common).items():
+            if isinstance(value, Tensor):
+                setattr(common, name, value.to(self.device, non_blocking=True))
+        return common
+
+    @torch.inference_mode()
+    def forward_hidden(self, inputs: StepInputs) -> Tensor:
+        """Run the model over the step's tokens: hidden states [T, hidden]."""
+        context = ForwardContext(inputs.attn_metadata, self.attention_layers)
+        with forward_context(context):
+            return self.model(inputs.input_ids, inputs.positions)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_req_ids:
+            self.requests.pop(request_id, None)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.forward_hidden(inputs)
+        if not inputs.sampling_requests:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        sampled = self.sampler(logits, self._sampling_batch(inputs.sampling_requests)).tolist()
+        return ModelRunnerOutput(
+            {req.request_id: [token] for req, token in zip(inputs.sampling_requests, sampled)}
+        )
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self.requests.get(request.request_id)
+        if state is None:
+            params = request.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(self.device).manual_seed(params.seed)
+            eos = () if params.ignore_eos else sorted(request.eos_token_ids)
+            state = _RequestState(generator, build_logits_processors(params, eos))
+            self.requests[request.request_id] = state
+        return state
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        batch = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+        )
+        for row, request in enumerate(requests):
+            state = self._state(request)
+            if state.generator is not None:
+                batch.generators[row] = state.generator
+            if state.processors:
+                batch.processors.append((row, state.processors, request.output_token_ids))
+        if self.device.type != "cpu":
+            for name in ("temperature", "top_k", "top_p", "min_p"):
+                setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
+        return batch

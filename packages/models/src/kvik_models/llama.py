@@ -1,0 +1,181 @@
+"""Llama and the models that share its decoder: Mistral (sliding window) and Qwen2 (qkv bias).
+
+Shaped like Hugging Face's modeling_llama.py, on kvik's flat token layout: a step's tokens of all
+requests concatenated, ``input_ids [T]``, ``positions [T]``, hidden ``[T, hidden]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from torch import Tensor, nn
+
+from kvik.config import ModelConfig
+from kvik.layers.activation import SiluAndMul
+from kvik.layers.attention import Attention
+from kvik.layers.embedding import LMHead, VocabEmbedding
+from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
+from kvik.layers.norm import RMSNorm
+from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+
+def sliding_window(config: Any, layer_idx: int) -> int | None:
+    """Hugging Face's rule: per layer where the config lists ``layer_types`` (Qwen2, Qwen3), else
+    the config's ``sliding_window`` for every layer (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
+
+
+class LlamaAttention(nn.Module):
+    #: Qwen2 has biases on q, k and v whatever its config says (it has no ``attention_bias``).
+    qkv_bias: ClassVar[bool] = False
+
+    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        nh, nkv = config.num_attention_heads, config.num_key_value_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // nh
+        self.q_size, self.kv_size = nh * self.head_size, nkv * self.head_size
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_size, nh, nkv, bias or self.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            nh,
+            self.head_size,
+            self.head_size**-0.5,
+            nkv,
+            layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+            sliding_window=sliding_window(config, layer_idx),
+        )
+
+    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)  # [T, H*D], [T, Hk*D]
+        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+
+
+class Qwen2Attention(LlamaAttention):
+    qkv_bias = True
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias)
+        self.down_proj = Linear(size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, attention_cls: type
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        # The residual add is fused into the next norm: each layer hands on (hidden, residual).
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, attention_cls: type) -> None:
+        super().__init__()
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base, scaling = rope_config(config)
+        # One cos/sin table shared by every layer (a long context makes it large).
+        rotary_emb = get_rope(head_size, head_size, config.max_position_embeddings, base, scaling)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary_emb, attention_cls)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    attention_cls: ClassVar[type[LlamaAttention]] = LlamaAttention
+    #: checkpoint module -> (kvik's packed module, shard id)
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int | str]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        self.model = LlamaModel(hf, self.attention_cls)
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        return self.model(input_ids, positions)  # [T, hidden]
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)  # [N, vocab]
+
+    def attention_layers(self) -> dict[str, Attention]:
+        return {m.layer_name: m for m in self.modules() if isinstance(m, Attention)}
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard_id = self._packed_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}")
+            param = params[target]
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint weight {name!r}: {e}") from None
+            loaded.add(target)
+        if missing := sorted(params.keys() - loaded):
+            raise ValueError(f"checkpoint has no weights for {', '.join(missing)}")
+
+    def _packed_name(self, name: str) -> tuple[str, int | str | None]:
+        for module, (packed, shard_id) in self.packed_modules_mapping.items():
+            if f".{module}." in name:
+                return name.replace(f".{module}.", f".{packed}."), shard_id
+        return name, None
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention

@@ -1,0 +1,100 @@
+"""The CPU attention backend: PyTorch SDPA over the paged KV cache, the whole batch at once.
+
+Each step gathers every request's context from its blocks into a padded [R, Hk, S, D] tensor and
+pads the queries to [R, H, Q, D]; one boolean mask per distinct sliding window (shared by all layers)
+encodes causality, context length and window. Padding costs some work on ragged batches but keeps
+the hot path free of Python loops over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+
+
+@dataclass
+class SdpaMetadata:
+    common: AttentionMetadata
+    query_index: Tensor  # [R, Q] flat token index of each padded query slot (0 for padding)
+    query_valid: Tensor  # [R, Q] bool
+    query_pos: Tensor  # [R, Q] position of each query token in its sequence
+    key_block_table: Tensor  # [R, ceil(S / block_size)]
+    masks: dict[int | None, Tensor] = field(default_factory=dict)  # window -> [R, 1, Q, S]
+
+    def mask(self, sliding_window: int | None) -> Tensor:
+        if sliding_window not in self.masks:
+            c = self.common
+            s = self.key_block_table.shape[1] * c.block_size
+            key_pos = torch.arange(s, dtype=torch.int32)  # [S]
+            q_pos = self.query_pos.unsqueeze(-1)  # [R, Q, 1]
+            allowed = key_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= key_pos > q_pos - sliding_window
+            # Padded query rows attend to key 0 only, so their (discarded) softmax stays finite.
+            allowed |= (~self.query_valid).unsqueeze(-1) & (key_pos == 0)
+            self.masks[sliding_window] = allowed.unsqueeze(1)
+        return self.masks[sliding_window]
+
+
+class TorchSdpaImpl(AttentionImpl):
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: SdpaMetadata,
+        output: Tensor,
+    ) -> None:
+        c = metadata.common
+        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        torch.ops.kvik.reshape_and_cache(
+            key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
+        )
+        r, nb = metadata.key_block_table.shape
+        # [R, nb, block, Hk, D] -> [R, Hk, S, D]
+        k = kv_cache[0][metadata.key_block_table].view(r, nb * c.block_size, hk, d).transpose(1, 2)
+        v = kv_cache[1][metadata.key_block_table].view(r, nb * c.block_size, hk, d).transpose(1, 2)
+        q = query[:t].view(t, h, d)[metadata.query_index].transpose(1, 2)  # [R, H, Q, D]
+        out = F.scaled_dot_product_attention(
+            q.to(k.dtype),
+            k,
+            v,
+            attn_mask=metadata.mask(self.sliding_window),
+            scale=self.scale,
+            enable_gqa=h != hk,
+        )
+        out = out.transpose(1, 2)[metadata.query_valid]  # [T, H, D], in token order
+        output[:t].copy_(out.reshape(t, h * d))
+
+
+class TorchSdpaBackend(AttentionBackend):
+    name = "TORCH_SDPA"
+
+    @classmethod
+    def build_metadata(cls, common: AttentionMetadata) -> SdpaMetadata:
+        starts = common.query_start_loc[:-1].long()  # [R]
+        max_q = common.max_query_len
+        offsets = torch.arange(max_q)  # [Q]
+        query_valid = offsets < common.query_lens.unsqueeze(1)
+        query_index = torch.where(query_valid, starts.unsqueeze(1) + offsets, 0)
+        first_pos = (common.seq_lens - common.query_lens).unsqueeze(1)
+        query_pos = (first_pos + offsets).to(torch.int32)
+        num_key_blocks = -(-common.max_seq_len // common.block_size)
+        return SdpaMetadata(
+            common=common,
+            query_index=query_index,
+            query_valid=query_valid,
+            query_pos=query_pos,
+            key_block_table=common.block_table[:, :num_key_blocks].long(),
+        )
+
+    @classmethod
+    def impl_class(cls) -> type[AttentionImpl]:
+        return TorchSdpaImpl
