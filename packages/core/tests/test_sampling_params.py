@@ -109,9 +109,9 @@ def test_from_generation_config() -> None:
 
 
 def test_validate_token_ids() -> None:
-    SamplingParams(stop_token_ids=[0, 9], allowed_token_ids=[3], logit_bias={9: 1}).validate_token_ids(
-        10
-    )
+    SamplingParams(
+        stop_token_ids=[0, 9], allowed_token_ids=[3], logit_bias={9: 1}
+    ).validate_token_ids(10)
     for kwargs, name in [
         ({"stop_token_ids": [10]}, "stop_token_ids"),
         ({"allowed_token_ids": [-1]}, "allowed_token_ids"),

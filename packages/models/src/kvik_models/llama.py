@@ -39,7 +39,9 @@ class LlamaAttention(nn.Module):
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // nh
         self.q_size, self.kv_size = nh * self.head_size, nkv * self.head_size
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_size, nh, nkv, bias or self.qkv_bias)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_size, nh, nkv, bias or self.qkv_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias)
         self.rotary_emb = rotary_emb
         self.attn = Attention(
@@ -51,9 +53,13 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window(config, layer_idx),
         )
 
+    def qkv(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # [T, H*D], [T, Hk*D], [T, Hk*D]
+        return self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
     def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)  # [T, H*D], [T, Hk*D]
+        q, k, v = self.qkv(hidden)
+        q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))  # [T, hidden]
 
 
@@ -100,7 +106,9 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, attention_cls: type) -> None:
         super().__init__()
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_size = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         base, scaling = rope_config(config)
         # One cos/sin table shared by every layer (a long context makes it large).
         rotary_emb = get_rope(head_size, head_size, config.max_position_embeddings, base, scaling)
@@ -145,18 +153,19 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)  # [N, vocab]
 
-    def attention_layers(self) -> dict[str, Attention]:
-        return {m.layer_name: m for m in self.modules() if isinstance(m, Attention)}
-
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name == "lm_head.weight"):
+            if "rotary_emb.inv_freq" in name or (
+                self.tie_word_embeddings and name == "lm_head.weight"
+            ):
                 continue
             target, shard_id = self._packed_name(name)
             if target not in params:
-                raise ValueError(f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}"
+                )
             param = params[target]
             try:
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)

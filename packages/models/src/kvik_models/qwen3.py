@@ -17,12 +17,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
 
-    def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def qkv(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super().qkv(hidden)
         q = self.q_norm(q.unflatten(-1, (-1, self.head_size))).flatten(-2)  # [T, H*D]
         k = self.k_norm(k.unflatten(-1, (-1, self.head_size))).flatten(-2)  # [T, Hk*D]
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+        return q, k, v
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

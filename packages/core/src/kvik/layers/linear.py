@@ -13,9 +13,11 @@ from torch import Tensor, nn
 
 
 def default_weight_loader(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
-    """Copy a checkpoint tensor into a parameter (or a shard's view of one), casting to its dtype."""
+    """Copy a checkpoint tensor into a parameter (or a shard's view of one), cast to its dtype."""
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -31,7 +33,9 @@ class Linear(nn.Module):
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: Tensor, loaded: Tensor, shard_id: int | str | None = None
+    ) -> None:
         if shard_id is not None:
             offset, size = self.shards[shard_id]
             param = param.data.narrow(0, offset, size)
@@ -47,15 +51,20 @@ class MergedColumnLinear(Linear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
         super().__init__(in_features, sum(out_sizes), bias)
         offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-        self.shards = {i: (offset, size) for i, (offset, size) in enumerate(zip(offsets, out_sizes))}
+        self.shards = dict(enumerate(zip(offsets, out_sizes, strict=True)))
 
 
 class QKVLinear(MergedColumnLinear):
     """q, k and v projections in one matmul: shards "q", "k", "v"."""
 
     def __init__(
-        self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int, bias: bool = False
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
     ) -> None:
         q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
         super().__init__(hidden_size, [q_size, kv_size, kv_size], bias)
-        self.shards = dict(zip("qkv", self.shards.values()))
+        self.shards = dict(zip("qkv", self.shards.values(), strict=True))

@@ -35,7 +35,9 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any], max_position: in
     return torch.where(is_medium, smoothed, scaled)
 
 
-def inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any] | None, max_position: int) -> Tensor:
+def inv_freq(
+    rotary_dim: int, base: float, scaling: dict[str, Any] | None, max_position: int
+) -> Tensor:
     """Inverse frequencies [rotary_dim / 2] in fp32, bit for bit as transformers computes them."""
     freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))

@@ -15,5 +15,7 @@ def get_model_class(architecture: str) -> type[nn.Module]:
     models = get_plugin_manager().models
     if architecture not in models:
         supported = ", ".join(models.names()) or "none (is kvik-models installed?)"
-        raise ValueError(f"model architecture {architecture!r} is not supported; supported: {supported}")
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; supported: {supported}"
+        )
     return models.resolve(architecture)

@@ -41,7 +41,7 @@ class Platform:
 
     @classmethod
     def details(cls) -> dict[str, Any]:
-        """What ``kvik env`` shows about this platform, present or not (cheap, no device context)."""
+        """What ``kvik env`` shows, present or not: cheap, and no device context."""
         return {}
 
     @classmethod
@@ -60,7 +60,11 @@ class Platform:
     def device(cls, index: int = 0) -> torch.device:
         import torch
 
-        return torch.device(cls.device_type, index) if cls.device_type != "cpu" else torch.device("cpu")
+        return (
+            torch.device(cls.device_type, index)
+            if cls.device_type != "cpu"
+            else torch.device("cpu")
+        )
 
     @classmethod
     def default_dtype(cls) -> str:

@@ -34,7 +34,10 @@ def survey(manager: KvikPluginManager) -> list[PlatformStatus]:
 
 def _describe(statuses: list[PlatformStatus]) -> str:
     if not statuses:
-        return "no platform plugin is installed (pip install 'kvik[cpu]', 'kvik[cuda]' or 'kvik[rocm]')"
+        return (
+            "no platform plugin is installed "
+            "(pip install 'kvik[cpu]', 'kvik[cuda]' or 'kvik[rocm]')"
+        )
     return ", ".join(
         f"{s.cls.name} ({'present' if s.present else 'not present'})" for s in statuses
     )
@@ -58,9 +61,7 @@ def select_platform(
                     )
                 return s.cls
         errors = "".join(f"; {e}" for e in manager.errors)
-        raise PlatformError(
-            f"no platform named {device!r}; found: {_describe(statuses)}{errors}"
-        )
+        raise PlatformError(f"no platform named {device!r}; found: {_describe(statuses)}{errors}")
     if manager.errors:
         # A platform that failed to load might have been the one meant: never pick another silently.
         raise PlatformError(

@@ -51,7 +51,8 @@ def kvik_platform() -> type[Platform] | None:
 
 @hookspec
 def kvik_register_attention_backends(register: Callable[[str, Target], None]) -> None:
-    """Register attention backends: ``register("TRITON_ATTN", "kvik_cuda.attention:TritonBackend")``.
+    """Register attention backends, e.g.
+    ``register("TRITON_ATTN", "kvik_cuda.attention:TritonBackend")``.
 
     The target resolves to a ``kvik.attention.backend.AttentionBackend`` subclass. A platform lists
     backend names in its order of preference; the first registered one that supports the model's
@@ -70,7 +71,8 @@ def kvik_register_quantization_methods(register: Callable[[str, Target], None]) 
 
 @hookspec
 def kvik_register_models(register: Callable[[str, Target], None]) -> None:
-    """Register model architectures: ``register("LlamaForCausalLM", "kvik_models.llama:LlamaForCausalLM")``.
+    """Register model architectures, e.g.
+    ``register("LlamaForCausalLM", "kvik_models.llama:LlamaForCausalLM")``.
 
     The name is the architecture string of a Hugging Face ``config.json``; the target resolves to an
     ``nn.Module`` class built as ``cls(config)`` (see ``kvik.models.registry``).

@@ -47,7 +47,9 @@ def _parse_api(version: str) -> tuple[int, int]:
 def check_api_version(declared: object) -> str | None:
     """Return why a plugin declaring ``declared`` cannot load, or None when it can."""
     if declared is None:
-        return f"it declares no KVIK_PLUGIN_API (this kvik implements plugin API {PLUGIN_API_VERSION})"
+        return (
+            f"it declares no KVIK_PLUGIN_API (this kvik implements plugin API {PLUGIN_API_VERSION})"
+        )
     try:
         major, minor = _parse_api(str(declared))
     except ValueError:
@@ -84,7 +86,8 @@ class Registry:
                 raise ValueError(f"{self.kind} names must be non-empty strings, got {name!r}")
             if name in self.targets and self.owners[name] != plugin:
                 raise ValueError(
-                    f"{self.kind} {name!r} is registered by both {self.owners[name]!r} and {plugin!r}"
+                    f"{self.kind} {name!r} is registered by both {self.owners[name]!r} "
+                    f"and {plugin!r}"
                 )
             self.targets[name] = target
             self.owners[name] = plugin
@@ -182,7 +185,9 @@ class KvikPluginManager:
                 try:
                     cls = impl()
                 except Exception as e:
-                    self.errors.append(PluginError(info.name, info.dist, f"{type(e).__name__}: {e}"))
+                    self.errors.append(
+                        PluginError(info.name, info.dist, f"{type(e).__name__}: {e}")
+                    )
                     continue
                 if cls is not None:
                     found.append((info.name, cls))

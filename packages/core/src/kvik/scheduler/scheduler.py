@@ -136,6 +136,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Preempt until the blocks fit; the else branch runs unless the request was the victim.
             while self.kv.allocate_slots(request, num_new) is None:
                 victim_index = self._victim_index()
                 victim = self.running.pop(victim_index)

@@ -1,0 +1,61 @@
+"""How to add a hardware platform to kvik from your own package.
+
+This package is a complete platform plugin. It runs on the CPU by reusing ``kvik_cpu``'s pieces
+under its own name, "example", so that everything below can be tried on any machine.
+
+1. **Announce the plugin.** In your ``pyproject.toml``, name your plugin module in the ``kvik``
+   entry-point group. The entry-point name ("example") is what ``KVIK_PLUGINS=a,b`` allow-lists
+   and what ``kvik env`` lists::
+
+       [project.entry-points.kvik]
+       example = "kvik_example_platform.plugin"
+
+2. **Declare the plugin API you were built for.** kvik refuses a plugin whose
+   ``KVIK_PLUGIN_API`` has another major version, or a newer minor one, and says both versions::
+
+       KVIK_PLUGIN_API = kvik.PLUGIN_API_VERSION
+
+3. **Return your Platform class** from ``kvik_platform()``, always, also on machines without your
+   hardware. Import it inside the hook and keep its module light: kvik imports every installed
+   platform to ask ``is_present()``.
+
+4. **Write the Platform** (``kvik_example_platform.platform``): a subclass of
+   ``kvik.platforms.Platform`` with a ``name``, ``device_type``, ``dist_backend``, a ``priority``
+   (the CPU has 0, the GPU platforms 100; here 50), the dtypes you support, your attention
+   backends in order of preference, and a cheap ``is_present()`` that loads no kernels and creates
+   no device context. Register your kernels in ``on_selected()``, which kvik calls once your
+   platform is chosen, never on import.
+
+5. **Register what you implement** through the ``kvik_register_*`` hooks. Each receives a
+   ``register(name, target)`` callable; the target is an import path ("pkg.module:Attr") or a
+   factory, imported only when chosen::
+
+       @kvik.hookimpl
+       def kvik_register_attention_backends(register):
+           register("MY_ATTN", "kvik_myaccel.attention:MyAttentionBackend")
+
+   This example registers nothing of its own: it uses the CPU's "TORCH_SDPA" backend, which the
+   ``cpu`` plugin registers.
+
+6. **Try it.** The platform is present when ``KVIK_EXAMPLE_PLATFORM=1``::
+
+       pip install ./examples/platform-plugin
+       KVIK_EXAMPLE_PLATFORM=1 KVIK_DEVICE=example kvik env
+
+   ``kvik env`` lists the plugin with its distribution and version, and the platform as present
+   and selected. Without ``KVIK_DEVICE`` kvik picks the present platform of highest priority, so a
+   present "example" (50) wins over the CPU (0) and loses to a GPU (100).
+"""
+
+from __future__ import annotations
+
+import kvik
+
+KVIK_PLUGIN_API = kvik.PLUGIN_API_VERSION
+
+
+@kvik.hookimpl
+def kvik_platform():
+    from kvik_example_platform.platform import ExamplePlatform
+
+    return ExamplePlatform

@@ -1,0 +1,34 @@
+"""Weights from a folder's safetensors files, memory-mapped and read one tensor at a time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import Tensor
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The shards listed by ``model.safetensors.index.json``, else ``model.safetensors``."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    raise ValueError(
+        f"model folder {folder} has no weights: looked for {INDEX_FILE} and {SINGLE_FILE}"
+    )
+
+
+def iterate_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                yield name, f.get_tensor(name)

@@ -1,0 +1,191 @@
+"""The NVIDIA platform: GPUs found through NVML, so that no CUDA context is created."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvik.platforms.base import Platform
+
+if TYPE_CHECKING:
+    from kvik.config import EngineConfig
+
+#: Compute capability -> architecture generation.
+GENERATIONS = {
+    (7, 0): "Volta",
+    (7, 5): "Turing",
+    (8, 0): "Ampere",
+    (8, 6): "Ampere",
+    (8, 7): "Ampere",
+    (8, 9): "Ada",
+    (9, 0): "Hopper",
+    (10, 0): "Blackwell",
+    (10, 3): "Blackwell",
+    (12, 0): "Blackwell (consumer)",
+}
+
+
+class NvmlError(RuntimeError):
+    """NVML is installed but answered with an error (no driver loaded, a GPU lost, ...)."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int  # NVML's index, which is CUDA's when CUDA_DEVICE_ORDER=PCI_BUS_ID
+    name: str
+    capability: tuple[int, int]
+    total_memory_bytes: int
+    free_memory_bytes: int
+
+    def describe(self) -> dict[str, Any]:
+        major, minor = self.capability
+        return {
+            "index": self.index,
+            "name": self.name,
+            "capability": f"{major}.{minor}",
+            "sm": f"sm{major}{minor}",
+            "generation": GENERATIONS.get(self.capability, "unknown"),
+            "total_memory_bytes": self.total_memory_bytes,
+            "free_memory_bytes": self.free_memory_bytes,
+        }
+
+
+def visible_indices(count: int, uuids: Callable[[], list[str]]) -> list[int]:
+    """The NVML indices CUDA_VISIBLE_DEVICES leaves visible, in its order.
+
+    Entries are indices or GPU UUID prefixes; as in CUDA, the first invalid entry ends the list.
+    """
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return list(range(count))
+    visible: list[int] = []
+    for entry in (e.strip() for e in raw.split(",")):
+        if entry.isdigit():
+            index = int(entry)
+        else:
+            matches = [i for i, uuid in enumerate(uuids()) if entry and uuid.startswith(entry)]
+            index = matches[0] if len(matches) == 1 else -1
+        if not 0 <= index < count or index in visible:
+            break
+        visible.append(index)
+    return visible
+
+
+def nvml_gpus() -> list[Gpu] | None:
+    """The visible GPUs as NVML reports them, or None when NVML is not installed here.
+
+    Raises NvmlError when NVML is there but fails.
+    """
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return None
+    except pynvml.NVMLError as e:
+        raise NvmlError(f"NVML: {e}") from e
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        gpus = []
+        for index in visible_indices(count, lambda: [pynvml.nvmlDeviceGetUUID(h) for h in handles]):
+            handle = handles[index]
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(
+                Gpu(
+                    index=index,
+                    name=pynvml.nvmlDeviceGetName(handle),
+                    capability=tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle)),
+                    total_memory_bytes=memory.total,
+                    free_memory_bytes=memory.free,
+                )
+            )
+        return gpus
+    except pynvml.NVMLError as e:
+        raise NvmlError(f"NVML: {e}") from e
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _first_gpu() -> Gpu:
+    gpus = nvml_gpus()
+    if not gpus:
+        raise RuntimeError("no NVIDIA GPU is visible through NVML")
+    return gpus[0]
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs (Hopper and Blackwell first).
+
+    Kernels are registered for the CUDA key in ``on_selected()`` once they exist, never on import:
+    ROCm builds of torch use the same key.
+    """
+
+    name = "cuda"
+    device_type = "cuda"
+    dist_backend = "nccl"
+    priority = 100
+    supported_dtypes = ("bfloat16", "float16", "float32")
+    attention_backends = ("TRITON_ATTN",)
+    graph_support = "cuda_graphs"
+
+    @classmethod
+    def is_present(cls) -> bool:
+        import torch
+
+        if torch.version.hip is not None:
+            return False  # a ROCm build of torch: its GPUs belong to kvik_rocm
+        try:
+            gpus = nvml_gpus()
+        except NvmlError:
+            return False
+        if gpus is None:
+            # No NVML library: torch's check, which tries NVML itself and then asks the CUDA
+            # runtime for a device count (that initialises the driver but makes no context).
+            return torch.cuda.device_count() > 0
+        return len(gpus) > 0
+
+    @classmethod
+    def details(cls) -> dict[str, Any]:
+        import torch
+
+        info: dict[str, Any] = {"torch_cuda": torch.version.cuda}
+        try:
+            gpus = nvml_gpus()
+        except NvmlError as e:
+            return info | {"error": str(e)}
+        if gpus is None:
+            return info | {"nvml": "not available"}
+        return info | {"gpus": [gpu.describe() for gpu in gpus]}
+
+    @classmethod
+    def device_capability(cls) -> tuple[int, int] | None:
+        return _first_gpu().capability
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        return _first_gpu().total_memory_bytes
+
+    @classmethod
+    def free_memory_bytes(cls) -> int:
+        return _first_gpu().free_memory_bytes
+
+    @classmethod
+    def check_and_update_config(cls, config: EngineConfig) -> None:
+        import torch
+
+        if torch.version.cuda is None:
+            raise ValueError(
+                f"the cuda platform needs a CUDA build of torch; torch {torch.__version__} has no "
+                "CUDA (install one, or choose another device with --device / KVIK_DEVICE)"
+            )
+
+    @classmethod
+    def synchronize(cls) -> None:
+        import torch
+
+        torch.cuda.synchronize()

@@ -1,0 +1,178 @@
+"""NVIDIA detection, tested by faking what NVML and torch answer."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvik.platforms.base import MEMORY_UTILIZATION
+from kvik.plugins.manager import KvikPluginManager
+from kvik_cuda.platform import CudaPlatform
+
+GiB = 1024**3
+
+
+class FakeNvml:
+    """Stands in for the ``pynvml`` module: GPUs as (name, capability, total, free)."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_LibraryNotFound(NVMLError):  # noqa: N801 (pynvml's name)
+        pass
+
+    def __init__(self, gpus: list[tuple[str, tuple[int, int], int, int]], init_error=None):
+        self.gpus = gpus
+        self.init_error = init_error
+        self.open = 0
+
+    def nvmlInit(self) -> None:  # noqa: N802
+        if self.init_error is not None:
+            raise self.init_error
+        self.open += 1
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self.open -= 1
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:  # noqa: N802
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> str:  # noqa: N802
+        return self.gpus[handle][0]
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:  # noqa: N802
+        return f"GPU-{handle:04d}-aaaa"
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:  # noqa: N802
+        return self.gpus[handle][1]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:  # noqa: N802
+        _, _, total, free = self.gpus[handle]
+        return SimpleNamespace(total=total, free=free, used=total - free)
+
+
+H100 = ("NVIDIA H100 80GB HBM3", (9, 0), 80 * GiB, 79 * GiB)
+B200 = ("NVIDIA B200", (10, 0), 180 * GiB, 170 * GiB)
+
+
+@pytest.fixture(autouse=True)
+def cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA build of torch that must not initialise CUDA while detecting."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.version, "cuda", "12.9")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def no_context() -> None:
+        raise AssertionError("detection must not initialise CUDA")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_context)
+
+
+def fake_nvml(monkeypatch: pytest.MonkeyPatch, *gpus, init_error=None) -> FakeNvml:
+    nvml = FakeNvml(list(gpus), init_error)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+def test_hopper_reports_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    nvml = fake_nvml(monkeypatch, H100)
+    assert CudaPlatform.is_present()
+    [gpu] = CudaPlatform.details()["gpus"]
+    assert gpu == {
+        "index": 0,
+        "name": "NVIDIA H100 80GB HBM3",
+        "capability": "9.0",
+        "sm": "sm90",
+        "generation": "Hopper",
+        "total_memory_bytes": 80 * GiB,
+        "free_memory_bytes": 79 * GiB,
+    }
+    assert CudaPlatform.device_capability() == (9, 0)
+    assert CudaPlatform.total_memory_bytes() == 80 * GiB
+    assert CudaPlatform.default_kv_cache_bytes(None) == int(79 * GiB * MEMORY_UTILIZATION)
+    assert nvml.open == 0  # every nvmlInit had its nvmlShutdown
+
+
+@pytest.mark.parametrize(
+    ("capability", "sm", "generation"),
+    [
+        ((10, 0), "sm100", "Blackwell"),
+        ((10, 3), "sm103", "Blackwell"),
+        ((12, 0), "sm120", "Blackwell (consumer)"),
+        ((8, 0), "sm80", "Ampere"),
+        ((8, 9), "sm89", "Ada"),
+        ((11, 7), "sm117", "unknown"),
+    ],
+)
+def test_generation_names(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], sm: str, generation: str
+) -> None:
+    fake_nvml(monkeypatch, ("GPU", capability, 8 * GiB, 8 * GiB))
+    [gpu] = CudaPlatform.details()["gpus"]
+    assert (gpu["sm"], gpu["generation"]) == (sm, generation)
+
+
+def test_nvml_failure_means_not_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_nvml(monkeypatch, H100, init_error=FakeNvml.NVMLError("Driver Not Loaded"))
+    assert not CudaPlatform.is_present()
+    assert CudaPlatform.details()["error"] == "NVML: Driver Not Loaded"
+
+
+def test_no_gpu_means_not_present(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_nvml(monkeypatch)
+    assert not CudaPlatform.is_present()
+
+
+def test_rocm_build_of_torch_leaves_the_gpus_to_kvik_rocm(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_nvml(monkeypatch, H100)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    assert not CudaPlatform.is_present()
+
+
+@pytest.mark.parametrize("count", [0, 2])
+def test_without_nvml_library_torch_counts(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    fake_nvml(monkeypatch, init_error=FakeNvml.NVMLError_LibraryNotFound("no libnvidia-ml"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert CudaPlatform.is_present() == (count > 0)
+    assert CudaPlatform.details()["nvml"] == "not available"
+
+
+def test_without_pynvml_torch_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert CudaPlatform.is_present()
+
+
+@pytest.mark.parametrize(
+    ("visible", "indices"),
+    [("1", [1]), ("1,0", [1, 0]), ("", []), ("-1", []), ("0,7,1", [0]), ("GPU-0001", [1])],
+)
+def test_cuda_visible_devices(
+    monkeypatch: pytest.MonkeyPatch, visible: str, indices: list[int]
+) -> None:
+    fake_nvml(monkeypatch, H100, B200)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert [gpu["index"] for gpu in CudaPlatform.details().get("gpus", [])] == indices
+    assert CudaPlatform.is_present() == bool(indices)
+
+
+def test_config_check_refuses_a_torch_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.version, "cuda", None)
+    with pytest.raises(ValueError, match="needs a CUDA build of torch"):
+        CudaPlatform.check_and_update_config(None)
+
+
+def test_platform_comes_through_its_entry_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVIK_PLUGINS", "cuda")
+    manager = KvikPluginManager()
+    manager.load_entry_points()
+    assert manager.platforms() == [("cuda", CudaPlatform)]
+    assert CudaPlatform.name == "cuda" and CudaPlatform.priority == 100
+    assert CudaPlatform.dist_backend == "nccl" and CudaPlatform.graph_support == "cuda_graphs"
+    assert CudaPlatform.default_dtype() == "bfloat16"
