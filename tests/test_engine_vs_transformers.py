@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import load_hf, ragged_prompts
+from tiny_models import load_hf, ragged_prompts
 
 from kvik import LLM, SamplingParams
 

@@ -20,6 +20,10 @@ from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
 
+def head_size(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def sliding_window(config: Any, layer_idx: int) -> int | None:
     """Hugging Face's rule: per layer where the config lists ``layer_types`` (Qwen2, Qwen3), else
     the config's ``sliding_window`` for every layer (Mistral)."""
@@ -36,7 +40,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // nh
+        self.head_size = head_size(config)
         self.q_size, self.kv_size = nh * self.head_size, nkv * self.head_size
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVLinear(
@@ -82,7 +86,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding, attention_cls: type
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attention_cls: type[LlamaAttention],
     ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, rotary_emb)
@@ -104,14 +112,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention_cls: type) -> None:
+    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        head_size = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        base, scaling = rope_config(config)
+        d, base, scaling = head_size(config), *rope_config(config)
         # One cos/sin table shared by every layer (a long context makes it large).
-        rotary_emb = get_rope(head_size, head_size, config.max_position_embeddings, base, scaling)
+        rotary_emb = get_rope(d, d, config.max_position_embeddings, base, scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary_emb, attention_cls)

@@ -13,7 +13,8 @@ from torch import Tensor, nn
 
 
 def default_weight_loader(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
-    """Copy a checkpoint tensor into a parameter (or a shard's view of one), cast to its dtype."""
+    """Copy a checkpoint tensor into a parameter (or a shard's view of one), cast to its dtype.
+    Parameters without a ``weight_loader`` of their own load with this one (never sharded)."""
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"

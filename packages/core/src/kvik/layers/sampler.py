@@ -25,6 +25,11 @@ class SamplingBatch:
     top_k: Tensor  # [N] int64; 0 = off
     top_p: Tensor  # [N] fp32; 1 = off
     min_p: Tensor  # [N] fp32; 0 = off
+    # Decided on the host from the requests' parameters, so sampling never waits on the device.
+    all_greedy: bool = False
+    use_top_k: bool = True
+    use_top_p: bool = True
+    use_min_p: bool = True
     generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its own RNG
     # (row, processors, output tokens so far) for the rows that have processors
     processors: list[tuple[int, list[LogitsProcessor], list[int]]] = field(default_factory=list)
@@ -39,15 +44,19 @@ class Sampler:
         for row, processors, output_ids in batch.processors:
             for processor in processors:
                 logits[row] = processor(output_ids, logits[row])
-        greedy_rows = batch.temperature < _GREEDY_EPS
         greedy = logits.argmax(dim=-1)
-        if bool(greedy_rows.all()):
+        if batch.all_greedy:
             return greedy
+        greedy_rows = batch.temperature < _GREEDY_EPS
         temperature = torch.where(greedy_rows, 1.0, batch.temperature)
         logits = logits / temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        logits = apply_top_k_top_p(
+            logits,
+            batch.top_k if batch.use_top_k else None,
+            batch.top_p if batch.use_top_p else None,
+        )
         probs = logits.softmax(dim=-1)
-        if bool((batch.min_p > 0).any()):
+        if batch.use_min_p:
             floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -57,19 +66,17 @@ class Sampler:
         return torch.where(greedy_rows, greedy, sampled)
 
 
-def apply_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Mask (to -inf) what top-k and top-p exclude; rows with neither are returned unchanged."""
+def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Mask (to -inf) what top-k (0 = off) and top-p (1 = off) exclude; None skips a filter."""
     vocab = logits.shape[-1]
-    use_k = top_k > 0
-    use_p = top_p < 1.0
-    if not bool(use_k.any()) and not bool(use_p.any()):
+    if top_k is None and top_p is None:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    if bool(use_k.any()):
-        k = torch.where(use_k, top_k.clamp(max=vocab), vocab)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
         threshold = sorted_logits.gather(1, (vocab - k).unsqueeze(1))  # the k-th largest
         sorted_logits = sorted_logits.masked_fill(sorted_logits < threshold, float("-inf"))
-    if bool(use_p.any()):
+    if top_p is not None:
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cumulative <= (1.0 - top_p).unsqueeze(1)
         drop[:, -1] = False  # always keep the most likely token

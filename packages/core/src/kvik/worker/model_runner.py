@@ -169,8 +169,8 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            eos = () if params.ignore_eos else sorted(request.eos_token_ids)
-            state = _RequestState(generator, build_logits_processors(params, eos))
+            processors = build_logits_processors(params, sorted(request.eos_token_ids))
+            state = _RequestState(generator, processors)
             self.requests[request.request_id] = state
         return state
 
@@ -181,6 +181,10 @@ class ModelRunner:
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            all_greedy=all(p.is_greedy for p in params),
+            use_top_k=any(p.top_k > 0 for p in params),
+            use_top_p=any(p.top_p < 1.0 for p in params),
+            use_min_p=any(p.min_p > 0 for p in params),
         )
         for row, request in enumerate(requests):
             state = self._state(request)
