@@ -11,7 +11,9 @@ from kvik import LLM, SamplingParams
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+def hf_greedy(
+    model, prompt: list[int], max_new_tokens: int
+) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' generate() for one prompt alone: tokens and the logits each was chosen from."""
     with torch.no_grad():
         out = model.generate(
@@ -62,7 +64,9 @@ def test_logits_match_every_position(kind, tiny_model):
     engine = llm.engine
     prompts = ragged_prompts(5, seed=1, low=10, high=45)
     requests = [
-        llm.input_processor.make_request(str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 0, 0.0)
+        llm.input_processor.make_request(
+            str(i), p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), 0, 0.0
+        )
         for i, p in enumerate(prompts)
     ]
     for request in requests:
@@ -135,7 +139,9 @@ def test_greedy_with_chunked_prefill(tiny_model):
 def test_seeded_sampling_independent_of_batch(tiny_model):
     llm = make_llm(tiny_model("llama"))
     prompts = ragged_prompts(4, seed=7)
-    seeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True)
+    seeded = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=16, ignore_eos=True
+    )
     alone = llm.generate([prompts[0]], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     batch = llm.generate(prompts, [seeded, others, others, others], use_tqdm=False)
@@ -149,7 +155,9 @@ def test_top_k_one_equals_greedy(tiny_model):
     prompts = ragged_prompts(4, seed=8)
     greedy = llm.generate(prompts, GREEDY, use_tqdm=False)
     top1 = llm.generate(
-        prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True), use_tqdm=False
+        prompts,
+        SamplingParams(temperature=1.0, top_k=1, max_tokens=12, ignore_eos=True),
+        use_tqdm=False,
     )
     assert [o.outputs[0].token_ids for o in top1] == [o.outputs[0].token_ids for o in greedy]
 
@@ -172,11 +180,15 @@ def test_eos_stop_token_ids_and_min_tokens(tiny_model):
     stop_at = free[5]
     first = free.index(stop_at)
     stopped = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at]),
+        use_tqdm=False,
     )[0].outputs[0]
     assert stopped.token_ids == free[: first + 1]
     assert stopped.finish_reason == "stop" and stopped.stop_reason == stop_at
-    length = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    length = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
     assert length[0].outputs[0].finish_reason == "length"
     # min_tokens forbids the stop token until 8 tokens exist
     held = llm.generate(
@@ -223,6 +235,8 @@ def test_unknown_model_folder_and_architecture(tmp_path, tiny_model):
         LLM(str(tmp_path / "missing"))
     folder = tmp_path / "odd"
     folder.mkdir()
-    (folder / "config.json").write_text('{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}')
+    (folder / "config.json").write_text(
+        '{"architectures": ["NoSuchForCausalLM"], "model_type": "llama"}'
+    )
     with pytest.raises(ValueError, match="NoSuchForCausalLM"):
         LLM(str(folder))

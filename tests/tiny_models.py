@@ -63,7 +63,9 @@ def load_hf(folder: Path):
     return model.eval()
 
 
-def ragged_prompts(count: int, seed: int, low: int = 5, high: int = 70, vocab: int = 256) -> list[list[int]]:
+def ragged_prompts(
+    count: int, seed: int, low: int = 5, high: int = 70, vocab: int = 256
+) -> list[list[int]]:
     """Random prompts whose lengths are not multiples of 16."""
     g = torch.Generator().manual_seed(seed)
     prompts = []

@@ -72,7 +72,10 @@ class ModelConfig:
     def eos_token_ids(self) -> frozenset[int]:
         """Every EOS id of generation_config.json and config.json."""
         ids: set[int] = set()
-        for source in (self.generation_config.get("eos_token_id"), getattr(self.hf_config, "eos_token_id", None)):
+        for source in (
+            self.generation_config.get("eos_token_id"),
+            getattr(self.hf_config, "eos_token_id", None),
+        ):
             if isinstance(source, int):
                 ids.add(source)
             elif isinstance(source, list | tuple):

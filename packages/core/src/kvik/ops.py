@@ -54,7 +54,12 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
 
 @torch.library.custom_op("kvik::rotary_embedding", mutates_args=())
 def rotary_embedding(
-    positions: Tensor, query: Tensor, key: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
 ) -> tuple[Tensor, Tensor]:
     """Rotate the first ``rot_dim`` dims of every head of query [T, H*D] and key [T, Hk*D].
 

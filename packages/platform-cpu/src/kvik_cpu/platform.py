@@ -59,7 +59,9 @@ class CpuPlatform(Platform):
     @classmethod
     def details(cls) -> dict[str, Any]:
         return {
-            "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "cores": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
             "total_memory_bytes": cls.total_memory_bytes(),
             "native_bf16": has_native_bf16(),
             "amx": "amx_bf16" in cpu_flags(),

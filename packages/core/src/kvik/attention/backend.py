@@ -52,7 +52,13 @@ class AttentionImpl(ABC):
 
     @abstractmethod
     def forward(
-        self, query: Tensor, key: Tensor, value: Tensor, kv_cache: Tensor, metadata: Any, output: Tensor
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: Any,
+        output: Tensor,
     ) -> None:
         """query [T, H*D], key/value [T, Hk*D], kv_cache as ``kv_cache_shape``; fills output [T, H*D]."""
 
@@ -61,7 +67,11 @@ class AttentionBackend(ABC):
     """A paged-attention implementation, registered by a platform plugin under ``name``."""
 
     name: ClassVar[str]
-    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+    )
     #: None means any head size.
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
 
@@ -74,7 +84,9 @@ class AttentionBackend(ABC):
         return None
 
     @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple:
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod

@@ -42,7 +42,9 @@ class EngineCore:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
-            budget = cache.kv_cache_memory_bytes or self.platform.default_kv_cache_bytes(self.config)
+            budget = cache.kv_cache_memory_bytes or self.platform.default_kv_cache_bytes(
+                self.config
+            )
             num_blocks = budget // self.runner.kv_cache_bytes_per_block()
         # Every request must fit alone, or it could wait forever.
         needed = -(-self.config.model.max_model_len // cache.block_size)

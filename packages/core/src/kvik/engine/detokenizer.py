@@ -37,7 +37,9 @@ class IncrementalDetokenizer:
             chunk = self.stream.step(self.backend, token_id) or ""
         else:
             # Slow tokenizers: decode everything and keep back an incomplete trailing character.
-            full = self.tokenizer.decode(self.output_ids, skip_special_tokens=self.skip_special_tokens)
+            full = self.tokenizer.decode(
+                self.output_ids, skip_special_tokens=self.skip_special_tokens
+            )
             if full.endswith("\ufffd"):
                 return ""
             chunk = full[len(self.text) :]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from kvik.config import ModelConfig
 from kvik.request import Request
@@ -14,7 +14,7 @@ from kvik.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 #: A prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
-PromptType = Union[str, Sequence[int], dict[str, Any]]
+PromptType = str | Sequence[int] | dict[str, Any]
 
 # Fields validated now whose behaviour lands with the text issue; until then a request using them is
 # refused rather than silently ignored.
@@ -34,7 +34,9 @@ _NOT_YET = {
 def load_tokenizer(name_or_path: str | Path) -> Any | None:
     """The model folder's Hugging Face tokenizer, or None when the folder has none."""
     path = Path(name_or_path)
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     from transformers import AutoTokenizer
 
@@ -70,7 +72,11 @@ class InputProcessor:
         vocab = self.model_config.vocab_size
         if not token_ids:
             raise ValueError("the prompt is empty: it must have at least one token")
-        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        bad = [
+            t
+            for t in token_ids
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab
+        ]
         if bad:
             raise ValueError(
                 f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}"
@@ -102,7 +108,9 @@ class InputProcessor:
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, Sequence):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(
+            f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def make_request(
         self,
@@ -127,4 +135,6 @@ class InputProcessor:
     def decode(self, token_ids: Sequence[int], params: SamplingParams) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=params.skip_special_tokens)
+        return self.tokenizer.decode(
+            list(token_ids), skip_special_tokens=params.skip_special_tokens
+        )

@@ -59,7 +59,9 @@ class LLM:
             optional=True,
         )
         if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}"
+            )
         platform = select_platform(device)
         model_config = load_model_config(
             model,
@@ -165,7 +167,9 @@ class LLM:
             result.outputs.append(
                 CompletionOutput(
                     index=index,
-                    text=self.input_processor.decode(request.output_token_ids, request.sampling_params),
+                    text=self.input_processor.decode(
+                        request.output_token_ids, request.sampling_params
+                    ),
                     token_ids=list(request.output_token_ids),
                     cumulative_logprob=None,
                     finish_reason=request.finish_reason,

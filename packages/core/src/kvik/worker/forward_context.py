@@ -38,5 +38,7 @@ def forward_context(context: ForwardContext) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     context = _current.get()
     if context is None:
-        raise RuntimeError("attention ran outside a forward context (use kvik.worker.forward_context)")
+        raise RuntimeError(
+            "attention ran outside a forward context (use kvik.worker.forward_context)"
+        )
     return context

@@ -63,7 +63,11 @@ class ModelRunner:
         )
         for layer in self.attention_layers.values():
             layer.impl = self.backend.impl_class()(
-                layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads, layer.sliding_window
+                layer.num_heads,
+                layer.head_size,
+                layer.scale,
+                layer.num_kv_heads,
+                layer.sliding_window,
             )
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
