@@ -6,6 +6,21 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability under the model's raw logits (before temperature or penalties)."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+#: Per generated token: token id -> Logprob, holding the sampled token and the top-N.
+SampleLogprobs = list[dict[int, Logprob]]
+#: Per prompt token (None for the first, which nothing predicts).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,7 +28,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     finish_reason: str | None  # "stop", "length" or "abort"; None while unfinished
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -27,4 +42,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = False
-    prompt_logprobs: list | None = None
+    prompt_logprobs: PromptLogprobs | None = None

@@ -50,6 +50,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0
     cache_salt: str | None = None
+    # sampling_params.bad_words as token-id sequences (the front end tokenizes them).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)

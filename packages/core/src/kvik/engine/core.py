@@ -69,4 +69,10 @@ class EngineCore:
         """Schedule, execute, update: one forward pass over everything scheduled."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids)
+        outputs = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
+        for out in outputs:
+            out.new_logprobs = runner_output.logprobs.get(out.request_id)
+            out.prompt_logprobs = runner_output.prompt_logprobs.get(out.request_id)
+        return outputs

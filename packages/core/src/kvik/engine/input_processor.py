@@ -16,19 +16,7 @@ logger = logging.getLogger(__name__)
 #: A prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}.
 PromptType = str | Sequence[int] | dict[str, Any]
 
-# Fields validated now whose behaviour lands with the text issue; until then a request using them is
-# refused rather than silently ignored.
-_NOT_YET = {
-    "stop": lambda p: bool(p.stop),
-    "logprobs": lambda p: p.logprobs is not None,
-    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
-    "presence_penalty": lambda p: p.presence_penalty != 0.0,
-    "frequency_penalty": lambda p: p.frequency_penalty != 0.0,
-    "repetition_penalty": lambda p: p.repetition_penalty != 1.0,
-    "logit_bias": lambda p: bool(p.logit_bias),
-    "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
-    "bad_words": lambda p: bool(p.bad_words),
-}
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def load_tokenizer(name_or_path: str | Path) -> Any | None:
@@ -65,9 +53,12 @@ class InputProcessor:
     ) -> tuple[str | None, list[int], SamplingParams]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        for name, is_set in _NOT_YET.items():
-            if is_set(params):
-                raise ValueError(f"SamplingParams.{name} is not supported yet by this kvik version")
+        if self.tokenizer is None:
+            for name in ("stop", "bad_words"):
+                if getattr(params, name):
+                    raise ValueError(
+                        f"SamplingParams.{name} needs a tokenizer, and the model has none"
+                    )
         text, token_ids = self._tokens(prompt)
         vocab = self.model_config.vocab_size
         if not token_ids:
@@ -112,6 +103,48 @@ class InputProcessor:
             f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__}"
         )
 
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Render a conversation with the model's (or the given) chat template into a prompt."""
+        validate_conversation(conversation)
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
+        if continue_final_message and conversation[-1]["role"] != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer, and {self.model_config.path} has none")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the model has no chat template: pass chat_template=")
+        text = self.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **(chat_template_kwargs or {}),
+        )
+        # The template writes any BOS itself, so no special tokens are added here.
+        return {
+            "prompt": text,
+            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+        }
+
+    def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (how it appears mid-text)."""
+        sequences: list[list[int]] = []
+        for word in params.bad_words or ():
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
     def make_request(
         self,
         request_id: str,
@@ -130,11 +163,22 @@ class InputProcessor:
             max_tokens=max_tokens,
             arrival_time=arrival_time,
             priority=priority,
+            bad_words_token_ids=self.bad_words_token_ids(params) if params.bad_words else [],
         )
 
-    def decode(self, token_ids: Sequence[int], params: SamplingParams) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(
-            list(token_ids), skip_special_tokens=params.skip_special_tokens
-        )
+
+def validate_conversation(conversation: Any) -> None:
+    if not isinstance(conversation, list) or not conversation:
+        raise ValueError("a conversation must be a non-empty list of messages")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise ValueError(f"message {i} has role {role!r}; roles are {', '.join(CHAT_ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ValueError(f"message {i}: only text content parts are supported")
+        elif not isinstance(content, str) and not (content is None and role == "assistant"):
+            raise ValueError(f"message {i} content must be a string or a list of text parts")

@@ -13,10 +13,10 @@ from tqdm.auto import tqdm
 from kvik.config import CacheConfig, EngineConfig
 from kvik.engine.core import EngineCore
 from kvik.engine.input_processor import InputProcessor, PromptType
+from kvik.engine.output_processor import OutputProcessor
 from kvik.model_loader.loader import load_model_config
-from kvik.outputs import CompletionOutput, RequestOutput
+from kvik.outputs import RequestOutput
 from kvik.platforms.selection import select_platform
-from kvik.request import Request
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import SchedulerStats
 from kvik.scheduler.scheduler import SchedulerConfig
@@ -100,6 +100,7 @@ class LLM:
             enforce_eager=enforce_eager,
         )
         self.input_processor = InputProcessor(model_config)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
 
@@ -141,45 +142,69 @@ class LLM:
             self.input_processor.process(prompt, params)
             for prompt, params in zip(prompt_list, params_list)
         ]
-        outputs: dict[str, RequestOutput] = {}
-        children: dict[str, tuple[str, int, Request]] = {}
+        results: list[RequestOutput] = []
+        states = []
         now = time.monotonic()
         for (prompt_text, token_ids, params), prio in zip(processed, priorities):
             parent_id = str(next(self._ids))
-            outputs[parent_id] = RequestOutput(parent_id, prompt_text, token_ids)
+            results.append(RequestOutput(parent_id, prompt_text, token_ids))
             for index in range(params.n):
                 child_id = parent_id if params.n == 1 else f"{index}_{parent_id}"
                 child_params = params
                 if params.n > 1:
                     seed = None if params.seed is None else params.seed + index
                     child_params = replace(params, n=1, seed=seed)
-                request = self.input_processor.make_request(
-                    child_id, token_ids, child_params, prio, now
+                states.append(
+                    self.output_processor.add_request(
+                        child_id, prompt_text, token_ids, child_params, index
+                    )
                 )
-                children[child_id] = (parent_id, index, request)
-                self.engine.add_request(request)
-        with tqdm(total=len(children), desc="generating", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                bar.update(sum(out.finish_reason is not None for out in self.engine.step()))
-        for parent_id, index, request in children.values():
-            result = outputs[parent_id]
-            result.num_cached_tokens = max(result.num_cached_tokens, request.num_cached_tokens)
-            result.outputs.append(
-                CompletionOutput(
-                    index=index,
-                    text=self.input_processor.decode(
-                        request.output_token_ids, request.sampling_params
-                    ),
-                    token_ids=list(request.output_token_ids),
-                    cumulative_logprob=None,
-                    finish_reason=request.finish_reason,
-                    stop_reason=request.stop_reason,
+                self.engine.add_request(
+                    self.input_processor.make_request(child_id, token_ids, child_params, prio, now)
                 )
+        self._run_to_completion(len(states), use_tqdm)
+        by_parent = iter(results)
+        result = None
+        for state in states:
+            if state.index == 0:
+                result = next(by_parent)
+                result.prompt_logprobs = state.prompt_logprobs
+                result.finished = True
+            result.num_cached_tokens = max(result.num_cached_tokens, state.num_cached_tokens)
+            result.outputs.append(state.completion())
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or to several."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.input_processor.apply_chat_template(
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                chat_template_kwargs=chat_template_kwargs,
             )
-        for result in outputs.values():
-            result.outputs.sort(key=lambda c: c.index)
-            result.finished = True
-        return list(outputs.values())
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> None:
+        with tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar:
+            while self.engine.has_unfinished_requests():
+                changed, to_abort = self.output_processor.process_outputs(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                bar.update(sum(state.finished for state in changed))
 
 
 def _check_positive(optional: bool = False, **values: Any) -> None:

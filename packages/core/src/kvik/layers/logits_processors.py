@@ -1,4 +1,5 @@
-"""Per-request logits processors: the seam where min-tokens, penalties and structured outputs plug in.
+"""Per-request logits processors: the seam where min-tokens, penalties, biases and structured
+outputs plug in.
 
 A processor sees one request's output tokens so far and its logits row [V] (fp32, raw model logits
 before temperature) and returns the row to sample from. The sampler applies them only to the rows of
@@ -8,12 +9,13 @@ requests that have any, so requests without processors cost nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
-from kvik.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from kvik.request import Request
 
 
 class LogitsProcessor(Protocol):
@@ -29,17 +31,95 @@ class MinTokensLogitsProcessor:
 
     def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
         if len(output_token_ids) < self.min_tokens and self.stop_ids:
-            logits[torch.tensor(self.stop_ids, device=logits.device)] = float("-inf")
+            logits[self.stop_ids] = float("-inf")
         return logits
 
 
-def build_logits_processors(
-    params: SamplingParams, eos_token_ids: Sequence[int]
-) -> list[LogitsProcessor]:
+class RepetitionPenaltyLogitsProcessor:
+    """As Hugging Face and vLLM: every token seen in the prompt or output has a positive logit
+    divided by the penalty and a negative one multiplied by it."""
+
+    def __init__(self, penalty: float, prompt_token_ids: Sequence[int]) -> None:
+        self.penalty = penalty
+        self.prompt_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.long)
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
+        seen = torch.cat((self.prompt_ids, torch.tensor(output_token_ids, dtype=torch.long)))
+        seen = seen.unique().to(logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        return logits
+
+
+class PresenceFrequencyLogitsProcessor:
+    """OpenAI's penalties over the output so far: ``-= frequency * count + presence * (count > 0)``."""
+
+    def __init__(self, presence: float, frequency: float) -> None:
+        self.presence = presence
+        self.frequency = frequency
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
+        if not output_token_ids:
+            return logits
+        ids = torch.tensor(output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.shape[-1]).to(logits.dtype)
+        return logits - self.frequency * counts - self.presence * (counts > 0).to(logits.dtype)
+
+
+class LogitBiasLogitsProcessor:
+    def __init__(self, bias: dict[int, float]) -> None:
+        self.ids = list(bias)
+        self.values = torch.tensor([bias[i] for i in self.ids], dtype=torch.float32)
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
+        logits[self.ids] += self.values.to(logits.device)
+        return logits
+
+
+class AllowedTokensLogitsProcessor:
+    def __init__(self, allowed: Sequence[int]) -> None:
+        self.allowed = sorted(set(allowed))
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
+        kept = logits[self.allowed].clone()
+        logits.fill_(float("-inf"))
+        logits[self.allowed] = kept
+        return logits
+
+
+class BadWordsLogitsProcessor:
+    """Forbid the last token of a bad word whenever the output ends with the word's other tokens."""
+
+    def __init__(self, bad_words_token_ids: Sequence[Sequence[int]]) -> None:
+        self.words = [list(w) for w in bad_words_token_ids if w]
+
+    def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
+        for word in self.words:
+            prefix = word[:-1]
+            if not prefix or list(output_token_ids[-len(prefix) :]) == prefix:
+                logits[word[-1]] = float("-inf")
+        return logits
+
+
+def build_logits_processors(request: Request) -> list[LogitsProcessor]:
+    """The processors a request's sampling parameters call for, in vLLM's order."""
+    p = request.sampling_params
     processors: list[LogitsProcessor] = []
-    if params.min_tokens > 0:
-        stop_ids = list(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stop_ids += list(eos_token_ids)
-        processors.append(MinTokensLogitsProcessor(params.min_tokens, stop_ids))
+    if p.allowed_token_ids is not None:
+        processors.append(AllowedTokensLogitsProcessor(p.allowed_token_ids))
+    if request.bad_words_token_ids:
+        processors.append(BadWordsLogitsProcessor(request.bad_words_token_ids))
+    if p.min_tokens > 0:
+        stop_ids = list(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stop_ids += list(request.eos_token_ids)
+        processors.append(MinTokensLogitsProcessor(p.min_tokens, stop_ids))
+    if p.logit_bias:
+        processors.append(LogitBiasLogitsProcessor(p.logit_bias))
+    if p.repetition_penalty != 1.0:
+        processors.append(
+            RepetitionPenaltyLogitsProcessor(p.repetition_penalty, request.prompt_token_ids)
+        )
+    if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+        processors.append(PresenceFrequencyLogitsProcessor(p.presence_penalty, p.frequency_penalty))
     return processors

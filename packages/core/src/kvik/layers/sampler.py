@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from kvik.layers.logits_processors import LogitsProcessor
+from kvik.scheduler.output import TokenLogprobs
 
 _GREEDY_EPS = 1e-5
 
@@ -82,3 +83,28 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
         drop[:, -1] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """Per row: the given token's logprob and rank, then the top ``num_top[row]`` (-1 = all).
+
+    logprobs [N, V] (log-softmax of raw logits), token_ids [N].
+    """
+    vocab = logprobs.shape[-1]
+    counts = [vocab if n < 0 else min(n, vocab) for n in num_top]
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    k = max(counts)
+    top_values, top_ids = (
+        logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
+    )
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    chosen_values, chosen_ids = chosen.squeeze(1).tolist(), token_ids.tolist()
+    return [
+        TokenLogprobs(
+            token_ids=[chosen_ids[i]] + top_ids[i][:n],
+            logprobs=[chosen_values[i]] + top_values[i][:n],
+            ranks=[ranks[i]] + list(range(1, n + 1)),
+        )
+        for i, n in enumerate(counts)
+    ]

@@ -29,12 +29,26 @@ class SchedulerOutput:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities for one position: the chosen token first, then the top-N by rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # One entry per new token, when the request asked for logprobs.
+    new_logprobs: list[TokenLogprobs] | None = None
+    # Once, when the prompt has been computed, when the request asked for prompt logprobs:
+    # one entry per prompt token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass

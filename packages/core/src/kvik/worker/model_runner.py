@@ -12,8 +12,9 @@ from kvik.attention.backend import AttentionBackend, AttentionMetadata
 from kvik.attention.selector import select_attention_backend
 from kvik.layers.attention import Attention
 from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
-from kvik.layers.sampler import Sampler, SamplingBatch
+from kvik.layers.sampler import Sampler, SamplingBatch, gather_logprobs
 from kvik.model_loader.loader import load_model
+from kvik.scheduler.output import TokenLogprobs
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 @dataclass
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Complete prompt logprobs of requests whose prompt finished computing in this step.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -34,6 +38,7 @@ class StepInputs:
     positions: Tensor  # [T]
     attn_metadata: object  # the backend's metadata
     logits_indices: Tensor  # [N] rows of the hidden states that sample
+    query_starts: list[int]  # [R] first row of each scheduled request
     sampling_requests: list[Request]  # the N requests that sample, in row order
 
 
@@ -43,6 +48,9 @@ class _RequestState:
 
     generator: torch.Generator | None
     processors: list[LogitsProcessor]
+    # Prompt logprobs by position, gathered chunk by chunk (a recompute after preemption overwrites).
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
 
 
 class ModelRunner:
@@ -132,6 +140,7 @@ class ModelRunner:
             positions=positions.to(self.device),
             attn_metadata=metadata,
             logits_indices=(query_start_loc[1:].long() - 1)[sample_rows].to(self.device),
+            query_starts=query_start_loc[:-1].tolist(),
             sampling_requests=[scheduled[row].request for row in sample_rows],
         )
 
@@ -158,13 +167,56 @@ class ModelRunner:
             return ModelRunnerOutput()
         inputs = self.prepare_inputs(scheduler_output)
         hidden = self.forward_hidden(inputs)
-        if not inputs.sampling_requests:
-            return ModelRunnerOutput()
+        output = ModelRunnerOutput()
+        self._prompt_logprobs(scheduler_output, inputs, hidden, output)
+        requests = inputs.sampling_requests
+        if not requests:
+            return output
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
-        sampled = self.sampler(logits, self._sampling_batch(inputs.sampling_requests)).tolist()
-        return ModelRunnerOutput(
-            {req.request_id: [token] for req, token in zip(inputs.sampling_requests, sampled)}
-        )
+        wanted = [r.sampling_params.logprobs for r in requests]
+        # Logprobs come from the raw logits, before processors and temperature (vLLM's default).
+        raw_logprobs = logits.log_softmax(-1) if any(w is not None for w in wanted) else None
+        sampled = self.sampler(logits, self._sampling_batch(requests))
+        for request, token in zip(requests, sampled.tolist()):
+            output.sampled_token_ids[request.request_id] = [token]
+        if raw_logprobs is not None:
+            rows = [i for i, w in enumerate(wanted) if w is not None]
+            entries = gather_logprobs(raw_logprobs[rows], sampled[rows], [wanted[i] for i in rows])
+            for row, entry in zip(rows, entries):
+                output.logprobs[requests[row].request_id] = [entry]
+        return output
+
+    def _prompt_logprobs(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        hidden: Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """Logprobs of each prompt token given the ones before it, for requests that ask."""
+        for s, first_row in zip(scheduler_output.scheduled, inputs.query_starts):
+            request = s.request
+            num_top = request.sampling_params.prompt_logprobs
+            if num_top is None:
+                continue
+            state = self._state(request)
+            prompt_len = request.num_prompt_tokens
+            # Position p predicts prompt token p + 1; the last prompt position predicts output.
+            end = min(s.start + s.num_tokens, prompt_len - 1)
+            if end > s.start:
+                rows = torch.arange(first_row, first_row + end - s.start, device=hidden.device)
+                targets = torch.tensor(
+                    request.prompt_token_ids[s.start + 1 : end + 1], device=hidden.device
+                )
+                logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)
+                entries = gather_logprobs(logprobs, targets, [num_top] * len(targets))
+                for offset, entry in enumerate(entries):
+                    state.prompt_logprobs[s.start + offset] = entry
+            if s.start + s.num_tokens >= prompt_len and not state.prompt_logprobs_sent:
+                state.prompt_logprobs_sent = True
+                output.prompt_logprobs[request.request_id] = [
+                    state.prompt_logprobs[p] for p in range(prompt_len - 1)
+                ]
 
     def _state(self, request: Request) -> _RequestState:
         state = self.requests.get(request.request_id)
@@ -173,8 +225,7 @@ class ModelRunner:
             generator = None
             if params.seed is not None:
                 generator = torch.Generator(self.device).manual_seed(params.seed)
-            processors = build_logits_processors(params, sorted(request.eos_token_ids))
-            state = _RequestState(generator, processors)
+            state = _RequestState(generator, build_logits_processors(request))
             self.requests[request.request_id] = state
         return state
 

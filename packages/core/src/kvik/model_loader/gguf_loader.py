@@ -1,0 +1,185 @@
+"""GGUF files (llama.cpp's format): the model config, weights, tokenizer and generation defaults,
+all read from the one file with the ``gguf`` package."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+# llama.cpp's tensor names (gguf's MODEL_TENSOR names) to Hugging Face's, for the Llama family.
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def _open(path: Path, stamp: tuple[int, int]) -> GGUFReader:
+    del stamp  # part of the cache key only: a replaced file is read again
+    return GGUFReader(path)
+
+
+def _reader(path: str | Path) -> GGUFReader:
+    # GGUFReader parses every metadata field up front (seconds for a 49k-token vocabulary), and a
+    # model load asks for the config, tokenizer, generation config and weights one after another.
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _open(path, (stat.st_mtime_ns, stat.st_size))
+
+
+def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _architecture(reader: GGUFReader, path: str | Path) -> str:
+    arch = _metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def gguf_hf_config(path: str | Path) -> Any:  # -> transformers.PretrainedConfig
+    """The Hugging Face config that the GGUF metadata describes."""
+    from transformers import LlamaConfig
+
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    if _metadata(reader, f"{arch}.rope.scaling.type", "none") != "none":
+        raise ValueError(f"{path}: GGUF rope scaling is not supported yet")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _metadata(reader, f"{arch}.{key}", default)
+
+    num_heads = meta("attention.head_count")
+    extra = {}
+    if (head_dim := meta("attention.key_length")) is not None:
+        extra["head_dim"] = head_dim
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=meta("vocab_size") or len(_metadata(reader, "tokenizer.ggml.tokens")),
+        hidden_size=meta("embedding_length"),
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=num_heads,
+        num_key_value_heads=meta("attention.head_count_kv", num_heads),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon"),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        max_position_embeddings=meta("context_length"),
+        # llama.cpp writes no output.weight when the head shares the embedding
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=_metadata(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_metadata(reader, "tokenizer.ggml.padding_token_id"),
+        **extra,
+    )
+
+
+def gguf_generation_config(path: str | Path) -> dict[str, Any]:
+    """generation_config.json's content as far as the GGUF says it: bos, pad and every token that
+    ends generation (llama.cpp's eos plus its end-of-turn and end-of-message tokens)."""
+    reader = _reader(path)
+    config: dict[str, Any] = {}
+    for key in ("bos", "pad"):
+        token = _metadata(reader, f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id")
+        if token is not None:
+            config[f"{key}_token_id"] = token
+    eos = [_metadata(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    eos = list(dict.fromkeys(token for token in eos if token is not None))
+    if eos:
+        config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return config
+
+
+def gguf_tokenizer(path: str | Path) -> Any:  # -> transformers.PreTrainedTokenizerFast
+    """The tokenizer and chat template stored in the GGUF, through transformers' GGUF converter."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    # The converter's input, as transformers' own GGUF loading builds it (keys renamed by its table).
+    tokenizer_dict = {
+        name: _metadata(reader, f"tokenizer.{key}")
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in reader.fields
+    }
+    backend, extra_kwargs = convert_gguf_tokenizer(arch, tokenizer_dict)
+    tokens = tokenizer_dict["tokens"]
+    # Special tokens by their GGUF ids: transformers 5.17's Llama converter swaps bos and eos
+    # (SmolLM2's eos would be <|im_start|>, which never ends a reply).
+    specials = {
+        f"{name}_token": tokens[tokenizer_dict[f"{name}_token_id"]]
+        for name in ("bos", "eos", "unk", "pad")
+        if tokenizer_dict.get(f"{name}_token_id") is not None
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=_metadata(reader, "tokenizer.chat_template"),
+        # the GGUF's ids win over the converter's guesses; and no WordPiece clean-up, which would
+        # strip the spaces a byte-level BPE keeps before punctuation
+        **(extra_kwargs | specials | {"clean_up_tokenization_spaces": False}),
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, suffix = gguf_name.rsplit(".", 1)
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    parts = stem.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart that kvik knows")
+
+
+def _unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    # convert_hf_to_gguf.py interleaves each head's two rotary halves (rows [h, 2, d] -> [h, d, 2])
+    # for llama.cpp's rope kernel; Hugging Face's rotate_half wants them apart again.
+    rows = weight.shape[0]
+    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(
+        weight.shape
+    )
+
+
+def iter_gguf_weights(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the GGUF under its Hugging Face name and shape, dequantised to ``dtype``."""
+    reader = _reader(path)
+    arch = _architecture(reader, path)
+    n_head = _metadata(reader, f"{arch}.attention.head_count")
+    n_kv_head = _metadata(reader, f"{arch}.attention.head_count_kv", n_head)
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        try:
+            # F32/F16 come back as they are; block-quantised types and BF16 as float32
+            data = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError as e:
+            kind = GGMLQuantizationType(tensor.tensor_type).name
+            raise ValueError(f"{path}: tensor {tensor.name} of type {kind}: {e}") from e
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
+        # the data of passthrough types is a read-only view of the memory-mapped file
+        weight = torch.from_numpy(np.require(data, requirements="CW")).reshape(shape)
+        if name.endswith("self_attn.q_proj.weight"):
+            weight = _unpermute_rotary(weight, n_head)
+        elif name.endswith("self_attn.k_proj.weight"):
+            weight = _unpermute_rotary(weight, n_kv_head)
+        yield name, weight.to(dtype)

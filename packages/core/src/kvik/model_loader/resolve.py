@@ -1,0 +1,69 @@
+"""Model names to files: the built-in alias (or no name) for the default model, a local folder, a
+local ``.gguf`` file, or a Hugging Face hub id when a network exists."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from kvik.model_loader.default_model import ALIAS, default_model_path
+
+# What a safetensors model folder needs from a hub repo; the rest (other formats, images) is skipped.
+HUB_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.*",
+]
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # the folder with config.json, or the .gguf file
+    kind: Literal["folder", "gguf"]
+    display_name: str  # the name the user gave (the alias for the default model)
+
+
+def resolve_model(name: str | None) -> ResolvedModel:
+    """Resolve a model name, in this order: None or the alias, an existing local folder or
+    ``.gguf`` file, a hub id ``org/name``. Raises ValueError saying what was tried."""
+    if name is None or name == ALIAS:
+        return ResolvedModel(default_model_path(), "gguf", ALIAS)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {path} has no config.json")
+        return ResolvedModel(path.resolve(), "folder", name)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {path} is not a .gguf file")
+        return ResolvedModel(path.resolve(), "gguf", name)
+    if _HUB_ID.fullmatch(name):
+        return ResolvedModel(_hub_download(name), "folder", name)
+    raise ValueError(
+        f"model {name!r} is neither a local folder, a .gguf file, the alias {ALIAS!r} "
+        "nor a hub id of the form org/name"
+    )
+
+
+def _hub_download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=HUB_FILES))
+    except Exception as e:  # no network, no such repo, gated, offline mode: all mean "not here"
+        raise ValueError(
+            f"model {repo_id!r} is neither a local folder, a .gguf file, the alias {ALIAS!r} "
+            f"nor a reachable hub id ({type(e).__name__}: {e})"
+        ) from e
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"hub repo {repo_id!r} has no config.json (kvik loads safetensors repos)")
+    return folder

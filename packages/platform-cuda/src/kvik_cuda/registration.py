@@ -1,0 +1,31 @@
+"""Registering kvik_cuda's Triton kernels as the CUDA implementations of ``torch.ops.kvik.*``.
+
+Called when the CUDA platform is selected, never on import: ROCm builds of torch use the same key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik_cuda.kernels.activation import silu_and_mul
+from kvik_cuda.kernels.kv_cache import reshape_and_cache
+from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik_cuda.kernels.rotary import rotary_embedding
+
+KERNELS = {
+    "kvik::rms_norm": rms_norm,
+    "kvik::fused_add_rms_norm": fused_add_rms_norm,
+    "kvik::rotary_embedding": rotary_embedding,
+    "kvik::silu_and_mul": silu_and_mul,
+    "kvik::reshape_and_cache": reshape_and_cache,
+}
+
+
+@functools.cache
+def register_kernels() -> None:
+    """Idempotent: torch keeps one registration per (op, device) and this runs once per process."""
+    for op, kernel in KERNELS.items():
+        torch.library.register_kernel(op, "cuda", kernel)
