@@ -75,3 +75,33 @@ def ragged_prompts(
             n += 1
         prompts.append(torch.randint(3, vocab, (n,), generator=g).tolist())
     return prompts
+
+
+# A chat template for tiny_tokenizer: plain role markers, as the tiny model's vocabulary has no
+# special chat tokens.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def save_tiny_tokenizer(folder: Path, vocab_size: int = 256) -> Path:
+    """Save a character-level fast tokenizer with a chat template over the tiny models' vocabulary.
+
+    Ids 0, 1, 2 are <unk>, <s> (BOS) and </s> (EOS), as in the tiny models' config; every other id
+    is one printable character, so any id a random model samples decodes to visible text.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    chars += [chr(0x100 + i) for i in range(vocab_size - 3 - len(chars))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -109,7 +109,9 @@ def _q8_0_bound(original: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0], ids=["F16", "Q8_0"])
+@pytest.mark.parametrize(
+    "qtype", [GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0], ids=["F16", "Q8_0"]
+)
 def test_written_gguf_reads_back(tmp_path: Path, qtype: GGMLQuantizationType, tie: bool) -> None:
     model = _tiny_llama(tie)
     path = tmp_path / "tiny.gguf"
@@ -139,6 +141,8 @@ def test_written_gguf_reads_back(tmp_path: Path, qtype: GGMLQuantizationType, ti
     assert read.rope_parameters["rope_theta"] == c.rope_parameters["rope_theta"]
     assert read.architectures == ["LlamaForCausalLM"]
     assert gguf_generation_config(path) == {"bos_token_id": 1, "eos_token_id": 2}
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        gguf_tokenizer(path)
 
 
 def test_written_f16_gguf_gives_the_same_logits(tmp_path: Path) -> None:
@@ -204,9 +208,17 @@ def test_default_model_tokenizer_and_chat_template(default_gguf: Path) -> None:
     tokenizer = gguf_tokenizer(default_gguf)
     # SmolLM2's GGUF: bos 1 <|im_start|>, eos 2 <|im_end|> (transformers' own GGUF path swaps them)
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
-    assert gguf_generation_config(default_gguf) == {"bos_token_id": 1, "pad_token_id": 2, "eos_token_id": 2}
+    assert gguf_generation_config(default_gguf) == {
+        "bos_token_id": 1,
+        "pad_token_id": 2,
+        "eos_token_id": 2,
+    }
     reference = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
-    for text in ("Hello world, ça va?", "日本語 and emoji 🙂\n\n  spaces", "def f(x):\n\treturn x**2"):
+    for text in (
+        "Hello world, ça va?",
+        "日本語 and emoji 🙂\n\n  spaces",
+        "def f(x):\n\treturn x**2",
+    ):
         ids = tokenizer(text)["input_ids"]
         assert ids == reference(text)["input_ids"]
         assert tokenizer.decode(ids) == text

@@ -14,10 +14,25 @@ from collections.abc import Sequence
 
 import kvik
 
-#: Subcommand name -> (module path, one-line help).
+#: Core's subcommands: name -> (module path, one-line help). Other packages add theirs through
+#: the ``kvik_register_commands`` hook (the server's ``serve``).
 COMMANDS: dict[str, tuple[str, str]] = {
     "env": ("kvik.cli.env", "show versions, plugins, platforms and what the plugins registered"),
+    "generate": ("kvik.cli.generate", "generate a reply to one prompt and print it"),
+    "chat": ("kvik.cli.chat", "chat with a model in the terminal, streaming the replies"),
+    "export": ("kvik.cli.export", "write a model as a Hugging Face folder (safetensors)"),
 }
+
+
+def all_commands() -> dict[str, tuple[str, str]]:
+    from kvik.plugins.manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    commands = dict(COMMANDS)
+    for name in manager.commands.names():
+        if name not in commands:
+            commands[name] = (manager.commands.targets[name], manager.command_help.get(name, ""))
+    return commands
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
@@ -27,7 +42,7 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvik {kvik.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, (module_path, help_text) in COMMANDS.items():
+    for name, (module_path, help_text) in all_commands().items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
         if name == command:
             module = importlib.import_module(module_path)
@@ -39,5 +54,5 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    args = build_parser(command).parse_args(argv)
     return args.run(args)

@@ -4,24 +4,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from kvik.config import CacheConfig, EngineConfig
+from kvik.engine.args import EngineArgs
 from kvik.engine.core import EngineCore
 from kvik.engine.input_processor import InputProcessor, PromptType
 from kvik.engine.output_processor import OutputProcessor
-from kvik.model_loader.loader import load_model_config
 from kvik.outputs import RequestOutput
-from kvik.platforms.selection import select_platform
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import SchedulerStats
-from kvik.scheduler.scheduler import SchedulerConfig
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 class LLM:
@@ -50,56 +45,25 @@ class LLM:
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
     ) -> None:
-        _check_positive(max_num_seqs=max_num_seqs, block_size=block_size)
-        _check_positive(
+        self.config = EngineArgs(
+            model=model,
+            device=device,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching,
+            block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
-            max_model_len=max_model_len,
-            optional=True,
-        )
-        if scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}"
-            )
-        platform = select_platform(device)
-        model_config = load_model_config(
-            model,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            load_format=load_format,
-            platform_default_dtype=platform.default_dtype(),
-            seed=seed,
-            tokenizer=tokenizer,
-        )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
-            if not enable_chunked_prefill:
-                max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
-        elif not enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
-                f"({model_config.max_model_len}) when chunked prefill is off"
-            )
-        self.config = EngineConfig(
-            model=model_config,
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_kv_blocks,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_model_len=model_config.max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=scheduling_policy,
-            ),
-            device=platform.name,
             enforce_eager=enforce_eager,
-        )
-        self.input_processor = InputProcessor(model_config)
+            load_format=load_format,
+            tokenizer=tokenizer,
+            enable_chunked_prefill=enable_chunked_prefill,
+            scheduling_policy=scheduling_policy,
+        ).create_engine_config()
+        self.input_processor = InputProcessor(self.config.model)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.engine = EngineCore(self.config)
         self._ids = itertools.count()
@@ -198,6 +162,31 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams) -> Iterator[str]:
+        """Generate for one prompt, yielding text as soon as it is final (``kvik chat`` uses it)."""
+        text, token_ids, params = self.input_processor.process(prompt, sampling_params)
+        if params.n != 1:
+            raise ValueError("stream() generates one completion: n must be 1")
+        request_id = str(next(self._ids))
+        state = self.output_processor.add_request(request_id, text, token_ids, params)
+        self.engine.add_request(
+            self.input_processor.make_request(request_id, token_ids, params, 0, time.monotonic())
+        )
+        sent = 0
+        try:
+            while not state.finished:
+                _, to_abort = self.output_processor.process_outputs(self.engine.step())
+                if to_abort:
+                    self.engine.abort_requests(to_abort)
+                ready = state.streamable_text_len()
+                if ready > sent:
+                    yield state.text[sent:ready]
+                    sent = ready
+        finally:
+            if not state.finished:  # the caller stopped early: free the request's blocks
+                self.output_processor.abort(request_id)
+                self.engine.abort_requests([request_id])
+
     def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> None:
         with tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished_requests():
@@ -206,10 +195,3 @@ class LLM:
                     self.engine.abort_requests(to_abort)
                 bar.update(sum(state.finished for state in changed))
 
-
-def _check_positive(optional: bool = False, **values: Any) -> None:
-    for name, value in values.items():
-        if value is None and optional:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")

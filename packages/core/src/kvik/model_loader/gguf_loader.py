@@ -16,7 +16,11 @@ from gguf.quants import dequantize
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 # llama.cpp's tensor names (gguf's MODEL_TENSOR names) to Hugging Face's, for the Llama family.
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -124,6 +128,8 @@ def gguf_tokenizer(path: str | Path) -> Any:  # -> transformers.PreTrainedTokeni
         for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
         if f"tokenizer.{key}" in reader.fields
     }
+    if "tokens" not in tokenizer_dict:
+        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens metadata)")
     backend, extra_kwargs = convert_gguf_tokenizer(arch, tokenizer_dict)
     tokens = tokenizer_dict["tokens"]
     # Special tokens by their GGUF ids: transformers 5.17's Llama converter swaps bos and eos
@@ -156,8 +162,10 @@ def _unpermute_rotary(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     # convert_hf_to_gguf.py interleaves each head's two rotary halves (rows [h, 2, d] -> [h, d, 2])
     # for llama.cpp's rope kernel; Hugging Face's rotate_half wants them apart again.
     rows = weight.shape[0]
-    return weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(n_head, rows // n_head // 2, 2, *weight.shape[1:])
+        .transpose(1, 2)
+        .reshape(weight.shape)
     )
 
 

@@ -77,3 +77,13 @@ def kvik_register_models(register: Callable[[str, Target], None]) -> None:
     The name is the architecture string of a Hugging Face ``config.json``; the target resolves to an
     ``nn.Module`` class built as ``cls(config)`` (see ``kvik.models.registry``).
     """
+
+
+@hookspec
+def kvik_register_commands(register: Callable[[str, str, str], None]) -> None:
+    """Register ``kvik`` subcommands: ``register("serve", "kvik_server.cli", "run the server")``.
+
+    The module path names a module with ``add_arguments(parser)`` and ``run(args) -> int``; it is
+    imported only when its subcommand runs. This is how the server package adds ``kvik serve``
+    without core importing it.
+    """

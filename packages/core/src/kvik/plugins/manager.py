@@ -128,6 +128,8 @@ class KvikPluginManager:
         self.attention_backends = Registry("attention backend")
         self.quantization_methods = Registry("quantization method")
         self.models = Registry("model architecture")
+        self.commands = Registry("command")
+        self.command_help: dict[str, str] = {}
         self._platforms: list[tuple[str, type]] | None = None
 
     def load_entry_points(self) -> None:
@@ -172,6 +174,15 @@ class KvikPluginManager:
             impl = getattr(plugin, hook, None)
             if impl is not None:
                 impl(register=registry.register_from(name))
+        impl = getattr(plugin, "kvik_register_commands", None)
+        if impl is not None:
+            register_target = self.commands.register_from(name)
+
+            def register_command(command: str, module: str, help: str = "") -> None:
+                register_target(command, module)
+                self.command_help[command] = help
+
+            impl(register=register_command)
 
     def platforms(self) -> list[tuple[str, type]]:
         """(plugin name, Platform class) for every plugin that provides a platform."""

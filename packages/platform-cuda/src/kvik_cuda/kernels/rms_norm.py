@@ -32,7 +32,8 @@ def rms_norm_kernel(
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # The sum is rounded to the input dtype first: it is the next layer's residual.
-        x += tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(summed_ptr + row * hidden + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)

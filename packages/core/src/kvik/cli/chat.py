@@ -1,0 +1,54 @@
+"""``kvik chat``: an interactive conversation, streamed token by token.
+
+Reads one user message per line from standard input (a terminal or a pipe); an empty line or
+end of input ends the chat. ``/reset`` starts a new conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvik.cli.engine_args import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_kwargs,
+    sampling_params,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="a system message to start with")
+    add_engine_arguments(parser)
+    add_sampling_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvik import LLM
+
+    try:
+        llm = LLM(**engine_kwargs(args))
+        params = sampling_params(args)
+    except ValueError as e:
+        print(f"kvik chat: {e}", file=sys.stderr)
+        return 2
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    conversation = list(start)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print(">>> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            conversation = list(start)
+            continue
+        conversation.append({"role": "user", "content": line.rstrip("\n")})
+        prompt = llm.input_processor.apply_chat_template(conversation)
+        reply = []
+        for chunk in llm.stream(prompt, params):
+            reply.append(chunk)
+            print(chunk, end="", flush=True)
+        print(flush=True)
+        conversation.append({"role": "assistant", "content": "".join(reply)})

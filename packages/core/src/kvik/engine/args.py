@@ -1,0 +1,126 @@
+"""The engine's user-facing options, and their resolution into an EngineConfig.
+
+Shared by the offline ``LLM``, the server's ``AsyncLLM`` and the command line, so that an option
+means the same thing, with the same checks, wherever it is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from kvik.config import CacheConfig, EngineConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+@dataclass
+class EngineArgs:
+    """The options of ``LLM(...)``; ``num_kv_blocks`` sets the KV cache's block count exactly,
+    otherwise ``kv_cache_memory_bytes`` or the platform's default decides it."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    tokenizer: str | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+
+    def create_engine_config(self) -> EngineConfig:
+        from kvik.model_loader.loader import load_model_config
+        from kvik.platforms.selection import select_platform
+        from kvik.scheduler.scheduler import SchedulerConfig
+
+        _check_positive(max_num_seqs=self.max_num_seqs, block_size=self.block_size)
+        _check_positive(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            max_model_len=self.max_model_len,
+            optional=True,
+        )
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
+        platform = select_platform(self.device)
+        model_config = load_model_config(
+            self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            load_format=self.load_format,
+            platform_default_dtype=platform.default_dtype(),
+            seed=self.seed,
+            tokenizer=self.tokenizer,
+        )
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            if not self.enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
+        elif not self.enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
+                f"({model_config.max_model_len}) when chunked prefill is off"
+            )
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=model_config.max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
+            ),
+            device=platform.name,
+            enforce_eager=self.enforce_eager,
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+        """One ``--option-name`` per field (booleans as ``--x/--no-x``), defaults as above."""
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind = str(f.type)
+            if kind == "bool":
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default
+                )
+            else:
+                parser.add_argument(
+                    flag, type=int if kind.startswith("int") else str, default=f.default
+                )
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        )
+
+
+def _check_positive(optional: bool = False, **values: Any) -> None:
+    for name, value in values.items():
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,281 @@
+"""Every Triton kernel against its PyTorch reference, on one device chosen by KVIK_KERNEL_DEVICE.
+
+Not collected by itself (no ``test_`` prefix): test_kernels_interpreter.py runs it in a pytest
+process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes, test_kernels_gpu.py on
+CUDA at full sizes. The launchers are called directly, since CPU tensors would dispatch
+``torch.ops.kvik.*`` to the references. References run on the CPU in float64.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+from kvik import ops
+from kvik.attention.backend import AttentionMetadata
+from kvik_cpu.attention import TorchSdpaBackend
+from kvik_cuda.attention import TritonAttentionBackend, device_arch
+from kvik_cuda.kernels.activation import silu_and_mul
+from kvik_cuda.kernels.kv_cache import reshape_and_cache
+from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
+from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik_cuda.kernels.rotary import rotary_embedding
+
+DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
+ON_GPU = DEVICE.type == "cuda"
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True)
+if not ON_GPU:
+    from triton.runtime import interpreter
+
+    _patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor_index(tensor, scope) -> None:
+        # The interpreter's scalars are shape-(1,) arrays, and numpy >= 2.4 refuses int() of them,
+        # which loops with run-time bounds (range(lo, hi)) need. Triton 3.6 still calls int().
+        _patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = _patch_lang_tensor_index
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# The interpreter's bf16 tl.dot is wrong (../shared/KERNELS.md): bf16 is checked on the GPU only.
+DOT_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+ELEMENTWISE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(hash(request.node.name) % 2**31)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+
+
+def poison_allocator() -> None:
+    """Fill freed device memory with NaN, so launcher-allocated outputs start poisoned."""
+    if ON_GPU:
+        torch.full((1 << 28,), float("nan"), device=DEVICE)
+        torch.cuda.synchronize()
+
+
+def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    out, ref = out.cpu().double(), ref.cpu().double()
+    assert out.shape == ref.shape
+    assert not out.isnan().any(), "unwritten or NaN outputs"
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e}"
+
+
+def cpu64(x: Tensor) -> Tensor:
+    return x.cpu().double()
+
+
+# --- elementwise kernels ------------------------------------------------------------------------
+
+ROWS = [(300, 4096), (77, 5120)] if ON_GPU else [(5, 96), (3, 64)]
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), ROWS)
+def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x, w = randn(tokens, hidden, dtype=dtype), randn(hidden, dtype=dtype)
+    poison_allocator()
+    check(rms_norm(x, w, 1e-6), ops.rms_norm(cpu64(x), cpu64(w), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), ROWS)
+def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x, res, w = randn(tokens, hidden, dtype=dtype), randn(tokens, hidden, dtype=dtype), randn(hidden)
+    w = w.to(dtype)
+    poison_allocator()
+    out, summed = fused_add_rms_norm(x, res, w, 1e-5)
+    ref_out, ref_summed = ops.fused_add_rms_norm(cpu64(x), cpu64(res), cpu64(w), 1e-5)
+    check(out, ref_out, dtype)
+    check(summed, ref_summed, dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+def test_rotary_embedding(dtype: torch.dtype, is_neox: bool, rot_fraction: float) -> None:
+    tokens, heads, kv_heads, head_size = (257, 32, 8, 128) if ON_GPU else (5, 3, 1, 32)
+    rot_dim = int(head_size * rot_fraction)
+    max_pos = 4096 if ON_GPU else 64
+    # A llama3-scaled table is still a plain [max_pos, rot_dim] table: random angles cover it.
+    angles = torch.rand(max_pos, rot_dim // 2, dtype=torch.float64) * 100
+    cache = torch.cat((angles.cos(), angles.sin()), dim=-1).float().to(DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,)).to(DEVICE)
+    # Query and key as strided views of one fused QKV output, as the models hand them over.
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=dtype)
+    q, k = qkv[:, : heads * head_size], qkv[:, heads * head_size : (heads + kv_heads) * head_size]
+    poison_allocator()
+    q_out, k_out = rotary_embedding(positions, q, k, head_size, cache, is_neox)
+    ref_q, ref_k = ops.rotary_embedding(
+        positions.cpu(), cpu64(q), cpu64(k), head_size, cache.cpu().double(), is_neox
+    )
+    check(q_out, ref_q, dtype)
+    check(k_out, ref_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = randn(*((130, 2 * 11008) if ON_GPU else (4, 2 * 1500)), dtype=dtype)
+    poison_allocator()
+    check(silu_and_mul(x), ops.silu_and_mul(cpu64(x)), dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_reshape_and_cache_skips_negative_slots(dtype: torch.dtype) -> None:
+    tokens, kv_heads, head_size, num_blocks = (500, 8, 128, 64) if ON_GPU else (9, 3, 64, 4)
+    cache = randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)
+    kv = randn(tokens, 2, kv_heads, head_size, dtype=dtype)  # strided key and value views
+    slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+    slots[::4] = -1
+    expected = cache.cpu().clone()
+    ops.reshape_and_cache(kv[:, 0].cpu(), kv[:, 1].cpu(), expected, slots)
+    reshape_and_cache(kv[:, 0], kv[:, 1], cache, slots.to(DEVICE))
+    assert torch.equal(cache.cpu(), expected)
+
+
+# --- paged attention ----------------------------------------------------------------------------
+
+
+def build_batch(
+    requests: list[tuple[int, int]], kv_heads: int, head_size: int, dtype: torch.dtype
+) -> tuple[AttentionMetadata, Tensor]:
+    """Requests as (cached context, new query tokens), blocks shuffled over a cache whose unused
+    slots hold NaN. Returns CPU metadata and the device cache with the cached contexts written."""
+    seq_lens = [c + q for c, q in requests]
+    blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    num_blocks = sum(blocks_per_req) + 3
+    ids = torch.randperm(num_blocks)
+    block_table = torch.zeros(len(requests), max(blocks_per_req), dtype=torch.int32)
+    slot_mapping, context_slots = [], []
+    used = 0
+    for r, ((context, query), n) in enumerate(zip(requests, blocks_per_req)):
+        block_table[r, :n] = ids[used : used + n]
+        used += n
+        slots = block_table[r].long()[torch.arange(context + query) // BLOCK_SIZE] * BLOCK_SIZE
+        slots += torch.arange(context + query) % BLOCK_SIZE
+        context_slots.append(slots[:context])
+        slot_mapping.append(slots[context:])
+    cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_size), float("nan"), dtype=dtype)
+    flat = cache.view(2, -1, kv_heads, head_size)
+    context_slots = torch.cat(context_slots)
+    flat[:, context_slots] = torch.randn(2, len(context_slots), kv_heads, head_size).to(dtype)
+    query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
+    query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+    metadata = AttentionMetadata(
+        num_actual_tokens=int(query_lens.sum()),
+        num_reqs=len(requests),
+        query_start_loc=query_start_loc,
+        query_lens=query_lens,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=block_table,
+        slot_mapping=torch.cat(slot_mapping),
+        max_query_len=int(query_lens.max()),
+        max_seq_len=max(seq_lens),
+        block_size=BLOCK_SIZE,
+    )
+    return metadata, cache.to(DEVICE)
+
+
+def on_device(metadata: AttentionMetadata) -> AttentionMetadata:
+    fields = {k: v.to(DEVICE) if isinstance(v, Tensor) else v for k, v in vars(metadata).items()}
+    return AttentionMetadata(**fields)
+
+
+def run_attention(
+    requests: list[tuple[int, int]],
+    heads: int,
+    kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+    splits: int | None = None,
+) -> None:
+    """Write the new keys and attend, through the backend (splits None) or the launchers with
+    ``splits`` segments; compare output and cache with the CPU SDPA backend in float64."""
+    metadata, cache = build_batch(requests, kv_heads, head_size, dtype)
+    t = metadata.num_actual_tokens
+    q = randn(t, heads * head_size, dtype=dtype)
+    k, v = randn(t, kv_heads * head_size, dtype=dtype), randn(t, kv_heads * head_size, dtype=dtype)
+    scale = head_size**-0.5
+    ref_cache = cache.cpu().double().nan_to_num()
+    ref_out = torch.empty(t, heads * head_size, dtype=torch.float64)
+    reference = TorchSdpaBackend.impl_class()(heads, head_size, scale, kv_heads, sliding_window)
+    reference.forward(
+        cpu64(q), cpu64(k), cpu64(v), ref_cache, TorchSdpaBackend.build_metadata(metadata), ref_out
+    )
+    out = torch.full_like(q, float("nan"))
+    dev = on_device(metadata)
+    if splits is None:
+        impl = TritonAttentionBackend.impl_class()(heads, head_size, scale, kv_heads, sliding_window)
+        impl.forward(q, k, v, cache, dev, out)
+    else:
+        reshape_and_cache(
+            k.view(t, kv_heads, head_size), v.view(t, kv_heads, head_size), cache, dev.slot_mapping
+        )
+        config = attention_config(
+            device_arch(DEVICE)[0], head_size, heads // kv_heads, dev.max_query_len, dtype
+        )
+        paged_attention(
+            q.view(t, heads, head_size), cache[0], cache[1], out.view(t, heads, head_size),
+            dev.query_start_loc, dev.seq_lens, dev.block_table, scale, sliding_window, config,
+            splits,
+        )  # fmt: skip
+    check(out, ref_out, dtype)
+    written = cache.cpu().view(2, -1, kv_heads * head_size)[:, metadata.slot_mapping]
+    assert torch.equal(written, torch.stack((k, v)).cpu())
+
+
+# (cached context, new tokens): a prefill, a prefix-hit chunk, decodes; none a multiple of 16.
+MIXED = (
+    [(0, 203), (300, 77), (1000, 1), (4100, 1), (17, 130), (45, 1), (2500, 1), (0, 5)]
+    if ON_GPU
+    else [(0, 13), (20, 7), (37, 1), (5, 1), (0, 1), (3, 9)]
+)
+KV_HEADS = 2
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_mixed_batch(dtype: torch.dtype, head_size: int, group: int) -> None:
+    run_attention(MIXED, KV_HEADS * group, KV_HEADS, head_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("window", [8, 100])
+def test_sliding_window(dtype: torch.dtype, window: int) -> None:
+    run_attention(MIXED, KV_HEADS * 3, KV_HEADS, 64, dtype, sliding_window=window)
+
+
+DECODES = [(4200, 1), (5000, 1), (3001, 1), (37, 1)] if ON_GPU else [(150, 1), (70, 1), (3, 1)]
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
+    run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits)
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_split_kv_with_window_and_mixed_batch(window: int | None) -> None:
+    run_attention(MIXED, KV_HEADS * 4, KV_HEADS, 64, torch.float16, window, splits=4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the heuristic needs the GPU's multiprocessor count")
+def test_backend_splits_long_decodes() -> None:
+    """The backend's own choice for a small batch of long decodes is a split-KV launch."""
+    assert num_kv_splits(len(DECODES), KV_HEADS, 5001, device_arch(DEVICE)[1]) > 1
+    run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.bfloat16)

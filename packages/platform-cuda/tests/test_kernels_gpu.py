@@ -1,0 +1,27 @@
+"""The kernel tests of kernel_cases.py on the GPU at full sizes; skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernels_on_the_gpu() -> None:
+    env = os.environ | {"KVIK_KERNEL_DEVICE": "cuda"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "kernel_cases.py")],
+        env=env,
+        cwd=HERE.parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]

@@ -1,0 +1,25 @@
+"""The kernel tests of kernel_cases.py on the CPU under the Triton interpreter, at small shapes.
+
+``TRITON_INTERPRET`` is read when kernels are defined, so they run in a pytest process of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def test_kernels_under_the_interpreter() -> None:
+    env = os.environ | {"TRITON_INTERPRET": "1", "KVIK_KERNEL_DEVICE": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "kernel_cases.py")],
+        env=env,
+        cwd=HERE.parents[2],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]

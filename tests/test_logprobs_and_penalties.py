@@ -1,0 +1,105 @@
+"""Logprobs, prompt logprobs and the logits processors, against transformers on the same weights."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from tiny_models import load_hf, ragged_prompts
+
+from kvik import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm_and_hf(tiny_model):
+    folder = tiny_model("llama")
+    return LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24), load_hf(folder)
+
+
+def test_logprobs_equal_log_softmax_of_transformers(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompts = ragged_prompts(3, seed=11, low=8, high=40)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        tokens = prompt + completion.token_ids
+        with torch.no_grad():
+            expected = hf(torch.tensor([tokens])).logits[0].float().log_softmax(-1)
+        # Prompt logprobs: position p's distribution scores prompt token p + 1.
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for p in range(1, len(prompt)):
+            entry = out.prompt_logprobs[p]
+            assert prompt[p] in entry
+            assert abs(entry[prompt[p]].logprob - float(expected[p - 1, prompt[p]])) <= 1e-4
+            top = expected[p - 1].topk(3).indices.tolist()
+            assert set(top) <= set(entry)
+        # Sample logprobs: the sampled token plus the top 5, with ranks.
+        assert len(completion.logprobs) == len(completion.token_ids)
+        total = 0.0
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            row = expected[len(prompt) - 1 + i]
+            assert abs(entry[token].logprob - float(row[token])) <= 1e-4
+            assert entry[token].rank == 1  # greedy picks the best
+            for tid, lp in entry.items():
+                assert abs(lp.logprob - float(row[tid])) <= 1e-4
+            total += entry[token].logprob
+        assert math.isclose(completion.cumulative_logprob, total, rel_tol=1e-6)
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache(llm_and_hf):
+    llm, _ = llm_and_hf
+    prompt = ragged_prompts(1, seed=12, low=50, high=51)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    (out,) = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert out.num_cached_tokens == 0
+    assert all(len(e) == 1 for e in out.prompt_logprobs[1:])
+
+
+def test_repetition_penalty_matches_transformers(llm_and_hf):
+    llm, hf = llm_and_hf
+    prompts = ragged_prompts(3, seed=13)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.7)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            expected = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=10, do_sample=False, repetition_penalty=1.7
+            )[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == expected
+
+
+def test_logit_bias_allowed_tokens_and_penalties(llm_and_hf):
+    llm, _ = llm_and_hf
+    prompt = ragged_prompts(1, seed=14)[0]
+    biased = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}), use_tqdm=False
+    )
+    assert biased[0].outputs[0].token_ids == [77] * 5
+    allowed = llm.generate(
+        [prompt],
+        SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, allowed_token_ids=[5, 9, 11]),
+        use_tqdm=False,
+    )
+    assert set(allowed[0].outputs[0].token_ids) <= {5, 9, 11}
+    # A large frequency penalty forbids repeats in greedy decoding.
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    penalised = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        use_tqdm=False,
+    )
+    tokens = penalised[0].outputs[0].token_ids
+    assert len(set(tokens)) > len(set(free[0].outputs[0].token_ids)) or len(set(tokens)) == len(tokens)
+
+
+def test_bad_token_ids_out_of_vocab_are_refused(llm_and_hf):
+    llm, _ = llm_and_hf
+    for params in (
+        SamplingParams(stop_token_ids=[1000]),
+        SamplingParams(allowed_token_ids=[1000]),
+        SamplingParams(logit_bias={1000: 1.0}),
+    ):
+        with pytest.raises(ValueError, match="1000|vocab"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
