@@ -16,8 +16,12 @@ def hf_greedy(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' generate() for one prompt alone: tokens and the logits each was chosen from."""
     with torch.no_grad():
+        ids = torch.tensor([prompt])
         out = model.generate(
-            torch.tensor([prompt]),
+            ids,
+            # Explicit: otherwise transformers masks every token equal to the pad id (SmolLM2's
+            # <|im_end|> is both), computing something else than the prompt.
+            attention_mask=torch.ones_like(ids),
             max_new_tokens=max_new_tokens,
             do_sample=False,
             output_logits=True,
@@ -231,7 +235,7 @@ def test_bad_sampling_params_raise(kwargs, match):
 
 
 def test_unknown_model_folder_and_architecture(tmp_path, tiny_model):
-    with pytest.raises(ValueError, match="not found"):
+    with pytest.raises(ValueError, match="neither a local folder"):
         LLM(str(tmp_path / "missing"))
     folder = tmp_path / "odd"
     folder.mkdir()

@@ -14,13 +14,17 @@ from kvik import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm_and_hf(tiny_model):
     folder = tiny_model("llama")
-    return LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24), load_hf(folder)
+    return LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24), load_hf(
+        folder
+    )
 
 
 def test_logprobs_equal_log_softmax_of_transformers(llm_and_hf):
     llm, hf = llm_and_hf
     prompts = ragged_prompts(3, seed=11, low=8, high=40)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3
+    )
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         completion = out.outputs[0]
@@ -74,24 +78,38 @@ def test_logit_bias_allowed_tokens_and_penalties(llm_and_hf):
     llm, _ = llm_and_hf
     prompt = ragged_prompts(1, seed=14)[0]
     biased = llm.generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}), use_tqdm=False
+        [prompt],
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={77: 100.0}),
+        use_tqdm=False,
     )
     assert biased[0].outputs[0].token_ids == [77] * 5
     allowed = llm.generate(
         [prompt],
-        SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, allowed_token_ids=[5, 9, 11]),
+        SamplingParams(
+            temperature=1.0, seed=3, max_tokens=20, ignore_eos=True, allowed_token_ids=[5, 9, 11]
+        ),
         use_tqdm=False,
     )
     assert set(allowed[0].outputs[0].token_ids) <= {5, 9, 11}
     # A large frequency penalty forbids repeats in greedy decoding.
-    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    free = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False
+    )
     penalised = llm.generate(
         [prompt],
-        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0),
+        SamplingParams(
+            temperature=0,
+            max_tokens=30,
+            ignore_eos=True,
+            frequency_penalty=2.0,
+            presence_penalty=2.0,
+        ),
         use_tqdm=False,
     )
     tokens = penalised[0].outputs[0].token_ids
-    assert len(set(tokens)) > len(set(free[0].outputs[0].token_ids)) or len(set(tokens)) == len(tokens)
+    assert len(set(tokens)) > len(set(free[0].outputs[0].token_ids)) or len(set(tokens)) == len(
+        tokens
+    )
 
 
 def test_bad_token_ids_out_of_vocab_are_refused(llm_and_hf):

@@ -27,7 +27,9 @@ from kvik_cuda.kernels.rotary import rotary_embedding
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
 if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True)
+    pytest.skip(
+        "CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True
+    )
 if not ON_GPU:
     from triton.runtime import interpreter
 
@@ -43,7 +45,9 @@ if not ON_GPU:
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 # The interpreter's bf16 tl.dot is wrong (../shared/KERNELS.md): bf16 is checked on the GPU only.
-DOT_DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+DOT_DTYPES = (
+    [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+)
 ELEMENTWISE_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 BLOCK_SIZE = 16
 
@@ -92,7 +96,11 @@ def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
 @pytest.mark.parametrize(("tokens", "hidden"), ROWS)
 def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
-    x, res, w = randn(tokens, hidden, dtype=dtype), randn(tokens, hidden, dtype=dtype), randn(hidden)
+    x, res, w = (
+        randn(tokens, hidden, dtype=dtype),
+        randn(tokens, hidden, dtype=dtype),
+        randn(hidden),
+    )
     w = w.to(dtype)
     poison_allocator()
     out, summed = fused_add_rms_norm(x, res, w, 1e-5)
@@ -218,7 +226,9 @@ def run_attention(
     out = torch.full_like(q, float("nan"))
     dev = on_device(metadata)
     if splits is None:
-        impl = TritonAttentionBackend.impl_class()(heads, head_size, scale, kv_heads, sliding_window)
+        impl = TritonAttentionBackend.impl_class()(
+            heads, head_size, scale, kv_heads, sliding_window
+        )
         impl.forward(q, k, v, cache, dev, out)
     else:
         reshape_and_cache(

@@ -18,7 +18,15 @@ def test_kernels_on_the_gpu() -> None:
     env = os.environ | {"KVIK_KERNEL_DEVICE": "cuda"}
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "kernel_cases.py")],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE / "kernel_cases.py"),
+        ],
         env=env,
         cwd=HERE.parents[2],
         capture_output=True,

@@ -16,7 +16,15 @@ HERE = Path(__file__).parent
 def test_kernels_under_the_interpreter() -> None:
     env = os.environ | {"TRITON_INTERPRET": "1", "KVIK_KERNEL_DEVICE": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "kernel_cases.py")],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(HERE / "kernel_cases.py"),
+        ],
         env=env,
         cwd=HERE.parents[2],
         capture_output=True,

@@ -33,7 +33,10 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 @dataclass
 class ModelConfig:
-    """A Hugging Face model folder's config, as the engine needs it."""
+    """A model's config, as the engine needs it.
+
+    ``path`` is a Hugging Face folder, or a .gguf file when ``load_format`` is "gguf".
+    """
 
     path: Path
     hf_config: Any  # transformers.PretrainedConfig
@@ -43,6 +46,7 @@ class ModelConfig:
     tokenizer: str | None = None
     seed: int = 0
     generation_config: dict[str, Any] = field(default_factory=dict)
+    name: str = ""  # what the user called it (an alias, a path or a hub id)
 
     @property
     def architecture(self) -> str:

@@ -32,7 +32,9 @@ def compile_kernel(
 ) -> Any:
     """Compile ``kernel`` for ``arch``. ``types`` maps each run-time argument to a Triton type
     ("*bf16", "i32", "fp32"); ``constexprs`` gives every constexpr argument its value."""
-    signature = {name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names}
+    signature = {
+        name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
+    }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(source, target=TARGETS[arch], options=options)

@@ -37,7 +37,9 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> None:
         c = metadata
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
-        reshape_and_cache(key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping)
+        reshape_and_cache(
+            key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
+        )
         arch, num_sms = device_arch(query.device)
         splits = 1
         if c.max_query_len == 1:

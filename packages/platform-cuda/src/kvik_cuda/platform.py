@@ -121,8 +121,8 @@ def _first_gpu() -> Gpu:
 class CudaPlatform(Platform):
     """NVIDIA GPUs (Hopper and Blackwell first).
 
-    Kernels are registered for the CUDA key in ``on_selected()`` once they exist, never on import:
-    ROCm builds of torch use the same key.
+    Kernels are registered for the CUDA key in ``on_selected()``, never on import: ROCm builds of
+    torch use the same key.
     """
 
     name = "cuda"
@@ -173,6 +173,12 @@ class CudaPlatform(Platform):
     @classmethod
     def free_memory_bytes(cls) -> int:
         return _first_gpu().free_memory_bytes
+
+    @classmethod
+    def on_selected(cls) -> None:
+        from kvik_cuda.registration import register_kernels
+
+        register_kernels()
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:

@@ -1,7 +1,4 @@
-"""Entry point ``cuda`` of the ``kvik`` group: the NVIDIA platform.
-
-The Triton attention backend ("TRITON_ATTN") is registered here once it exists.
-"""
+"""Entry point ``cuda`` of the ``kvik`` group: the NVIDIA platform and its Triton attention."""
 
 from __future__ import annotations
 
@@ -15,3 +12,8 @@ def kvik_platform():
     from kvik_cuda.platform import CudaPlatform
 
     return CudaPlatform
+
+
+@kvik.hookimpl
+def kvik_register_attention_backends(register):
+    register("TRITON_ATTN", "kvik_cuda.attention:TritonAttentionBackend")

@@ -6,8 +6,6 @@ means the same thing, with the same checks, wherever it is given.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +68,9 @@ class EngineArgs:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
             if not self.enable_chunked_prefill:
                 max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
-        elif not self.enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len:
+        elif (
+            not self.enable_chunked_prefill and max_num_batched_tokens < model_config.max_model_len
+        ):
             raise ValueError(
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
                 f"({model_config.max_model_len}) when chunked prefill is off"
@@ -92,29 +92,6 @@ class EngineArgs:
             ),
             device=platform.name,
             enforce_eager=self.enforce_eager,
-        )
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-        """One ``--option-name`` per field (booleans as ``--x/--no-x``), defaults as above."""
-        for f in dataclasses.fields(cls):
-            if f.name in skip:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            kind = str(f.type)
-            if kind == "bool":
-                parser.add_argument(
-                    flag, action=argparse.BooleanOptionalAction, default=f.default
-                )
-            else:
-                parser.add_argument(
-                    flag, type=int if kind.startswith("int") else str, default=f.default
-                )
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         )
 
 

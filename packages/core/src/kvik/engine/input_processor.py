@@ -20,8 +20,12 @@ CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def load_tokenizer(name_or_path: str | Path) -> Any | None:
-    """The model folder's Hugging Face tokenizer, or None when the folder has none."""
+    """The Hugging Face tokenizer of a model folder or .gguf file, or None when there is none."""
     path = Path(name_or_path)
+    if path.suffix == ".gguf" and path.is_file():
+        from kvik.model_loader.gguf_loader import gguf_tokenizer
+
+        return gguf_tokenizer(path)
     if not any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):

@@ -22,13 +22,16 @@ from kvik.scheduler.output import SchedulerStats
 class LLM:
     """An engine in this process, for offline batches of prompts.
 
+    ``model`` is a Hugging Face folder, a .gguf file, a hub id or an alias; None means the default
+    model, SmolLM2-135M-Instruct.
+
     ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
     or the platform's default (4 GiB on the CPU) decides it.
     """
 
     def __init__(
         self,
-        model: str,
+        model: str | None = None,
         device: str | None = None,
         dtype: str = "auto",
         seed: int = 0,
@@ -194,4 +197,3 @@ class LLM:
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 bar.update(sum(state.finished for state in changed))
-

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
-
+from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
 from kvik.config import ModelConfig, parse_dtype, read_generation_config
 from kvik.model_loader.dummy import load_dummy_weights
+from kvik.model_loader.gguf_loader import (
+    gguf_generation_config,
+    gguf_hf_config,
+    iter_gguf_weights,
+)
+from kvik.model_loader.resolve import resolve_model
 from kvik.model_loader.safetensors_loader import iterate_safetensors, safetensors_files
 from kvik.models.registry import get_model_class
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def load_model_config(
-    model: str,
+    model: str | None,
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     load_format: str = "auto",
@@ -26,23 +30,28 @@ def load_model_config(
     seed: int = 0,
     tokenizer: str | None = None,
 ) -> ModelConfig:
-    """Read a local model folder's config.json and generation_config.json and check them against
-    what was asked for. ``dtype="auto"`` means the platform's default."""
-    from transformers import AutoConfig
-
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(
-            f"model folder {model!r} not found (hub ids and built-in aliases are not supported "
-            "yet: pass a local folder with config.json and safetensors weights)"
-        )
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model folder {path} has no config.json")
+    """Resolve ``model`` (None: the default model) and read its config, checked against what was
+    asked for. ``dtype="auto"`` means the platform's default."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    resolved = resolve_model(model)
+    path = resolved.path
+    if resolved.kind == "gguf":
+        if load_format == "safetensors":
+            raise ValueError(f"{path} is a GGUF file: load_format 'safetensors' cannot read it")
+        hf_config = gguf_hf_config(path)
+        generation_config = gguf_generation_config(path)
+    else:
+        if load_format == "gguf":
+            raise ValueError(f"{path} is a folder: load_format 'gguf' needs a .gguf file")
+        from transformers import AutoConfig
+
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        generation_config = read_generation_config(path)
+    if load_format == "auto":
+        load_format = "gguf" if resolved.kind == "gguf" else "safetensors"
     max_position = hf_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = max_position
@@ -59,13 +68,21 @@ def load_model_config(
         load_format=load_format,
         tokenizer=tokenizer,
         seed=seed,
-        generation_config=read_generation_config(path),
+        generation_config=generation_config,
+        name=resolved.display_name,
     )
     # Fail here, before an engine is built, on an unsupported architecture or missing weights.
     get_model_class(config.architecture)
-    if load_format != "dummy":
+    if load_format == "safetensors":
         safetensors_files(path)
     return config
+
+
+def iterate_weights(model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights under Hugging Face names."""
+    if model_config.load_format == "gguf":
+        return iter_gguf_weights(model_config.path, model_config.dtype)
+    return iterate_safetensors(model_config.path)
 
 
 @contextlib.contextmanager
@@ -86,5 +103,5 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     if model_config.load_format == "dummy":
         load_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iterate_safetensors(model_config.path))
+        model.load_weights(iterate_weights(model_config))
     return model.requires_grad_(False).eval()

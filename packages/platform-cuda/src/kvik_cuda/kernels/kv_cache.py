@@ -40,15 +40,26 @@ def reshape_and_cache_kernel(
     tl.store(dst + half_cache, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
+def reshape_and_cache_config(heads: int, head_size: int) -> tuple[dict[str, int], int]:
+    """(constexprs, num_warps): one token's [Hk, D] per program, about 16 bytes per thread."""
+    heads_pad, head_pad = triton.next_power_of_2(heads), triton.next_power_of_2(head_size)
+    constexprs = {
+        "HEADS": heads,
+        "HEAD_SIZE": head_size,
+        "HEADS_PAD": heads_pad,
+        "HEAD_PAD": head_pad,
+    }
+    return constexprs, min(max(heads_pad * head_pad // 512, 1), 8)
+
+
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """key/value [T, Hk, D] with the last dim contiguous; kv_cache contiguous."""
     t, heads, head_size = key.shape
     assert kv_cache.is_contiguous() and key.stride(-1) == 1 and value.stride(-1) == 1
     if t == 0:
         return
-    heads_pad, head_pad = triton.next_power_of_2(heads), triton.next_power_of_2(head_size)
+    constexprs, num_warps = reshape_and_cache_config(heads, head_size)
     reshape_and_cache_kernel[(t,)](
         key, value, kv_cache, slot_mapping, key.stride(0), value.stride(0), key.stride(1),
-        value.stride(1), kv_cache[0].numel(), HEADS=heads, HEAD_SIZE=head_size,
-        HEADS_PAD=heads_pad, HEAD_PAD=head_pad, num_warps=min(max(heads_pad * head_pad // 512, 1), 8),
+        value.stride(1), kv_cache[0].numel(), **constexprs, num_warps=num_warps,
     )  # fmt: skip

@@ -128,14 +128,20 @@ def paged_attention_kernel(
         slot_in_block = k_pos % BLOCK_SIZE
         kv_mask = k_valid[None, :] & d_valid[:, None]
         k = tl.load(
-            k_cache_ptr + block[None, :] * k_stride_blk + slot_in_block[None, :] * k_stride_slot
-            + kv_head * k_stride_h + d[:, None],
+            k_cache_ptr
+            + block[None, :] * k_stride_blk
+            + slot_in_block[None, :] * k_stride_slot
+            + kv_head * k_stride_h
+            + d[:, None],
             mask=kv_mask,
             other=0.0,
         )  # [HEAD_PAD, TILE_N]
         v = tl.load(
-            v_cache_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
-            + kv_head * v_stride_h + d[None, :],
+            v_cache_ptr
+            + block[:, None] * v_stride_blk
+            + slot_in_block[:, None] * v_stride_slot
+            + kv_head * v_stride_h
+            + d[None, :],
             mask=tl.trans(kv_mask),
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
@@ -164,9 +170,7 @@ def paged_attention_kernel(
         part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
-        tl.store(
-            part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_valid[:, None]
-        )
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_valid[:, None])
 
 
 @triton.jit
@@ -237,6 +241,39 @@ def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: i
     return splits
 
 
+def attention_constexprs(
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    config: AttentionConfig,
+    sliding_window: int | None,
+    num_splits: int,
+) -> dict[str, int]:
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    return {
+        "NUM_HEADS": num_heads,
+        "GROUP": group,
+        "GROUP_PAD": group_pad,
+        "HEAD_SIZE": head_size,
+        "HEAD_PAD": triton.next_power_of_2(head_size),
+        "BLOCK_SIZE": block_size,
+        "BLOCK_Q": config.block_m // group_pad,
+        "BLOCK_M": config.block_m,
+        "TILE_N": config.tile_n,
+        "SLIDING_WINDOW": sliding_window or 0,
+        "NUM_SPLITS": num_splits,
+    }
+
+
+def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
+    return {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
+
+
+REDUCE_WARPS = 4
+
+
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -255,17 +292,17 @@ def paged_attention(
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    head_pad = triton.next_power_of_2(head_size)
-    block_q = config.block_m // group_pad
+    constexprs = attention_constexprs(
+        num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits
+    )
+    head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
     assert query.stride(-1) == 1 and output.stride(-1) == 1 and key_cache.stride(-1) == 1
     if num_splits > 1:
-        part_acc = torch.empty(t, num_heads, num_splits, head_pad, dtype=torch.float32,
-                               device=query.device)  # fmt: skip
-        part_max = torch.empty(t, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        f32 = {"dtype": torch.float32, "device": query.device}
+        part_acc = torch.empty(t, num_heads, num_splits, head_pad, **f32)
+        part_max = torch.empty(t, num_heads, num_splits, **f32)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # unused
@@ -274,14 +311,11 @@ def paged_attention(
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
         seq_lens, block_table, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
         output.stride(0), output.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_table.stride(0), NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad,
-        HEAD_SIZE=head_size, HEAD_PAD=head_pad, BLOCK_SIZE=block_size, BLOCK_Q=block_q,
-        BLOCK_M=config.block_m, TILE_N=config.tile_n, SLIDING_WINDOW=sliding_window or 0,
-        NUM_SPLITS=num_splits, num_warps=config.num_warps, num_stages=config.num_stages,
+        block_table.stride(0), **constexprs, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits_kernel[(t, num_heads)](
             output, part_acc, part_max, part_sum, output.stride(0), output.stride(1),
-            NUM_HEADS=num_heads, HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=num_splits,
-            num_warps=4,
+            **reduce_constexprs(constexprs), num_warps=REDUCE_WARPS,
         )  # fmt: skip

@@ -48,7 +48,9 @@ def rms_norm_config(hidden: int) -> tuple[int, int]:
     return block, min(max(block // 256, 1), 16)
 
 
-def _launch(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def _launch(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)

@@ -1,0 +1,301 @@
+"""AsyncLLM: the asyncio front end of an EngineCore running in its own process.
+
+It validates and tokenizes requests (``InputProcessor``), sends them to the core, and turns the
+core's token ids into text and logprobs (``OutputProcessor``) as they arrive, streaming each
+request's progress through its own queue. A request whose consumer goes away is aborted in the
+core; when the core dies, every request in flight ends with ``EngineDeadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from kvik.config import EngineConfig
+from kvik.engine.args import EngineArgs
+from kvik.engine.core_client import EngineCoreClient, EngineDeadError
+from kvik.engine.core_proc import EngineCoreOutputs
+from kvik.engine.input_processor import InputProcessor, PromptType
+from kvik.engine.output_processor import OutputProcessor, RequestState
+from kvik.outputs import RequestOutput
+from kvik.sampling_params import SamplingParams
+from kvik.scheduler.output import SchedulerStats
+
+__all__ = ["AsyncLLM", "EngineDeadError", "IterationStats", "FinishedRequestStats", "StatLogger"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float | None
+    mean_time_per_output_token: float | None
+
+
+@dataclass
+class IterationStats:
+    """What one batch of engine outputs did, in the front end's clock."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+class StatLogger(Protocol):
+    def record(self, scheduler_stats: SchedulerStats, iteration: IterationStats) -> None: ...
+
+
+@dataclass
+class _Timing:
+    arrival: float  # time.monotonic(), as Request.arrival_time
+    num_prompt_tokens: int
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+@dataclass
+class _Stream:
+    """One user request: its n engine requests (children) and the queue its consumer reads."""
+
+    output: RequestOutput
+    states: list[RequestState]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def finished(self) -> bool:
+        return all(state.finished for state in self.states)
+
+
+def child_requests(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The engine requests of one user request: ``n`` of them, each with n=1 and its own seed."""
+    if params.n == 1:
+        return [(parent_id, params)]
+    return [
+        (
+            f"{index}_{parent_id}",
+            replace(params, n=1, seed=None if params.seed is None else params.seed + index),
+        )
+        for index in range(params.n)
+    ]
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.config = config
+        self.input_processor = InputProcessor(config.model)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer)
+        self.client = EngineCoreClient(config)
+        self.client.on_death = self._fail_all
+        self.stat_loggers = list(stat_loggers or [])
+        self.scheduler_stats: SchedulerStats | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._parent_of: dict[str, str] = {}  # child (engine) request id -> user request id
+        self._timings: dict[str, _Timing] = {}
+        self._output_task: asyncio.Task | None = None
+        self._accepting = False
+
+    @classmethod
+    async def create(
+        cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None
+    ) -> AsyncLLM:
+        """Resolve the arguments, start the engine core process and wait until it is ready."""
+        config = await asyncio.to_thread(args.create_engine_config)
+        engine = cls(config, stat_loggers)
+        await engine.start()
+        return engine
+
+    async def start(self) -> None:
+        await self.client.start()
+        self._output_task = asyncio.create_task(self._output_loop(), name="kvik-outputs")
+        self._accepting = True
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.client.pid
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.error is None and self._accepting
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.input_processor.tokenizer
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._streams)
+
+    def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults under ``overrides``."""
+        return SamplingParams.from_generation_config(
+            self.config.model.generation_config, **overrides
+        )
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> dict:
+        return self.input_processor.apply_chat_template(conversation, **kwargs)
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's progress. Each RequestOutput holds the completions that changed
+        (cumulative text, tokens and logprobs; text held back while it may still be the start of a
+        stop string); the last one has ``finished`` set. Raises ValueError for invalid input and
+        EngineDeadError when the engine is down. Leaving the iteration early aborts the request."""
+        if not self.is_healthy:
+            raise self.client.error or EngineDeadError("the engine is shutting down")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text, token_ids, params = self.input_processor.process(prompt, params)
+        children = child_requests(request_id, params)
+        # Build every engine request before sending any, so invalid input leaves nothing behind.
+        now = time.monotonic()
+        requests = [
+            self.input_processor.make_request(child_id, token_ids, child_params, priority, now)
+            for child_id, child_params in children
+        ]
+        stream = _Stream(RequestOutput(request_id, prompt_text, token_ids), [])
+        self._streams[request_id] = stream
+        try:
+            for index, ((child_id, child_params), request) in enumerate(zip(children, requests)):
+                stream.states.append(
+                    self.output_processor.add_request(
+                        child_id, prompt_text, token_ids, child_params, index
+                    )
+                )
+                self._parent_of[child_id] = request_id
+                self._timings[child_id] = _Timing(now, len(token_ids))
+                self.client.add_request(request)
+            while True:
+                changed = await self._next_changes(stream)
+                yield self._request_output(stream, changed)
+                if stream.finished:
+                    return
+        finally:
+            self.abort(request_id)
+
+    async def _next_changes(self, stream: _Stream) -> list[RequestState]:
+        items = [await stream.queue.get()]
+        while not stream.queue.empty():
+            items.append(stream.queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return list({id(state): state for state in items}.values())
+
+    def _request_output(self, stream: _Stream, changed: list[RequestState]) -> RequestOutput:
+        out = replace(stream.output, outputs=[])
+        for state in sorted(changed, key=lambda s: s.index):
+            completion = state.completion()
+            completion.text = completion.text[: state.streamable_text_len()]
+            if completion.logprobs is not None:  # a snapshot: the state's list keeps growing
+                completion.logprobs = list(completion.logprobs)
+            out.outputs.append(completion)
+        out.num_cached_tokens = max(state.num_cached_tokens for state in stream.states)
+        out.prompt_logprobs = stream.states[0].prompt_logprobs
+        out.finished = stream.finished
+        return out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: the core frees its blocks. Unknown or finished ids are ignored."""
+        stream = self._streams.pop(request_id, None)
+        if stream is None:
+            return
+        unfinished = [state.request_id for state in stream.states if not state.finished]
+        for child_id in [state.request_id for state in stream.states]:
+            self._parent_of.pop(child_id, None)
+            self._timings.pop(child_id, None)
+        for child_id in unfinished:
+            self.output_processor.abort(child_id)
+        if unfinished:
+            self.client.abort_requests(unfinished)
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                self._handle_outputs(await self.client.get_outputs())
+        except EngineDeadError:
+            pass  # the client has called _fail_all
+        except Exception as e:
+            logger.exception("the output loop failed")
+            self._fail_all(EngineDeadError(f"the front end's output loop failed: {e!r}"))
+
+    def _handle_outputs(self, batch: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        iteration = IterationStats()
+        for request_id, scheduled in batch.scheduled.items():
+            if request_id in self._timings:
+                self._timings[request_id].scheduled = scheduled
+        changed, to_abort = self.output_processor.process_outputs(batch.outputs)
+        if to_abort:
+            self.client.abort_requests(to_abort)
+        for out in batch.outputs:
+            timing = self._timings.get(out.request_id)
+            if timing is None or not out.new_token_ids:
+                continue
+            if timing.first_token is None:
+                timing.first_token = now
+                iteration.num_prompt_tokens += timing.num_prompt_tokens
+                iteration.time_to_first_tokens.append(now - timing.arrival)
+            else:
+                iteration.inter_token_latencies.append(now - timing.last_token)
+            timing.last_token = now
+            iteration.num_generation_tokens += len(out.new_token_ids)
+        for state in changed:
+            parent_id = self._parent_of.get(state.request_id)
+            if parent_id is None:
+                continue
+            self._streams[parent_id].queue.put_nowait(state)
+            if state.finished:
+                self._parent_of.pop(state.request_id)
+                timing = self._timings.pop(state.request_id)
+                iteration.finished.append(_finished_stats(state, timing, now))
+        self.scheduler_stats = batch.stats
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(batch.stats, iteration)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        for stream in self._streams.values():
+            stream.queue.put_nowait(error)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Refuse new requests, end those in flight with an error, stop and reap the core."""
+        self._accepting = False
+        error = EngineDeadError("the server is shutting down")
+        self._fail_all(error)
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        await self.client.shutdown(timeout_s)
+
+
+def _finished_stats(state: RequestState, timing: _Timing, now: float) -> FinishedRequestStats:
+    num_tokens = len(state.token_ids)
+    decode_time = None
+    if num_tokens > 1 and timing.first_token is not None:
+        decode_time = (timing.last_token - timing.first_token) / (num_tokens - 1)
+    return FinishedRequestStats(
+        finish_reason=state.finish_reason,
+        num_prompt_tokens=timing.num_prompt_tokens,
+        num_generation_tokens=num_tokens,
+        e2e_latency=now - timing.arrival,
+        queue_time=None
+        if timing.scheduled is None
+        else max(0.0, timing.scheduled - timing.arrival),
+        mean_time_per_output_token=decode_time,
+    )

@@ -1,0 +1,187 @@
+"""The EngineCore in a process of its own, driven over ZMQ by ``EngineCoreClient``.
+
+Wire format (msgspec msgpack), each message a ``(kind, payload)`` pair:
+
+- front end -> core: ``("add", EngineCoreRequest)``, ``("abort", [request ids])``, ``("shutdown", None)``;
+- core -> front end: ``("ready", {"pid", "num_kv_blocks"})`` once the engine is built,
+  ``("outputs", EngineCoreOutputs)`` after every step (and after aborts), ``("error", message)``
+  before the process exits on an exception.
+
+The loop blocks on its input socket while there is no work, so an idle engine costs no CPU; it
+wakes once a second to leave if its parent has died.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgspec
+
+from kvik.config import EngineConfig
+from kvik.request import Request
+from kvik.sampling_params import SamplingParams
+from kvik.scheduler.output import EngineCoreOutput, SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_PARENT_CHECK_MS = 1000
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True):
+    """A ``Request`` as it travels to the core: what the front end resolved, nothing derived."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    eos_token_ids: list[int]
+    arrival_time: float
+    priority: int
+    bad_words_token_ids: list[list[int]]
+
+    @classmethod
+    def from_request(cls, request: Request) -> EngineCoreRequest:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.max_tokens,
+            sorted(request.eos_token_ids),
+            request.arrival_time,
+            request.priority,
+            request.bad_words_token_ids,
+        )
+
+    def to_request(self) -> Request:
+        return Request(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            max_tokens=self.max_tokens,
+            eos_token_ids=frozenset(self.eos_token_ids),
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            bad_words_token_ids=self.bad_words_token_ids,
+        )
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+    # Request id -> time.monotonic() of the step that first scheduled it (for queue-time metrics).
+    scheduled: dict[str, float]
+
+
+_input_decoder = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_ids_decoder = msgspec.msgpack.Decoder(list[str])
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(kind: str, payload: Any) -> bytes:
+    return _encoder.encode((kind, payload))
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
+    """The process's entry point (started with spawn by ``EngineCoreClient``)."""
+    import zmq
+
+    # Ctrl-C, and a SIGTERM sent to the whole group (timeout, systemd), reach this process too:
+    # the front end decides when the core stops, so requests in flight can finish first. The core
+    # leaves on its "shutdown" message, when its parent is gone, or by SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.setsockopt(zmq.SNDHWM, 0)
+    output_socket.connect(output_address)
+    try:
+        from kvik.engine.core import EngineCore
+
+        engine = EngineCore(config)
+        output_socket.send(
+            encode("ready", {"pid": os.getpid(), "num_kv_blocks": engine.num_kv_blocks})
+        )
+        EngineCoreProc(engine, input_socket, output_socket).run()
+    except BaseException as e:
+        logger.exception("engine core failed")
+        message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        output_socket.send(encode("error", message))
+        raise SystemExit(1) from e
+    finally:
+        output_socket.close(linger=1000)
+        input_socket.close(linger=0)
+        context.term()
+
+
+class EngineCoreProc:
+    def __init__(self, engine: Any, input_socket: Any, output_socket: Any) -> None:
+        self.engine = engine  # kvik.engine.core.EngineCore
+        self.input = input_socket
+        self.output = output_socket
+        self.parent_pid = os.getppid()
+        self.pending: list[EngineCoreOutput] = []  # abort outputs not yet sent
+        self.seen_scheduled: set[str] = set()
+        self.running = True
+
+    def run(self) -> None:
+        while self.running:
+            self._handle_inputs(block=not self.engine.has_unfinished_requests())
+            self.running = self.running and self._parent_alive()
+            if self.pending:
+                self._send(self.pending, {})
+                self.pending = []
+            if self.running and self.engine.has_unfinished_requests():
+                self._step()
+
+    def _handle_inputs(self, block: bool) -> None:
+        if block:
+            while not self.input.poll(_PARENT_CHECK_MS):
+                if not self._parent_alive():
+                    return
+        while self.running and self.input.poll(0):
+            kind, payload = _input_decoder.decode(self.input.recv())
+            if kind == "add":
+                self.engine.add_request(_request_decoder.decode(payload).to_request())
+            elif kind == "abort":
+                ids = _ids_decoder.decode(payload)
+                self.pending.extend(self.engine.abort_requests(ids))
+                self.seen_scheduled.difference_update(ids)
+            elif kind == "shutdown":
+                self.running = False
+            else:
+                raise ValueError(f"unknown message kind {kind!r}")
+
+    def _parent_alive(self) -> bool:
+        if os.getppid() == self.parent_pid:
+            return True
+        logger.warning("the front end process is gone: engine core exiting")
+        self.running = False
+        return False
+
+    def _step(self) -> None:
+        started = time.monotonic()
+        outputs = self.engine.step()
+        scheduled = {}
+        for request in self.engine.scheduler.running:
+            if request.request_id not in self.seen_scheduled:
+                self.seen_scheduled.add(request.request_id)
+                scheduled[request.request_id] = started
+        for out in outputs:
+            if out.finish_reason is not None:
+                self.seen_scheduled.discard(out.request_id)
+        self._send(outputs, scheduled)
+
+    def _send(self, outputs: list[EngineCoreOutput], scheduled: dict[str, float]) -> None:
+        payload = EngineCoreOutputs(outputs, self.engine.scheduler.stats, scheduled)
+        self.output.send(encode("outputs", payload))

@@ -1,0 +1,140 @@
+"""Every kernel compiles ahead of time for Hopper, Blackwell and MI300X at the configurations the
+platform picks, within the target's shared memory, with wgmma on Hopper where a dot can use it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvik_cuda.aot import SHARED_MEMORY_LIMIT, TARGETS, compile_kernel
+from kvik_cuda.kernels.activation import SILU_BLOCK, SILU_WARPS, silu_and_mul_kernel
+from kvik_cuda.kernels.kv_cache import reshape_and_cache_config, reshape_and_cache_kernel
+from kvik_cuda.kernels.paged_attention import (
+    REDUCE_WARPS,
+    attention_config,
+    attention_constexprs,
+    paged_attention_kernel,
+    reduce_constexprs,
+    reduce_splits_kernel,
+)
+from kvik_cuda.kernels.rms_norm import rms_norm_config, rms_norm_kernel
+from kvik_cuda.kernels.rotary import ROTARY_WARPS, rotary_constexprs, rotary_kernel
+
+ARCHS = list(TARGETS)
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def types(kernel, dtype: torch.dtype, **overrides: str) -> dict[str, str]:
+    """Pointers of ``dtype``, 32-bit integers, except where ``overrides`` says otherwise."""
+    ptr = f"*{TRITON_TYPES[dtype]}"
+    return {n: overrides.get(n, ptr if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
+
+
+def compiled_ok(kernel, arch: str, **kwargs):
+    compiled = compile_kernel(kernel, arch, **kwargs)
+    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[arch]
+    return compiled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("hidden", [2048, 8192])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm(arch: str, hidden: int, residual: bool) -> None:
+    block, num_warps = rms_norm_config(hidden)
+    compiled_ok(
+        rms_norm_kernel,
+        arch,
+        types=types(rms_norm_kernel, torch.bfloat16, eps="fp32"),
+        constexprs={"HAS_RESIDUAL": residual, "BLOCK": block},
+        num_warps=num_warps,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_silu_and_mul(arch: str) -> None:
+    compiled_ok(
+        silu_and_mul_kernel,
+        arch,
+        types=types(silu_and_mul_kernel, torch.bfloat16),
+        constexprs={"BLOCK": SILU_BLOCK},
+        num_warps=SILU_WARPS,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("heads", "head_size"), [(8, 128), (3, 64), (1, 256)])
+def test_reshape_and_cache(arch: str, heads: int, head_size: int) -> None:
+    constexprs, num_warps = reshape_and_cache_config(heads, head_size)
+    signature = types(reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64")
+    compiled_ok(
+        reshape_and_cache_kernel, arch, types=signature, constexprs=constexprs, num_warps=num_warps
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary(arch: str, is_neox: bool) -> None:
+    # SmolLM2-135M's 9 query and 3 KV heads of 64: neither a power of two.
+    signature = types(rotary_kernel, torch.bfloat16, positions_ptr="*i64", cache_ptr="*fp32")
+    compiled_ok(
+        rotary_kernel,
+        arch,
+        types=signature,
+        constexprs=rotary_constexprs(9, 3, 64, 64) | {"IS_NEOX": is_neox},
+        num_warps=ROTARY_WARPS,
+    )
+
+
+def attention_types(kernel, dtype: torch.dtype) -> dict[str, str]:
+    fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+    index = {n: "*i32" for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
+    return types(kernel, dtype, scale_log2="fp32", **fp32, **index)
+
+
+# (dtype, head size, group, max query len, splits): prefills (64-row tiles), decodes (16 rows),
+# split-KV decodes; every head size, group sizes that are and are not powers of two.
+ATTENTION_CASES = [
+    (torch.bfloat16, 64, 3, 512, 1),
+    (torch.bfloat16, 128, 1, 512, 1),
+    (torch.bfloat16, 256, 8, 512, 1),
+    (torch.float32, 128, 3, 512, 1),
+    (torch.float32, 256, 1, 512, 1),
+    (torch.bfloat16, 128, 8, 1, 1),
+    (torch.bfloat16, 128, 4, 1, 8),
+    (torch.bfloat16, 256, 3, 1, 1),
+    (torch.float32, 256, 8, 1, 8),
+    (torch.float16, 64, 1, 1, 2),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("dtype", "head_size", "group", "max_query_len", "splits"), ATTENTION_CASES
+)
+def test_paged_attention(
+    arch: str, dtype: torch.dtype, head_size: int, group: int, max_query_len: int, splits: int
+) -> None:
+    kv_heads = 8
+    config = attention_config(arch, head_size, group, max_query_len, dtype)
+    constexprs = attention_constexprs(
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits
+    )
+    compiled = compiled_ok(
+        paged_attention_kernel,
+        arch,
+        types=attention_types(paged_attention_kernel, dtype),
+        constexprs=constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
+        # 64-row tiles run on Hopper's warpgroup MMA; fp32 in IEEE precision cannot.
+        assert "wgmma" in compiled.asm["ptx"]
+    if splits > 1:
+        compiled_ok(
+            reduce_splits_kernel,
+            arch,
+            types=attention_types(reduce_splits_kernel, dtype),
+            constexprs=reduce_constexprs(constexprs),
+            num_warps=REDUCE_WARPS,
+        )

@@ -1,0 +1,292 @@
+"""The FastAPI app: OpenAI's routes over an AsyncLLM, with auth, body limits and OpenAI errors."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+import kvik
+from kvik.engine.args import EngineArgs
+from kvik.engine.async_llm import AsyncLLM, EngineDeadError
+from kvik_server.errors import APIError, error_body
+from kvik_server.metrics import PrometheusStatLogger
+from kvik_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvik_server.serving import ChatCompletions, Completions
+
+logger = logging.getLogger("kvik_server")
+
+#: Routes that answer without an API key.
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+@dataclass
+class ServerSettings:
+    served_model_names: list[str] = field(default_factory=list)  # default: the model's name
+    api_keys: list[str] = field(default_factory=list)  # none: no auth
+    chat_template: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout_s: float = 10.0
+    url: str | None = None  # logged with an example request when ready
+
+
+def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -> FastAPI:
+    settings = settings or ServerSettings()
+    if not settings.served_model_names:
+        from kvik.model_loader.default_model import ALIAS
+
+        settings.served_model_names = [engine_args.model or ALIAS]
+    model_name = settings.served_model_names[0]
+    stat_logger = PrometheusStatLogger(model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = await AsyncLLM.create(engine_args, [stat_logger])
+        app.state.engine = engine
+        app.state.completions = Completions(engine, model_name)
+        app.state.chat = ChatCompletions(engine, model_name, settings.chat_template)
+        if settings.url:
+            logger.info("kvik is serving %s at %s", model_name, settings.url)
+            logger.info(
+                "try: curl %s/v1/chat/completions -H 'Content-Type: application/json' "
+                '-d \'{"model": "%s", "messages": [{"role": "user", "content": "What is the '
+                "capital of France?\"}]}'",
+                settings.url,
+                model_name,
+            )
+        try:
+            yield
+        finally:
+            await engine.shutdown(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="kvik", version=kvik.__version__, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.stat_logger = stat_logger
+    _add_error_handlers(app)
+    _add_routes(app)
+    # Outermost first: every request is authenticated before anything reads its body.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
+    return app
+
+
+def _engine(request: Request) -> AsyncLLM:
+    return request.app.state.engine
+
+
+def _check_model(request: Request, model: str | None) -> None:
+    names = request.app.state.settings.served_model_names
+    if model is not None and model not in names:
+        raise APIError(
+            f"the model {model!r} does not exist; this server serves {names}", 404, "model"
+        )
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        return Response(status_code=200 if _engine(request).is_healthy else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": kvik.__version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        registry = request.app.state.stat_logger.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        engine = _engine(request)
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "kvik",
+                "root": str(engine.config.model.path),
+                "max_model_len": engine.config.model.max_model_len,
+            }
+            for name in request.app.state.settings.served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _check_model(request, body.model)
+        return await _respond(request, request.app.state.completions.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_model(request, body.model)
+        return await _respond(request, request.app.state.chat.create(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        _check_model(request, body.model)
+        engine = _engine(request)
+        if body.messages is not None:
+            tokens = request.app.state.chat.prompt(body)["prompt_token_ids"]
+        else:
+            tokens = engine.tokenizer.encode(
+                body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.config.model.max_model_len,
+            "tokens": list(tokens),
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
+        _check_model(request, body.model)
+        engine = _engine(request)
+        vocab = engine.config.model.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens)}
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Run a completion; a stream becomes server-sent events, anything else JSON. A client that
+    disconnects before a non-streamed answer is ready has its request aborted."""
+    task = asyncio.ensure_future(work)
+    disconnected = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        disconnected.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return Response(status_code=499)
+    result = task.result()
+    if isinstance(result, AsyncIterator):
+        return EventStreamResponse(result)
+    return JSONResponse(result.model_dump())
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events whose generator is always closed, so a request whose client went away
+    is aborted at once rather than whenever the garbage collector gets to it."""
+
+    def __init__(self, events: AsyncIterator[str]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    def reply(message: str, status: int, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, status, param), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return reply(e.message, e.status, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return reply(f"malformed JSON: {first.get('ctx', {}).get('error', 'invalid')}", 400)
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        message = "; ".join(
+            f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: "
+            f"{err.get('msg', 'invalid')}"
+            for err in errors[:5]
+        )
+        return reply(message or "invalid request", 400, ".".join(loc) or None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return reply(str(e.detail), e.status_code)
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, e: ValueError) -> JSONResponse:
+        return reply(str(e), 400)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
+        return reply(str(e), 503)
+
+
+class AuthMiddleware:
+    """Every route but PUBLIC_PATHS needs ``Authorization: Bearer <key>``: one check, here, so a
+    new route is covered without anyone remembering."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in api_keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        # Compare with every key, so the time taken does not say which (or whether one) matched.
+        matched = [hmac.compare_digest(token.strip(), key) for key in self.keys]
+        if scheme.lower() == b"bearer" and any(matched):
+            return await self.app(scope, receive, send)
+        response = JSONResponse(
+            error_body("missing or invalid API key", 401),
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Answer 413 to a body over ``max_bytes``, whether it says its length or streams it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"the request body is over the limit of {self.max_bytes} bytes"
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            response = JSONResponse(error_body(message, 413), status_code=413)
+            return await response(scope, receive, send)
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message_in = await receive()
+            if message_in["type"] == "http.request":
+                received += len(message_in.get("body", b""))
+                if received > self.max_bytes:
+                    # Raised while the route reads its body; the HTTP error handler answers.
+                    raise HTTPException(413, message)
+            return message_in
+
+        await self.app(scope, counting_receive, send)

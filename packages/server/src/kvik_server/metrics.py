@@ -1,0 +1,79 @@
+"""Prometheus metrics with vLLM's names under the ``kvik:`` prefix, fed by AsyncLLM's stats."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvik.engine.async_llm import IterationStats
+from kvik.scheduler.output import SchedulerStats
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        label = {"labelnames": ["model_name"], "registry": self.registry}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"kvik:{name}", doc, **label).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"kvik:{name}", doc, **label).labels(model_name)
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"kvik:{name}", doc, buckets=_LATENCY_BUCKETS, **label).labels(
+                model_name
+            )
+
+        self.model_name = model_name
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.preemptions = counter("num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.success = Counter(
+            "kvik:request_success",
+            "Finished requests, by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between tokens.")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds", "Mean time per output token of a request."
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
+        self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting.")
+        self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+
+    def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        # The scheduler's counts are cumulative; the counters take their increments.
+        self.preemptions.inc(max(0, stats.num_preemptions - self._last.num_preemptions))
+        self.prefix_queries.inc(
+            max(0, stats.prefix_cache_queries - self._last.prefix_cache_queries)
+        )
+        self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))
+        self._last = stats
+        self.prompt_tokens.inc(iteration.num_prompt_tokens)
+        self.generation_tokens.inc(iteration.num_generation_tokens)
+        for value in iteration.time_to_first_tokens:
+            self.ttft.observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.observe(value)
+        for finished in iteration.finished:
+            self.success.labels(self.model_name, finished.finish_reason).inc()
+            self.e2e.observe(finished.e2e_latency)
+            if finished.queue_time is not None:
+                self.queue_time.observe(finished.queue_time)
+            if finished.mean_time_per_output_token is not None:
+                self.tpot.observe(finished.mean_time_per_output_token)

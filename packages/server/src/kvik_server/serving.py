@@ -1,0 +1,462 @@
+"""OpenAI's completions and chat completions on top of AsyncLLM: request fields to SamplingParams,
+engine outputs to response bodies and server-sent events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvik.engine.async_llm import AsyncLLM
+from kvik.outputs import CompletionOutput, Logprob, RequestOutput
+from kvik.sampling_params import SamplingParams
+from kvik_server.errors import APIError, error_body
+from kvik_server.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    SamplingFields,
+    TopLogprob,
+    Usage,
+    random_id,
+)
+
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_params(
+    engine: AsyncLLM,
+    request: SamplingFields,
+    max_tokens: int | None,
+    default_max_tokens: int | None,
+    logprobs: int | None,
+) -> SamplingParams:
+    """The request's SamplingParams over the model's generation_config defaults, as vLLM does."""
+    if request.logit_bias is not None:
+        try:
+            logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
+    else:
+        logit_bias = None
+    overrides: dict[str, Any] = {
+        name: getattr(request, name)
+        for name in _OPTIONAL_SAMPLING
+        if getattr(request, name) is not None
+    }
+    if max_tokens is None:
+        max_tokens = engine.config.model.generation_config.get("max_new_tokens", default_max_tokens)
+    return engine.get_default_sampling_params(
+        **overrides,
+        n=request.n,
+        max_tokens=max_tokens,
+        seed=request.seed,
+        stop=request.stop,
+        stop_token_ids=request.stop_token_ids or [],
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=logit_bias,
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+        allowed_token_ids=request.allowed_token_ids,
+        bad_words=request.bad_words,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+
+
+class _Choice:
+    """What has been sent of one choice so far, to turn cumulative outputs into deltas."""
+
+    def __init__(self) -> None:
+        self.text_len = 0
+        self.num_tokens = 0
+        self.output: CompletionOutput | None = None
+
+    def advance(self, completion: CompletionOutput) -> tuple[str, list]:
+        text = completion.text[self.text_len :]
+        logprobs = (completion.logprobs or [])[self.num_tokens :]
+        self.text_len = len(completion.text)
+        self.num_tokens = len(completion.token_ids)
+        self.output = completion
+        return text, logprobs
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several prompts' output streams as (prompt index, output)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+            raise
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _sse(payload: Any) -> str:
+    body = payload.model_dump_json() if hasattr(payload, "model_dump_json") else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+async def _sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events ending in ``[DONE]``; an error after the stream began becomes an error
+    event, which the openai client raises."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as e:
+        yield _sse(error_body(e.message, e.status, e.param))
+    except Exception as e:
+        from kvik.engine.async_llm import EngineDeadError
+
+        status = (
+            503 if isinstance(e, EngineDeadError) else 400 if isinstance(e, ValueError) else 500
+        )
+        yield _sse(error_body(str(e), status))
+    yield "data: [DONE]\n\n"
+
+
+class Completions:
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def _prompts(self, request: CompletionRequest) -> list[Any]:
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError("prompt must not be empty", param="prompt")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+        if request.best_of is not None and request.best_of > 1:
+            raise APIError("best_of > 1 is not supported", param="best_of")
+        if request.suffix is not None:
+            raise APIError("suffix is not supported", param="suffix")
+        if request.echo and request.logprobs is not None:
+            raise APIError("echo with logprobs is not supported yet", param="echo")
+        params = sampling_params(self.engine, request, request.max_tokens, 16, request.logprobs)
+        request_id = random_id("cmpl")
+        prompts = self._prompts(request)
+        streams = [
+            self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
+            for i, prompt in enumerate(prompts)
+        ]
+        # Start (and so validate) every prompt before answering: a bad one is a 400, not a stream.
+        firsts = await _start_all(streams)
+        events = _merge([_chain(first, stream) for first, stream in zip(firsts, streams)])
+        if request.stream:
+            return _sse_stream(self._stream(request, request_id, events, len(prompts)))
+        return await self._collect(request, request_id, events, len(prompts))
+
+    def _choice_index(self, request: CompletionRequest, prompt_index: int, index: int) -> int:
+        return prompt_index * request.n + index
+
+    def _echo(self, request: CompletionRequest, out: RequestOutput) -> str:
+        if not request.echo:
+            return ""
+        if out.prompt is not None:
+            return out.prompt
+        return self.engine.tokenizer.decode(out.prompt_token_ids)
+
+    async def _collect(
+        self, request: CompletionRequest, request_id: str, events: AsyncIterator, num_prompts: int
+    ) -> CompletionResponse:
+        finals: dict[int, tuple[RequestOutput, CompletionOutput]] = {}
+        prompt_tokens: dict[int, int] = {}
+        async for i, out in events:
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for completion in out.outputs:
+                finals[self._choice_index(request, i, completion.index)] = (out, completion)
+        choices = []
+        for index in sorted(finals):
+            out, completion = finals[index]
+            echo = self._echo(request, out)
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echo + completion.text,
+                    logprobs=_completion_logprobs(completion.logprobs, len(echo))
+                    if request.logprobs is not None
+                    else None,
+                    finish_reason=completion.finish_reason,
+                    stop_reason=completion.stop_reason,
+                )
+            )
+        return CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(prompt_tokens, finals),
+        )
+
+    async def _stream(
+        self, request: CompletionRequest, request_id: str, events: AsyncIterator, num_prompts: int
+    ) -> AsyncIterator[str]:
+        sent: dict[int, _Choice] = {}
+        prompt_tokens: dict[int, int] = {}
+        async for i, out in events:
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for completion in out.outputs:
+                index = self._choice_index(request, i, completion.index)
+                choice = sent.setdefault(index, _Choice())
+                offset = choice.text_len
+                if choice.output is None:
+                    echo = self._echo(request, out)
+                    if echo:
+                        yield _sse(self._chunk(request_id, index, echo, None, None))
+                text, logprobs = choice.advance(completion)
+                if not text and not logprobs and completion.finish_reason is None:
+                    continue
+                chunk_logprobs = (
+                    _completion_logprobs(logprobs, offset) if request.logprobs is not None else None
+                )
+                yield _sse(self._chunk(request_id, index, text, chunk_logprobs, completion))
+        if request.stream_options and request.stream_options.include_usage:
+            finals = {index: (None, choice.output) for index, choice in sent.items()}
+            usage = _usage(prompt_tokens, finals)
+            yield _sse(
+                CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
+            )
+
+    def _chunk(
+        self,
+        request_id: str,
+        index: int,
+        text: str,
+        logprobs: CompletionLogprobs | None,
+        completion: CompletionOutput | None,
+    ) -> CompletionResponse:
+        finish = completion.finish_reason if completion is not None else None
+        return CompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=[
+                CompletionChoice(
+                    index=index,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    stop_reason=completion.stop_reason if finish else None,
+                )
+            ],
+        )
+
+
+class ChatCompletions:
+    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.chat_template = chat_template
+
+    def prompt(self, request: Any) -> dict[str, Any]:
+        return self.engine.apply_chat_template(
+            [m.model_dump(exclude_none=True) for m in request.messages],
+            chat_template=getattr(request, "chat_template", None) or self.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+
+    async def create(
+        self, request: ChatCompletionRequest
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        if request.tools:
+            raise APIError("tools are not supported yet (kvik has no tool calling)", param="tools")
+        if request.response_format and request.response_format.get("type") != "text":
+            raise APIError(
+                "response_format other than text is not supported", param="response_format"
+            )
+        if request.top_logprobs and not request.logprobs:
+            raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        params = sampling_params(self.engine, request, max_tokens, None, logprobs)
+        request_id = random_id("chatcmpl")
+        stream = self.engine.generate(self.prompt(request), params, request_id, request.priority)
+        (first,) = await _start_all([stream])
+        events = _chain(first, stream)
+        top = request.top_logprobs or 0
+        if request.stream:
+            return _sse_stream(self._stream(request, request_id, events, top))
+        return await self._collect(request, request_id, events, top)
+
+    async def _collect(
+        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator, top: int
+    ) -> ChatCompletionResponse:
+        finals: dict[int, tuple[RequestOutput, CompletionOutput]] = {}
+        num_prompt_tokens = 0
+        async for out in events:
+            num_prompt_tokens = len(out.prompt_token_ids)
+            for completion in out.outputs:
+                finals[completion.index] = (out, completion)
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content=completion.text),
+                logprobs=_chat_logprobs(completion.logprobs, top) if request.logprobs else None,
+                finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+            )
+            for index, (_, completion) in sorted(finals.items())
+        ]
+        usage = _usage({0: num_prompt_tokens}, finals)
+        return ChatCompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator, top: int
+    ) -> AsyncIterator[str]:
+        sent: dict[int, _Choice] = {}
+        num_prompt_tokens = 0
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return _sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+
+        async for out in events:
+            num_prompt_tokens = len(out.prompt_token_ids)
+            for completion in out.outputs:
+                index = completion.index
+                if index not in sent:
+                    sent[index] = _Choice()
+                    yield chunk(
+                        ChatStreamChoice(
+                            index=index, delta=DeltaMessage(role="assistant", content="")
+                        )
+                    )
+                text, logprobs = sent[index].advance(completion)
+                if not text and not logprobs and completion.finish_reason is None:
+                    continue
+                finish = completion.finish_reason
+                yield chunk(
+                    ChatStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=text),
+                        logprobs=_chat_logprobs(logprobs, top) if request.logprobs else None,
+                        finish_reason=finish,
+                        stop_reason=completion.stop_reason if finish else None,
+                    )
+                )
+        if request.stream_options and request.stream_options.include_usage:
+            finals = {index: (None, choice.output) for index, choice in sent.items()}
+            usage = _usage({0: num_prompt_tokens}, finals)
+            yield _sse(
+                ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
+            )
+
+
+async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """The first output of each stream: this validates and queues every prompt, and raises (after
+    aborting the others) when one is invalid."""
+    tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator:
+    try:
+        yield first
+        if first.finished:
+            return
+        async for out in rest:
+            yield out
+    finally:
+        await rest.aclose()
+
+
+def _usage(
+    prompt_tokens: dict[int, int], finals: dict[int, tuple[Any, CompletionOutput | None]]
+) -> Usage:
+    completion_tokens = sum(len(c.token_ids) for _, c in finals.values() if c is not None)
+    prompt = sum(prompt_tokens.values())
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt + completion_tokens,
+    )
+
+
+def _token_text(token_id: int, logprob: Logprob) -> str:
+    return logprob.decoded_token if logprob.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _completion_logprobs(
+    logprobs: list[dict[int, Logprob]] | None, text_offset: int
+) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for entry in logprobs or []:
+        token_id, chosen = next(iter(entry.items()))  # the sampled token comes first
+        text = _token_text(token_id, chosen)
+        result.tokens.append(text)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append({_token_text(t, lp): lp.logprob for t, lp in entry.items()})
+        result.text_offset.append(text_offset)
+        text_offset += len(text)
+    return result
+
+
+def _chat_logprobs(logprobs: list[dict[int, Logprob]] | None, top: int) -> ChatLogprobs:
+    content = []
+    for entry in logprobs or []:
+        token_id, chosen = next(iter(entry.items()))
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)[:top]
+        content.append(
+            ChatTokenLogprob(
+                **_top(token_id, chosen).model_dump(),
+                top_logprobs=[_top(t, lp) for t, lp in ranked],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+def _top(token_id: int, logprob: Logprob) -> TopLogprob:
+    text = _token_text(token_id, logprob)
+    return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))

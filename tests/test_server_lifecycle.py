@@ -1,0 +1,97 @@
+"""The server when its engine core dies, and when it is told to stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+from tiny_models import build_tiny_model, save_tiny_tokenizer
+
+ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_tokenizer(build_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+
+
+def start_streams(server: ServerProcess, model, count: int) -> tuple[list, list[threading.Thread]]:
+    """Long streaming requests in threads; each result is ("ok", text) or ("error", exception)."""
+    results: list = [None] * count
+    started = threading.Barrier(count + 1)
+
+    def one(i: int) -> None:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        text = ""
+        try:
+            stream = client.completions.create(
+                model=str(model),
+                prompt=f"Story {i}",
+                max_tokens=240,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for n, chunk in enumerate(stream):
+                text += chunk.choices[0].text if chunk.choices else ""
+                if n == 1:
+                    started.wait(30)
+            results[i] = ("ok", text)
+        except Exception as e:
+            results[i] = ("error", e)
+        finally:
+            if started.n_waiting and not started.broken:
+                started.abort()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    started.wait(60)
+    return results, threads
+
+
+def test_engine_death_ends_streams_and_health_turns_503(model):
+    server = ServerProcess(model, *ENGINE).wait_ready()
+    try:
+        engine = server.engine_pid()
+        assert engine != server.process.pid
+        results, threads = start_streams(server, model, 2)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        for thread in threads:
+            thread.join(15)
+        assert not any(thread.is_alive() for thread in threads), "a stream hangs"
+        for kind, error in results:
+            assert kind == "error" and "engine core" in str(error), (kind, error)
+        while httpx.get(f"{server.url}/health").status_code != 503:
+            assert time.monotonic() - killed < 10, "/health still answers 200"
+            time.sleep(0.1)
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}
+        )
+        assert response.status_code == 503 and "engine" in response.json()["error"]["message"]
+    finally:
+        server.stop_and_check(timeout_s=20)
+
+
+def test_sigterm_shuts_down_with_streams_in_flight(model):
+    server = ServerProcess(model, *ENGINE, "--shutdown-timeout", "2").wait_ready()
+    engine = server.engine_pid()
+    results, threads = start_streams(server, model, 2)
+    stopped = time.monotonic()
+    server.stop_and_check(timeout_s=20)
+    assert time.monotonic() - stopped < 2 + 8
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads)
+    assert all(result is not None for result in results)
+    assert (
+        not os.path.exists(f"/proc/{engine}/cmdline")
+        or not open(f"/proc/{engine}/cmdline", "rb").read()
+    )

@@ -1,0 +1,280 @@
+"""The server through the official openai client: the same outputs as the offline LLM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+from tiny_models import build_tiny_model, save_tiny_tokenizer
+
+from kvik import LLM, SamplingParams
+
+KEY = "test-key"
+ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "256", "--max-body-bytes", "65536"]
+PROMPTS = ["Hello world", "The cat", "1, 2, 3,", "abc"]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    folder = build_tiny_model("llama", tmp_path_factory.mktemp("chat-llama"))
+    return save_tiny_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    server = ServerProcess(model, *ENGINE, api_key=KEY).wait_ready()
+    yield server
+    server.stop_and_check()
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    return LLM(str(model), num_kv_blocks=128, max_model_len=256)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def greedy(max_tokens: int = 8, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_engine_runs_in_another_process(server):
+    assert server.engine_pid() not in (server.process.pid, os.getpid())
+
+
+def test_models_version_tokenize(server, client, model, offline):
+    assert [m.id for m in client.models.list()] == [str(model)]
+    http = httpx.Client(base_url=server.url, headers=server.headers)
+    assert http.get("/version").json()["version"]
+    tokens = http.post("/tokenize", json={"prompt": "Hello"}).json()
+    assert tokens["tokens"] == offline.get_tokenizer().encode("Hello")
+    assert http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "Hello"
+    chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    prompt = offline.input_processor.apply_chat_template(MESSAGES)
+    assert chat["tokens"] == prompt["prompt_token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_offline(client, offline, stream):
+    expected = offline.generate(PROMPTS, greedy(logprobs=2), use_tqdm=False)
+    kwargs = dict(model=client.models.list().data[0].id, prompt=PROMPTS, max_tokens=8)
+    kwargs |= dict(temperature=0, logprobs=2)
+    if stream:
+        texts, logprobs, usage = ["" for _ in PROMPTS], [[] for _ in PROMPTS], None
+        finish = [None for _ in PROMPTS]
+        for chunk in client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        ):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                logprobs[choice.index] += choice.logprobs.token_logprobs
+                finish[choice.index] = choice.finish_reason or finish[choice.index]
+    else:
+        response = client.completions.create(**kwargs)
+        choices = sorted(response.choices, key=lambda c: c.index)
+        texts = [c.text for c in choices]
+        logprobs = [c.logprobs.token_logprobs for c in choices]
+        finish = [c.finish_reason for c in choices]
+        usage = response.usage
+    assert texts == [r.outputs[0].text for r in expected]
+    assert finish == [r.outputs[0].finish_reason for r in expected]
+    for got, want in zip(logprobs, expected):
+        offline_lps = [next(iter(d.values())).logprob for d in want.outputs[0].logprobs]
+        assert got == pytest.approx(offline_lps, abs=1e-4)
+    assert usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in expected)
+    assert usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in expected)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_offline(client, offline, stream):
+    (expected,) = offline.chat(MESSAGES, greedy(logprobs=3), use_tqdm=False)
+    kwargs = dict(model=client.models.list().data[0].id, messages=MESSAGES, max_tokens=8)
+    kwargs |= dict(temperature=0, logprobs=True, top_logprobs=3)
+    if stream:
+        text, tokens, usage = "", [], None
+        for chunk in client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        ):
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                tokens += choice.logprobs.content if choice.logprobs else []
+    else:
+        response = client.chat.completions.create(**kwargs)
+        text = response.choices[0].message.content
+        tokens = response.choices[0].logprobs.content
+        usage = response.usage
+    assert text == expected.outputs[0].text
+    want = expected.outputs[0].logprobs
+    assert [t.logprob for t in tokens] == pytest.approx(
+        [next(iter(d.values())).logprob for d in want], abs=1e-4
+    )
+    assert all(len(t.top_logprobs) == 3 for t in tokens)
+    assert usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_n_and_stop(client, offline):
+    params = SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=6, stop=["a"])
+    (expected,) = offline.generate("Hello", params, use_tqdm=False)
+    response = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt="Hello",
+        n=3,
+        temperature=0.8,
+        seed=7,
+        max_tokens=6,
+        stop=["a"],
+    )
+    got = {c.index: c.text for c in response.choices}
+    assert got == {o.index: o.text for o in expected.outputs}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "top_p": 0}, "top_p"),
+        ({"prompt": "hi", "best_of": 2}, "best_of"),
+        ({"prompt": "hi", "suffix": "x"}, "suffix"),
+        ({"prompt": [], "max_tokens": 2}, "prompt"),
+        ({"prompt": [[1, 2], [300]], "max_tokens": 2}, None),
+        ({"prompt": "x" * 300, "max_tokens": 2}, None),
+        ({"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"max_tokens": 2}, "prompt"),
+    ],
+)
+def test_bad_completion_requests_get_400(server, body, param):
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "BadRequestError" and error["code"] == 400
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_error_statuses(server):
+    h = server.headers | {"Content-Type": "application/json"}
+    post = httpx.post
+    malformed = post(f"{server.url}/v1/completions", content=b'{"prompt": ', headers=h)
+    assert malformed.status_code == 400 and "JSON" in malformed.json()["error"]["message"]
+    tools = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert post(f"{server.url}/v1/chat/completions", json=tools, headers=h).status_code == 400
+    unknown_model = post(
+        f"{server.url}/v1/completions", json={"prompt": "hi", "model": "nope"}, headers=h
+    )
+    assert unknown_model.status_code == 404 and unknown_model.json()["error"]["param"] == "model"
+    assert httpx.get(f"{server.url}/v1/nothing", headers=h).status_code == 404
+    big = post(f"{server.url}/v1/completions", json={"prompt": "x" * 70000}, headers=h)
+    assert big.status_code == 413 and big.json()["error"]["code"] == 413
+
+
+def test_every_route_needs_the_key_but_health(server, model):
+    from kvik.engine.args import EngineArgs
+    from kvik_server.app import create_app
+
+    paths = {route.path for route in create_app(EngineArgs(model=str(model))).routes}
+    assert {"/v1/completions", "/v1/chat/completions", "/metrics", "/health"} <= paths
+    for path in sorted(paths) + ["/no/such/route"]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            for method in ("GET", "POST"):
+                response = httpx.request(method, f"{server.url}{path}", headers=headers)
+                if path == "/health":
+                    assert response.status_code == (200 if method == "GET" else 405)
+                else:
+                    assert response.status_code == 401, (method, path, headers)
+                    assert response.json()["error"]["type"] == "AuthenticationError"
+
+
+def test_64_concurrent_streams_are_batched(server, offline, model):
+    prompts = [f"Request {i}: " + "ab" * (i % 5) for i in range(64)]
+    expected = [r.outputs[0].text for r in offline.generate(prompts, greedy(), use_tqdm=False)]
+    peak, done = [0.0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], server.metrics().get("kvik:num_requests_running", 0))
+            time.sleep(0.02)
+
+    async def one(client: openai.AsyncOpenAI, prompt: str) -> str:
+        text = ""
+        stream = await client.completions.create(
+            model=str(model), prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+        return text
+
+    async def malformed(http: httpx.AsyncClient) -> list[int]:
+        headers = server.headers | {"Content-Type": "application/json"}
+        bodies = [
+            b"{",
+            b'{"prompt": 5}',
+            b'{"prompt": "x", "n": 0}',
+            b'{"prompt": "x", "top_k": -5}',
+        ]
+        return [
+            (await http.post("/v1/completions", content=body, headers=headers)).status_code
+            for body in bodies
+        ]
+
+    async def run() -> tuple[list[str], list[int]]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1",
+            api_key=KEY,
+            max_retries=0,
+            http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=100)),
+        )
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            results = await asyncio.gather(*(one(client, p) for p in prompts), malformed(http))
+        return results[:-1], results[-1]
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        texts, statuses = asyncio.run(run())
+    finally:
+        done.set()
+        watcher.join()
+    assert texts == expected
+    assert statuses == [400, 400, 400, 400]
+    assert peak[0] > 1
+
+
+def test_client_disconnect_aborts(server, client, model):
+    before = server.metrics()
+    stream = client.completions.create(
+        model=str(model),
+        prompt="Tell me a long story",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+    chunks = iter(stream)
+    next(chunks), next(chunks)
+    assert server.metrics()["kvik:num_requests_running"] == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = server.metrics()
+        if now["kvik:num_requests_running"] == 0:
+            break
+        time.sleep(0.1)
+    assert now["kvik:num_requests_running"] == 0
+    assert now["kvik:kv_cache_usage_perc"] == before["kvik:kv_cache_usage_perc"]
+    assert now["kvik:generation_tokens_total"] - before["kvik:generation_tokens_total"] < 200
