@@ -10,9 +10,7 @@ from kvik.sampling_params import SamplingParams
 
 def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
     if positional_model:
-        parser.add_argument(
-            "model_positional", nargs="?", metavar="MODEL", help="same as --model"
-        )
+        parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
     parser.add_argument(
         "--model",
         default=None,

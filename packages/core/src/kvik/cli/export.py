@@ -16,9 +16,7 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="a model folder, a .gguf file, a hub id or an alias")
     parser.add_argument("out_dir", help="the folder to write (created; must be empty if it exists)")
-    parser.add_argument(
-        "--dtype", default="float32", help="float32 (default), bfloat16 or float16"
-    )
+    parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
 
 
 def export_model(model: str | None, out_dir: Path, dtype: str = "float32") -> Path:
