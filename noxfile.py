@@ -1,4 +1,4 @@
-"""Sessions: ``tests`` (the test suite), ``lint`` (ruff), ``env`` (installs kvik, runs kvik env)."""
+"""Sessions: ``tests`` (the test suite), ``lint`` (ruff), ``env`` (kvik env), ``serve`` (the server)."""
 
 from __future__ import annotations
 
@@ -41,3 +41,10 @@ def lint(session: nox.Session) -> None:
 def env(session: nox.Session) -> None:
     install_kvik(session)
     session.run("kvik", "env", *session.posargs)
+
+
+@nox.session
+def serve(session: nox.Session) -> None:
+    """The main job: serve the default model on http://127.0.0.1:8000 (``nox -s serve -- --help``)."""
+    install_kvik(session)
+    session.run("kvik", "serve", *session.posargs)

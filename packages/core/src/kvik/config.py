@@ -101,6 +101,9 @@ class CacheConfig:
     num_blocks: int | None = None  # exact count; else from kv_cache_memory_bytes or the platform
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    # The share of an accelerator's memory the engine may use in all (weights, activations and the
+    # KV cache), as vLLM's; the KV cache gets what a profiling forward pass leaves of it.
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,6 +12,10 @@ from kvik.platforms.base import Platform
 
 if TYPE_CHECKING:
     from kvik.config import EngineConfig
+    from kvik.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+GiB = 1024**3
 
 #: Compute capability -> architecture generation.
 GENERATIONS = {
@@ -189,6 +194,48 @@ class CudaPlatform(Platform):
                 f"the cuda platform needs a CUDA build of torch; torch {torch.__version__} has no "
                 "CUDA (install one, or choose another device with --device / KVIK_DEVICE)"
             )
+
+    @classmethod
+    def kv_cache_bytes(cls, config: EngineConfig, runner: ModelRunner) -> int:
+        """What a profiling step leaves of ``gpu_memory_utilization`` of the GPU's memory.
+
+        The model is loaded; one step of ``max_num_batched_tokens`` dummy tokens (sampling
+        ``max_num_seqs`` rows) measures torch's peak allocation, and memory outside torch's
+        allocator (the CUDA context, other processes) is counted from the driver's free memory.
+        """
+        import torch
+
+        device = runner.device
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        runner.profile_run(
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+            config.model.max_model_len,
+        )
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+        limit = total * config.cache.gpu_memory_utilization
+        budget = int(limit - peak - outside_torch)
+        logger.info(
+            "memory profile: %.2f GiB of %.2f GiB allowed (gpu_memory_utilization=%.2f); peak "
+            "%.2f GiB in torch, %.2f GiB outside it; KV cache %.2f GiB",
+            limit / GiB, total / GiB, config.cache.gpu_memory_utilization, peak / GiB,
+            outside_torch / GiB, budget / GiB,
+        )  # fmt: skip
+        if budget <= 0:
+            raise ValueError(
+                f"no memory is left for the KV cache: gpu_memory_utilization="
+                f"{config.cache.gpu_memory_utilization} allows {limit / GiB:.2f} GiB of the GPU's "
+                f"{total / GiB:.2f} GiB, and the model's profiling step peaked at {peak / GiB:.2f} "
+                f"GiB with {outside_torch / GiB:.2f} GiB used outside torch; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
+            )
+        return budget
 
     @classmethod
     def synchronize(cls) -> None:

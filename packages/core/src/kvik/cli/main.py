@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvik.cli.generate", "generate a reply to one prompt and print it"),
     "chat": ("kvik.cli.chat", "chat with a model in the terminal, streaming the replies"),
     "export": ("kvik.cli.export", "write a model as a Hugging Face folder (safetensors)"),
+    "bench": ("kvik.cli.bench", "benchmark throughput, latency, or a running server"),
 }
 
 

@@ -30,6 +30,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     load_format: str = "auto"
     tokenizer: str | None = None
@@ -49,6 +50,14 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             optional=True,
         )
+        if not (
+            isinstance(self.gpu_memory_utilization, int | float)
+            and not isinstance(self.gpu_memory_utilization, bool)
+            and 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
@@ -82,6 +91,7 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                gpu_memory_utilization=float(self.gpu_memory_utilization),
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

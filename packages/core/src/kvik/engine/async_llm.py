@@ -19,7 +19,7 @@ from kvik.config import EngineConfig
 from kvik.engine.args import EngineArgs
 from kvik.engine.core_client import EngineCoreClient, EngineDeadError
 from kvik.engine.core_proc import EngineCoreOutputs
-from kvik.engine.input_processor import InputProcessor, PromptType
+from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
 from kvik.engine.output_processor import OutputProcessor, RequestState
 from kvik.outputs import RequestOutput
 from kvik.sampling_params import SamplingParams
@@ -75,19 +75,6 @@ class _Stream:
     @property
     def finished(self) -> bool:
         return all(state.finished for state in self.states)
-
-
-def child_requests(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """The engine requests of one user request: ``n`` of them, each with n=1 and its own seed."""
-    if params.n == 1:
-        return [(parent_id, params)]
-    return [
-        (
-            f"{index}_{parent_id}",
-            replace(params, n=1, seed=None if params.seed is None else params.seed + index),
-        )
-        for index in range(params.n)
-    ]
 
 
 class AsyncLLM:

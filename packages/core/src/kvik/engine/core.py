@@ -42,8 +42,8 @@ class EngineCore:
         if cache.num_blocks is not None:
             num_blocks = cache.num_blocks
         else:
-            budget = cache.kv_cache_memory_bytes or self.platform.default_kv_cache_bytes(
-                self.config
+            budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_bytes(
+                self.config, self.runner
             )
             num_blocks = budget // self.runner.kv_cache_bytes_per_block()
         # Every request must fit alone, or it could wait forever.

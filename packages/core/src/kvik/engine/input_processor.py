@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -186,3 +187,16 @@ def validate_conversation(conversation: Any) -> None:
                 raise ValueError(f"message {i}: only text content parts are supported")
         elif not isinstance(content, str) and not (content is None and role == "assistant"):
             raise ValueError(f"message {i} content must be a string or a list of text parts")
+
+
+def child_requests(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The engine requests of one user request: ``n`` of them, each with n=1 and its own seed."""
+    if params.n == 1:
+        return [(parent_id, params)]
+    return [
+        (
+            f"{index}_{parent_id}",
+            replace(params, n=1, seed=None if params.seed is None else params.seed + index),
+        )
+        for index in range(params.n)
+    ]

@@ -5,14 +5,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from kvik.engine.args import EngineArgs
 from kvik.engine.core import EngineCore
-from kvik.engine.input_processor import InputProcessor, PromptType
+from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
 from kvik.engine.output_processor import OutputProcessor
 from kvik.outputs import RequestOutput
 from kvik.sampling_params import SamplingParams
@@ -26,7 +25,8 @@ class LLM:
     model, SmolLM2-135M-Instruct.
 
     ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
-    or the platform's default (4 GiB on the CPU) decides it.
+    or the platform's default (4 GiB on the CPU) decides it. On a GPU the default is what a
+    profiling forward pass leaves of ``gpu_memory_utilization`` (0.9) of the device's memory.
     """
 
     def __init__(
@@ -42,6 +42,7 @@ class LLM:
         block_size: int = 16,
         num_kv_blocks: int | None = None,
         kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         load_format: str = "auto",
         tokenizer: str | None = None,
@@ -60,6 +61,7 @@ class LLM:
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager,
             load_format=load_format,
             tokenizer=tokenizer,
@@ -115,12 +117,7 @@ class LLM:
         for (prompt_text, token_ids, params), prio in zip(processed, priorities):
             parent_id = str(next(self._ids))
             results.append(RequestOutput(parent_id, prompt_text, token_ids))
-            for index in range(params.n):
-                child_id = parent_id if params.n == 1 else f"{index}_{parent_id}"
-                child_params = params
-                if params.n > 1:
-                    seed = None if params.seed is None else params.seed + index
-                    child_params = replace(params, n=1, seed=seed)
+            for index, (child_id, child_params) in enumerate(child_requests(parent_id, params)):
                 states.append(
                     self.output_processor.add_request(
                         child_id, prompt_text, token_ids, child_params, index

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvik.config import EngineConfig
+    from kvik.worker.model_runner import ModelRunner
 
 #: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.9
@@ -83,6 +84,12 @@ class Platform:
     def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
         """How much memory the KV cache gets when the user gives no size."""
         return int(cls.free_memory_bytes() * MEMORY_UTILIZATION)
+
+    @classmethod
+    def kv_cache_bytes(cls, config: EngineConfig, runner: ModelRunner) -> int:
+        """The KV cache's budget when the user gives no size, asked once the model is loaded (an
+        accelerator platform profiles a forward pass with ``runner.profile_run`` here)."""
+        return cls.default_kv_cache_bytes(config)
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

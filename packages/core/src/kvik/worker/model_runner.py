@@ -99,6 +99,38 @@ class ModelRunner:
             # from uninitialised memory would poison the sum.
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """One step of ``num_tokens`` dummy prompt tokens over ``min(max_num_seqs, num_tokens)``
+        requests that each sample (top-k and top-p on, the costliest sampling path), over a
+        temporary KV cache of just the blocks it needs, dropped afterwards: for measuring peak
+        memory before the real KV cache is sized."""
+        from kvik.request import Request
+        from kvik.sampling_params import SamplingParams
+        from kvik.scheduler.output import ScheduledRequest, SchedulerOutput
+
+        num_reqs = max(1, min(max_num_seqs, num_tokens))
+        num_tokens = min(num_tokens, num_reqs * max_model_len)
+        lens = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        vocab = self.config.model.vocab_size
+        scheduled, next_block = [], 0
+        for i, n in enumerate(lens):
+            request = Request(f"profile-{i}", [(7 * i + j) % vocab for j in range(n)], params, 1)
+            num_blocks = -(-n // self.block_size)
+            block_ids = list(range(next_block, next_block + num_blocks))
+            next_block += num_blocks
+            scheduled.append(ScheduledRequest(request, 0, n, block_ids, True))
+        self.initialize_kv_cache(next_block)
+        rng_state = self.sampler.generator.get_state()  # the dummy step must not move the RNG
+        try:
+            self.execute_model(SchedulerOutput(scheduled, num_tokens))
+        finally:
+            self.sampler.generator.set_state(rng_state)
+            for s in scheduled:
+                self.requests.pop(s.request.request_id, None)
+            for layer in self.attention_layers.values():
+                layer.kv_cache = None
+
     # --- one step -------------------------------------------------------------------------
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         scheduled = scheduler_output.scheduled
@@ -136,20 +168,27 @@ class ModelRunner:
         )
         metadata = self.backend.build_metadata(self._to_device(common))
         return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=positions.to(self.device),
+            input_ids=self._h2d(torch.tensor(token_ids, dtype=torch.long)),
+            positions=self._h2d(positions),
             attn_metadata=metadata,
-            logits_indices=(query_start_loc[1:].long() - 1)[sample_rows].to(self.device),
+            logits_indices=self._h2d((query_start_loc[1:].long() - 1)[sample_rows]),
             query_starts=query_start_loc[:-1].tolist(),
             sampling_requests=[scheduled[row].request for row in sample_rows],
         )
+
+    def _h2d(self, tensor: Tensor) -> Tensor:
+        """A step input built on the host, on the device: staged through pinned memory and copied
+        without blocking the host (a pageable source would make the copy wait)."""
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _to_device(self, common: AttentionMetadata) -> AttentionMetadata:
         if self.device.type == "cpu":
             return common
         for name, value in vars(common).items():
             if isinstance(value, Tensor):
-                setattr(common, name, value.to(self.device, non_blocking=True))
+                setattr(common, name, self._h2d(value))
         return common
 
     @torch.inference_mode()
@@ -247,7 +286,6 @@ class ModelRunner:
                 batch.generators[row] = state.generator
             if state.processors:
                 batch.processors.append((row, state.processors, request.output_token_ids))
-        if self.device.type != "cpu":
-            for name in ("temperature", "top_k", "top_p", "min_p"):
-                setattr(batch, name, getattr(batch, name).to(self.device, non_blocking=True))
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            setattr(batch, name, self._h2d(getattr(batch, name)))
         return batch

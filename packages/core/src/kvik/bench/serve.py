@@ -1,0 +1,239 @@
+"""``kvik bench serve``: a client that loads any OpenAI-style server with random-token requests.
+
+Requests go to ``/v1/completions`` with the prompt as token ids, streamed, greedy, end-of-sequence
+ignored. They arrive as a Poisson process at ``--request-rate`` (or all at once, ``inf``), at most
+``--max-concurrency`` in flight. Per request: time to first token (TTFT), time per output token
+after the first (TPOT), the gaps between streamed chunks (ITL) and end-to-end latency (E2EL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvik.bench.common import (
+    add_workload_arguments,
+    base_result,
+    mean,
+    percentiles,
+    random_workload,
+    write_json,
+)
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument(
+        "--model", default=None, help="the model name to send (default: the server's first)"
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids are drawn below it (default: from --model's config, "
+        "when kvik can read it)",
+    )
+    parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    parser.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: inf, all at once)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    add_workload_arguments(parser, num_prompts=100)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        print("kvik bench serve needs httpx: pip install httpx", file=sys.stderr)
+        return 2
+    try:
+        result = asyncio.run(benchmark(args))
+    except (ValueError, OSError) as e:
+        print(f"kvik bench serve: {e}", file=sys.stderr)
+        return 2
+    write_json(result, args.output_json)
+    return 0 if result["failed"] == 0 else 1
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(
+        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
+    ) as client:
+        model = args.model or await first_model(client)
+        vocab = args.vocab_size or vocab_size_of(model)
+        workload = random_workload(
+            args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
+        )
+        semaphore = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+        rng = random.Random(args.seed)
+        bar = tqdm(total=args.num_prompts, desc="requests", unit="req")
+
+        async def one(prompt: list[int], output_len: int) -> RequestResult:
+            async with semaphore:
+                result = await send(
+                    client, args.endpoint, model, prompt, output_len, not args.no_ignore_eos
+                )
+            bar.update(1)
+            return result
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt, output_len in zip(workload.prompts, workload.output_lens):
+            tasks.append(asyncio.create_task(one(prompt, output_len)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    for r, want in zip(results, workload.output_lens):
+        if r.ok and not args.no_ignore_eos and r.output_tokens != want:
+            r.ok, r.error = False, f"produced {r.output_tokens} tokens, expected {want}"
+    return summarize(args, model, results, duration)
+
+
+async def first_model(client: Any) -> str:
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def vocab_size_of(model: str) -> int:
+    from kvik.model_loader.loader import load_model_config
+
+    try:
+        return load_model_config(model).vocab_size
+    except Exception as e:
+        raise ValueError(f"cannot read {model!r}'s vocabulary size ({e}): pass --vocab-size") from e
+
+
+async def send(
+    client: Any, endpoint: str, model: str, prompt: list[int], max_tokens: int, ignore_eos: bool
+) -> RequestResult:
+    payload = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result = RequestResult(prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    chunks = 0
+    usage_tokens = None
+    try:
+        async with client.stream("POST", endpoint, json=payload) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:200]}"
+                return result
+            async for line in response.aiter_lines():
+                data = line.removeprefix("data:").strip()
+                if not line.startswith("data:") or data == "[DONE]":
+                    continue
+                message = json.loads(data)
+                if message.get("usage"):
+                    usage_tokens = message["usage"].get("completion_tokens")
+                if not message.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+    except Exception as e:  # a failed request is counted, the run goes on
+        result.error = f"{type(e).__name__}: {e}"
+        return result
+    result.e2el = last - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.ok = chunks > 0
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+def summarize(
+    args: argparse.Namespace, model: str, results: list[RequestResult], duration: float
+) -> dict[str, Any]:
+    done = [r for r in results if r.ok]
+    num_output = sum(r.output_tokens for r in done)
+    num_input = sum(r.prompt_len for r in done)
+    samples = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [(r.e2el - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
+        "itl": [gap for r in done for gap in r.itl],
+        "e2el": [r.e2el for r in done],
+    }
+    result = {
+        **base_result("kvik-bench-serve", model),
+        "base_url": args.base_url,
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "max_concurrency": args.max_concurrency,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "elapsed_s": round(duration, 4),
+        "request_s": round(len(done) / duration, 3),
+        "output_tok_s": round(num_output / duration, 2),
+        "total_tok_s": round((num_output + num_input) / duration, 2),
+    }
+    for name in METRICS:
+        values_ms = [v * 1000 for v in samples[name]]
+        result[f"mean_{name}_ms"] = round(mean(values_ms), 3)
+        result[f"median_{name}_ms"] = round(percentiles(values_ms, (50,))["p50"], 3)
+        result[f"p99_{name}_ms"] = round(percentiles(values_ms, (99,))["p99"], 3)
+    print(report(result), file=sys.stderr)
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    lines = [
+        f"completed {result['completed']}, failed {result['failed']} in {result['elapsed_s']:.2f} s",
+        f"requests/s {result['request_s']:.2f}, output tok/s {result['output_tok_s']:.1f}, "
+        f"total tok/s {result['total_tok_s']:.1f}",
+    ]
+    for name in METRICS:
+        lines.append(
+            f"{name.upper():5} ms: mean {result[f'mean_{name}_ms']:.2f}, "
+            f"median {result[f'median_{name}_ms']:.2f}, p99 {result[f'p99_{name}_ms']:.2f}"
+        )
+    return "\n".join(lines)

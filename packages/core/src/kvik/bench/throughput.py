@@ -1,0 +1,100 @@
+"""``kvik bench throughput``: offline tokens/s of one batch of random prompts, as vLLM's.
+
+The timed prompts are all added at once and the clock runs until the last one finishes. The
+warm-up prompts come from another seed, so no block of theirs can be a cached prefix of a timed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from kvik.bench.common import (
+    Workload,
+    add_workload_arguments,
+    base_result,
+    device_description,
+    random_workload,
+    write_json,
+)
+from kvik.cli.engine_args import add_engine_arguments, engine_kwargs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument(
+        "--num-warmup-prompts", type=int, default=2, help="prompts generated before timing"
+    )
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvik import LLM
+
+    try:
+        llm = LLM(**engine_kwargs(args))
+        vocab = llm.config.model.vocab_size
+        workload = random_workload(
+            args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
+        )
+        if args.num_warmup_prompts > 0:
+            warmup = random_workload(
+                args.num_warmup_prompts, args.input_len, 4, vocab, args.seed + 1_000_003
+            )
+            generate(llm, warmup, ignore_eos=True, use_tqdm=False)
+        start = time.perf_counter()
+        produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    except ValueError as e:
+        print(f"kvik bench throughput: {e}", file=sys.stderr)
+        return 2
+    short = check_output_lens(workload, produced, strict=not args.no_ignore_eos)
+    if short:
+        print(f"kvik bench throughput: {short}", file=sys.stderr)
+        return 1
+    result = throughput_result(llm, args, workload, produced, elapsed)
+    write_json(result, args.output_json)
+    return 0
+
+
+def generate(llm: Any, workload: Workload, ignore_eos: bool, use_tqdm: bool) -> list[int]:
+    """Runs the workload greedily; returns the number of tokens each request produced."""
+    from kvik import SamplingParams
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=ignore_eos)
+        for n in workload.output_lens
+    ]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    return [len(out.outputs[0].token_ids) for out in outputs]
+
+
+def check_output_lens(workload: Workload, produced: list[int], strict: bool) -> str | None:
+    """An error message if a request produced more tokens than asked, or fewer where EOS is
+    ignored; None if all is well."""
+    for i, (want, got) in enumerate(zip(workload.output_lens, produced)):
+        if got > want or (strict and got != want):
+            return f"request {i} produced {got} tokens, expected {want}"
+    return None
+
+
+def throughput_result(
+    llm: Any, args: argparse.Namespace, workload: Workload, produced: list[int], elapsed: float
+) -> dict[str, Any]:
+    num_output = sum(produced)
+    return {
+        **base_result("kvik", llm.config.model.name or str(llm.config.model.path)),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "range_ratio": args.range_ratio,
+        "dtype": str(llm.config.model.dtype).removeprefix("torch."),
+        "elapsed_s": round(elapsed, 4),
+        "num_output_tokens": num_output,
+        "output_tok_s": round(num_output / elapsed, 2),
+        "total_tok_s": round((num_output + workload.num_input_tokens) / elapsed, 2),
+        "device": device_description(llm),
+    }

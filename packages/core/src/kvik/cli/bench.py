@@ -1,0 +1,24 @@
+"""``kvik bench throughput|latency|serve``: the benchmarks, each a module of kvik.bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "throughput": ("kvik.bench.throughput", "offline tokens/s of one batch of random prompts"),
+    "latency": ("kvik.bench.latency", "time for one batch, from submission to its last token"),
+    "serve": ("kvik.bench.serve", "load a running OpenAI-style server; TTFT, TPOT, ITL, E2EL"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    subparsers = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_path, help_text) in BENCHMARKS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module_path).add_arguments(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    return importlib.import_module(BENCHMARKS[args.benchmark][0]).run(args)
