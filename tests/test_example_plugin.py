@@ -63,7 +63,7 @@ def kvik_env(python: Path, **env: str) -> tuple[int, dict[str, Any]]:
     return result.returncode, json.loads(result.stdout)
 
 
-def test_example_platform_is_listed_present_and_selected(tmp_path: Path) -> None:
+def test_example_platform_is_listed_present_and_selected(tmp_path: Path, tiny_model) -> None:
     python = make_venv(tmp_path / "venv")
     pip_install(python, EXAMPLE)
 
@@ -86,6 +86,33 @@ def test_example_platform_is_listed_present_and_selected(tmp_path: Path) -> None
     # Present, it outranks the CPU (50 > 0) without being named.
     _, report = kvik_env(python, KVIK_EXAMPLE_PLATFORM="1")
     assert report["selected_platform"] == "example"
+
+    # Selected, it runs the engine: the same greedy tokens as the CPU platform gives.
+    script = textwrap.dedent(
+        f"""
+        import json
+        from kvik import LLM, SamplingParams
+        llm = LLM({str(tiny_model("llama"))!r}, dtype="float32", num_kv_blocks=64)
+        out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=8,
+                           ignore_eos=True), use_tqdm=False)
+        print(json.dumps([llm.engine.platform.name, out[0].outputs[0].token_ids]))
+        """
+    )
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVIK_")}
+    runs = {}
+    for device in ("example", "cpu"):
+        result = subprocess.run(
+            [str(python), "-c", script],
+            env=clean | {"KVIK_EXAMPLE_PLATFORM": "1", "KVIK_DEVICE": device},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert result.returncode == 0, result.stderr
+        name, tokens = json.loads(result.stdout.strip().splitlines()[-1])
+        assert name == device and len(tokens) == 8
+        runs[device] = tokens
+    assert runs["example"] == runs["cpu"]
 
 
 def test_plugin_that_raises_on_import_is_named(tmp_path: Path) -> None:

@@ -230,3 +230,29 @@ def test_default_model_tokenizer_and_chat_template(default_gguf: Path) -> None:
     assert prompt.endswith(
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
     )
+
+
+@pytest.mark.parametrize(
+    "qtype, tolerance",
+    # F16: rounding to half precision. Q8_0: int8 steps of max|x|/127 per block of 32 weights,
+    # which move these peaked logits by a few percent of their range.
+    [(GGMLQuantizationType.F16, 1e-3), (GGMLQuantizationType.Q8_0, 5e-2)],
+    ids=["F16", "Q8_0"],
+)
+def test_written_gguf_runs_in_kvik(
+    tmp_path: Path, qtype: GGMLQuantizationType, tolerance: float
+) -> None:
+    """kvik's engine on the GGUF file gives the logits of the original weights."""
+    from kvik import LLM, SamplingParams
+
+    model = _tiny_llama(tie_word_embeddings=False)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(model, path, qtype)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    params = SamplingParams(max_tokens=1, prompt_logprobs=-1)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    got = torch.tensor([[e[t].logprob for t in range(256)] for e in out.prompt_logprobs[1:]])
+    with torch.no_grad():
+        want = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    assert ((got - want).abs().max() / want.abs().max()).item() < tolerance

@@ -60,6 +60,12 @@ def random_workload(
     return Workload(prompts, output_lens)
 
 
+def warmup_workload(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> Workload:
+    """A few short requests from another seed than the timed ones: the same prompt lengths, so
+    prefill paths warm up, and no prompt that prefix caching could reuse."""
+    return random_workload(num_prompts, input_len, 4, vocab_size, seed + 1_000_003)
+
+
 def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int = 32) -> None:
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
     parser.add_argument("--input-len", type=int, default=128, help="prompt tokens")

@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     from kvik import LLM
 
     if args.num_iters < 1 or args.num_iters_warmup < 0:
-        print("kvik bench latency: --num-iters must be >= 1, --num-iters-warmup >= 0", file=sys.stderr)
+        print(
+            "kvik bench latency: --num-iters must be >= 1, --num-iters-warmup >= 0", file=sys.stderr
+        )
         return 2
     try:
         llm = LLM(**engine_kwargs(args))

@@ -52,8 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vocab-size",
         type=int,
         default=None,
-        help="token ids are drawn below it (default: from --model's config, "
-        "when kvik can read it)",
+        help="token ids are drawn below it (default: from --model's config, when kvik can read it)",
     )
     parser.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument(

@@ -17,6 +17,7 @@ from kvik.bench.common import (
     base_result,
     device_description,
     random_workload,
+    warmup_workload,
     write_json,
 )
 from kvik.cli.engine_args import add_engine_arguments, engine_kwargs
@@ -40,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
             args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
         )
         if args.num_warmup_prompts > 0:
-            warmup = random_workload(
-                args.num_warmup_prompts, args.input_len, 4, vocab, args.seed + 1_000_003
-            )
+            warmup = warmup_workload(args.num_warmup_prompts, args.input_len, vocab, args.seed)
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
         start = time.perf_counter()
         produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)

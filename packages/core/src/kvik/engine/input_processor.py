@@ -24,9 +24,9 @@ def load_tokenizer(name_or_path: str | Path) -> Any | None:
     """The Hugging Face tokenizer of a model folder or .gguf file, or None when there is none."""
     path = Path(name_or_path)
     if path.suffix == ".gguf" and path.is_file():
-        from kvik.model_loader.gguf_loader import gguf_tokenizer
+        from kvik.model_loader.gguf_loader import gguf_has_tokenizer, gguf_tokenizer
 
-        return gguf_tokenizer(path)
+        return gguf_tokenizer(path) if gguf_has_tokenizer(path) else None
     if not any(
         (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     ):

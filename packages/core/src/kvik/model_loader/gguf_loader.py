@@ -115,6 +115,10 @@ def gguf_generation_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def gguf_has_tokenizer(path: str | Path) -> bool:
+    return "tokenizer.ggml.tokens" in _reader(path).fields
+
+
 def gguf_tokenizer(path: str | Path) -> Any:  # -> transformers.PreTrainedTokenizerFast
     """The tokenizer and chat template stored in the GGUF, through transformers' GGUF converter."""
     from transformers import PreTrainedTokenizerFast
