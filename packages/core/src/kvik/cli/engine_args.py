@@ -27,6 +27,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of an accelerator's memory the engine may use (weights, activations, KV cache)",
+    )
     parser.add_argument("--no-enable-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
@@ -47,6 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=not args.no_enable_prefix_caching,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
