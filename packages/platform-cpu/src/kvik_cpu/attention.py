@@ -58,9 +58,15 @@ class TorchSdpaImpl(AttentionImpl):
             key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
         )
         r, nb = metadata.key_block_table.shape
-        # [R, nb, block, Hk, D] -> [R, Hk, S, D]
-        k = kv_cache[0][metadata.key_block_table].view(r, nb * c.block_size, hk, d).transpose(1, 2)
-        v = kv_cache[1][metadata.key_block_table].view(r, nb * c.block_size, hk, d).transpose(1, 2)
+        blocks = metadata.key_block_table.flatten()
+        # index_select over flattened blocks is about twice as fast as advanced indexing here.
+        # [R * nb, block * Hk * D] -> [R, Hk, S, D]
+        k, v = (
+            torch.index_select(kv_cache[i].flatten(1), 0, blocks)
+            .view(r, nb * c.block_size, hk, d)
+            .transpose(1, 2)
+            for i in (0, 1)
+        )
         q = query[:t].view(t, h, d)[metadata.query_index].transpose(1, 2)  # [R, H, Q, D]
         out = F.scaled_dot_product_attention(
             q.to(k.dtype),
