@@ -15,9 +15,8 @@ from torch import Tensor
 @torch.library.custom_op("kvik::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # As Hugging Face: normalise in fp32, scale by the weight in the input dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
+    return weight * normed.to(x.dtype)
 
 
 @rms_norm.register_fake
@@ -74,7 +73,9 @@ def rotary_embedding(
         t = x.shape[0]
         x = x.view(t, -1, head_size)
         rotated = _rotate(x[..., :rot_dim].float(), cos, sin, is_neox).to(x.dtype)
-        return torch.cat((rotated, x[..., rot_dim:]), dim=-1).reshape(t, -1)
+        if rot_dim < head_size:  # partial rotary: the other dims pass through
+            rotated = torch.cat((rotated, x[..., rot_dim:]), dim=-1)
+        return rotated.reshape(t, -1)
 
     return apply(query), apply(key)
 
