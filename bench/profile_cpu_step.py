@@ -13,7 +13,6 @@ import argparse
 import statistics
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvik import LLM, SamplingParams
