@@ -16,7 +16,7 @@ def hf_greedy(
 ) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' generate() for one prompt alone: tokens and the logits each was chosen from."""
     with torch.no_grad():
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=model.device)
         out = model.generate(
             ids,
             # Explicit: otherwise transformers masks every token equal to the pad id (SmolLM2's

@@ -21,7 +21,7 @@ import torch
 
 # The CPU end-to-end helpers live in the repository's top-level tests/ (not a package).
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-from test_engine_vs_transformers import assert_greedy_equal  # noqa: E402
+from test_engine_vs_transformers import assert_greedy_equal, hf_greedy  # noqa: E402
 from tiny_models import load_hf, ragged_prompts  # noqa: E402
 
 from kvik import LLM, SamplingParams  # noqa: E402
@@ -144,23 +144,13 @@ def assert_greedy_in_top5(prompts, kvik_outputs, hf_model, max_new_tokens: int) 
     the first differing position."""
     diverged = []
     for prompt, output in zip(prompts, kvik_outputs):
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            out = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        expected = out.sequences[0, len(prompt) :].tolist()
+        expected, logits = hf_greedy(hf_model, prompt, max_new_tokens)
         got = output.outputs[0].token_ids
         assert len(got) == max_new_tokens
         if got == expected:
             continue
         i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-        top5 = out.logits[i][0].float().topk(5).indices.tolist()
+        top5 = logits[i].topk(5).indices.tolist()
         assert got[i] in top5, (
             f"prompt of {len(prompt)} tokens diverges at output {i}: kvik {got[i]}, "
             f"transformers {expected[i]}, transformers' top-5 {top5}"
