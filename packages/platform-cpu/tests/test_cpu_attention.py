@@ -1,0 +1,97 @@
+"""The CPU attention backend against dense attention computed per request, on mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvik.attention.backend import AttentionMetadata
+from kvik_cpu.attention import TorchSdpaBackend
+from kvik_cpu.platform import CpuPlatform, has_native_bf16
+
+BLOCK = 16
+
+
+def dense_reference(q, k, v, scale, window):
+    """q [Q, H, D] at the last Q positions of a context k, v [S, Hk, D]; causal, windowed."""
+    s, h, hk = k.shape[0], q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(h // hk, dim=1), v.repeat_interleave(h // hk, dim=1)
+    q_pos = torch.arange(s - q.shape[0], s).unsqueeze(1)
+    k_pos = torch.arange(s)
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
+def test_mixed_batch_matches_dense_attention(heads, kv_heads, window):
+    torch.manual_seed(0)
+    d, scale = 32, 32**-0.5
+    # (context length, new tokens): a whole prompt, a chunk after a prefix hit, decodes
+    requests = [(37, 37), (50, 9), (23, 1), (64, 1), (17, 17)]
+    num_blocks = 40
+    kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d)
+    free = torch.randperm(num_blocks).tolist()  # shuffled block ids
+    tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
+    for seq_len, new in requests:
+        blocks = [free.pop() for _ in range(-(-seq_len // BLOCK))]
+        tables.append(blocks)
+        k_all, v_all = torch.randn(seq_len, kv_heads, d), torch.randn(seq_len, kv_heads, d)
+        for pos in range(seq_len - new):  # the cached context, written before this step
+            b, o = blocks[pos // BLOCK], pos % BLOCK
+            kv_cache[0, b, o], kv_cache[1, b, o] = k_all[pos], v_all[pos]
+        contexts.append((k_all, v_all))
+        qs.append(torch.randn(new, heads, d))
+        ks.append(k_all[seq_len - new :])
+        vs.append(v_all[seq_len - new :])
+        slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq_len - new, seq_len)]
+    query_lens = torch.tensor([n for _, n in requests], dtype=torch.int32)
+    seq_lens = torch.tensor([s for s, _ in requests], dtype=torch.int32)
+    block_table = torch.zeros(len(requests), max(map(len, tables)), dtype=torch.int32)
+    for row, blocks in enumerate(tables):
+        block_table[row, : len(blocks)] = torch.tensor(blocks)
+    metadata = TorchSdpaBackend.build_metadata(
+        AttentionMetadata(
+            num_actual_tokens=int(query_lens.sum()),
+            num_reqs=len(requests),
+            query_start_loc=torch.cat(
+                (torch.zeros(1, dtype=torch.int32), query_lens.cumsum(0))
+            ).int(),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_table=block_table,
+            slot_mapping=torch.tensor(slots),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=BLOCK,
+        )
+    )
+    impl = TorchSdpaBackend.impl_class()(heads, d, scale, kv_heads, window)
+    q = torch.cat(qs).flatten(1)
+    out = torch.full_like(q, float("nan"))
+    impl.forward(q, torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), kv_cache, metadata, out)
+    start = 0
+    for (k_all, v_all), q_r in zip(contexts, qs):
+        want = dense_reference(q_r, k_all, v_all, scale, window).float().flatten(1)
+        got = out[start : start + q_r.shape[0]]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        start += q_r.shape[0]
+    # The new keys and values landed in their slots.
+    flat = kv_cache.view(2, num_blocks * BLOCK, kv_heads, d)
+    torch.testing.assert_close(flat[0, torch.tensor(slots)], torch.cat(ks))
+
+
+def test_cpu_platform_reports_native_bf16_from_the_flags(monkeypatch):
+    import kvik_cpu.platform as platform
+
+    platform.cpu_flags.cache_clear()
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    assert has_native_bf16() and CpuPlatform.default_dtype() == "bfloat16"
+    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert not has_native_bf16() and CpuPlatform.default_dtype() == "float32"
+    details = CpuPlatform.details()
+    assert details["cores"] >= 1 and details["total_memory_bytes"] > 0

@@ -1,0 +1,80 @@
+"""The request models reject what OpenAI's API rejects, before anything reaches the engine."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvik_server.errors import error_body
+from kvik_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+
+@pytest.mark.parametrize(
+    "prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]], ids=["str", "strs", "ids", "id-lists"]
+)
+def test_completion_prompts_of_every_openai_shape(prompt):
+    assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": "0.5"},  # strict types: a string is not a number
+        {"temperature": -0.1},
+        {"temperature": 2.5},
+        {"top_p": 0.0},
+        {"n": 0},
+        {"max_tokens": 0},
+        {"presence_penalty": 3.0},
+        {"logprobs": 21},
+        {"prompt_logprobs": -2},
+        {"repetition_penalty": 0.0},
+        {"stop_token_ids": [1, True]},  # a bool is not a token id
+        {"stream_options": {"include_usage": True}},  # only with stream
+        {"prompt": [[1, "x"]]},
+    ],
+)
+def test_completion_request_rejects(fields):
+    with pytest.raises(ValidationError):
+        CompletionRequest(**{"prompt": "hi", **fields})
+
+
+def test_chat_request_needs_messages_and_unknown_fields_are_ignored():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[])
+    request = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}],
+        stream=True,
+        stream_options={"include_usage": True},
+        some_future_field=1,
+    )
+    assert request.stream_options.include_usage
+    assert not hasattr(request, "some_future_field")
+
+
+def test_tokenize_takes_exactly_one_input():
+    assert TokenizeRequest(prompt="hi").prompt == "hi"
+    with pytest.raises(ValidationError):
+        TokenizeRequest()
+    with pytest.raises(ValidationError):
+        TokenizeRequest(prompt="hi", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(ValidationError):
+        DetokenizeRequest(tokens=["1"])
+
+
+def test_error_bodies_have_openais_shape():
+    body = error_body("temperature must be >= 0", 400, param="temperature")
+    assert body == {
+        "error": {
+            "message": "temperature must be >= 0",
+            "type": "BadRequestError",
+            "param": "temperature",
+            "code": 400,
+        }
+    }
+    assert error_body("no key", 401)["error"]["type"] == "AuthenticationError"
