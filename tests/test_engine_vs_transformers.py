@@ -54,7 +54,7 @@ def assert_greedy_equal(prompts, kvik_outputs, hf_model, max_new_tokens: int) ->
 
 def make_llm(folder, **kwargs) -> LLM:
     kwargs.setdefault("num_kv_blocks", 256)
-    return LLM(str(folder), dtype="float32", **kwargs)
+    return LLM(str(folder), dtype="float32", enforce_eager=True, **kwargs)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

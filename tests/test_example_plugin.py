@@ -92,7 +92,7 @@ def test_example_platform_is_listed_present_and_selected(tmp_path: Path, tiny_mo
         f"""
         import json
         from kvik import LLM, SamplingParams
-        llm = LLM({str(tiny_model("llama"))!r}, dtype="float32", num_kv_blocks=64)
+        llm = LLM({str(tiny_model("llama"))!r}, dtype="float32", num_kv_blocks=64, enforce_eager=True)
         out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=8,
                            ignore_eos=True), use_tqdm=False)
         print(json.dumps([llm.engine.platform.name, out[0].outputs[0].token_ids]))

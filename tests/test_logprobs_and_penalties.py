@@ -14,9 +14,13 @@ from kvik import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm_and_hf(tiny_model):
     folder = tiny_model("llama")
-    return LLM(str(folder), dtype="float32", num_kv_blocks=256, max_num_batched_tokens=24), load_hf(
-        folder
-    )
+    return LLM(
+        str(folder),
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=24,
+        enforce_eager=True,
+    ), load_hf(folder)
 
 
 def test_logprobs_equal_log_softmax_of_transformers(llm_and_hf):

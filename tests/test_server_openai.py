@@ -36,7 +36,7 @@ def server(model):
 
 @pytest.fixture(scope="module")
 def offline(model):
-    return LLM(str(model), num_kv_blocks=128, max_model_len=256)
+    return LLM(str(model), num_kv_blocks=128, max_model_len=256, enforce_eager=True)
 
 
 @pytest.fixture

@@ -54,7 +54,15 @@ def tiny_config(tmp_path_factory) -> Path:
 
 
 def engine_options(folder: Path) -> list[str]:
-    return ["--model", str(folder), "--load-format", "dummy", "--dtype", "float32"]
+    return [
+        "--model",
+        str(folder),
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+    ]
 
 
 def test_random_workload_is_seeded_and_keeps_away_from_special_tokens() -> None:

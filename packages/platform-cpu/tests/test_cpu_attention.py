@@ -26,26 +26,45 @@ def dense_reference(q, k, v, scale, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double())
 
 
+MIXED = [(37, 37), (50, 9), (23, 1), (64, 1), (17, 17)]  # a prompt, a chunk after a hit, decodes
+DECODES = [(23, 1), (64, 1), (40, 1)]
+SINGLE_DECODE = [(45, 1)]
+
+
+def backends() -> list:
+    from kvik_cpu.paged_attention import CpuPagedBackend
+
+    found = [TorchSdpaBackend]
+    if CpuPagedBackend.unsupported_reason(torch.float32, 32, BLOCK) is None:
+        found.append(CpuPagedBackend)
+    return found
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "requests", [MIXED, DECODES, SINGLE_DECODE], ids=["mixed", "decodes", "one"]
+)
 @pytest.mark.parametrize("window", [None, 7])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
-def test_mixed_batch_matches_dense_attention(heads, kv_heads, window):
+def test_batch_matches_dense_attention(backend, dtype, requests, heads, kv_heads, window):
+    """(context length, new tokens) per request; fresh random inputs, shuffled block ids."""
     torch.manual_seed(0)
     d, scale = 32, 32**-0.5
-    # (context length, new tokens): a whole prompt, a chunk after a prefix hit, decodes
-    requests = [(37, 37), (50, 9), (23, 1), (64, 1), (17, 17)]
     num_blocks = 40
-    kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d)
-    free = torch.randperm(num_blocks).tolist()  # shuffled block ids
+    kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d, dtype=dtype)
+    free = torch.randperm(num_blocks).tolist()
     tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
     for seq_len, new in requests:
         blocks = [free.pop() for _ in range(-(-seq_len // BLOCK))]
         tables.append(blocks)
-        k_all, v_all = torch.randn(seq_len, kv_heads, d), torch.randn(seq_len, kv_heads, d)
+        k_all = torch.randn(seq_len, kv_heads, d).to(dtype)
+        v_all = torch.randn(seq_len, kv_heads, d).to(dtype)
         for pos in range(seq_len - new):  # the cached context, written before this step
             b, o = blocks[pos // BLOCK], pos % BLOCK
             kv_cache[0, b, o], kv_cache[1, b, o] = k_all[pos], v_all[pos]
         contexts.append((k_all, v_all))
-        qs.append(torch.randn(new, heads, d))
+        qs.append(torch.randn(new, heads, d).to(dtype))
         ks.append(k_all[seq_len - new :])
         vs.append(v_all[seq_len - new :])
         slots += [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(seq_len - new, seq_len)]
@@ -54,7 +73,7 @@ def test_mixed_batch_matches_dense_attention(heads, kv_heads, window):
     block_table = torch.zeros(len(requests), max(map(len, tables)), dtype=torch.int32)
     for row, blocks in enumerate(tables):
         block_table[row, : len(blocks)] = torch.tensor(blocks)
-    metadata = TorchSdpaBackend.build_metadata(
+    metadata = backend.build_metadata(
         AttentionMetadata(
             num_actual_tokens=int(query_lens.sum()),
             num_reqs=len(requests),
@@ -70,19 +89,21 @@ def test_mixed_batch_matches_dense_attention(heads, kv_heads, window):
             block_size=BLOCK,
         )
     )
-    impl = TorchSdpaBackend.impl_class()(heads, d, scale, kv_heads, window)
+    impl = backend.impl_class()(heads, d, scale, kv_heads, window)
     q = torch.cat(qs).flatten(1)
     out = torch.full_like(q, float("nan"))
     impl.forward(q, torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), kv_cache, metadata, out)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     start = 0
     for (k_all, v_all), q_r in zip(contexts, qs):
         want = dense_reference(q_r, k_all, v_all, scale, window).float().flatten(1)
-        got = out[start : start + q_r.shape[0]]
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        got = out[start : start + q_r.shape[0]].float()
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         start += q_r.shape[0]
     # The new keys and values landed in their slots.
     flat = kv_cache.view(2, num_blocks * BLOCK, kv_heads, d)
     torch.testing.assert_close(flat[0, torch.tensor(slots)], torch.cat(ks))
+    torch.testing.assert_close(flat[1, torch.tensor(slots)], torch.cat(vs))
 
 
 def test_cpu_platform_reports_native_bf16_from_the_flags(monkeypatch):

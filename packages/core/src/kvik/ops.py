@@ -4,19 +4,45 @@ The references run on every device. A platform registers faster kernels for its 
 it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``), never on import,
 because ROCm builds of torch use the CUDA key too. Models call ``torch.ops.kvik.*`` and dispatch
 follows the tensors' device; ``torch.compile`` sees each op as one node.
+
+A platform whose kernels for the small ops are these references themselves (the CPU) asks for
+``use_native_ops(True)`` before the model is built: the layers then call the references directly
+(``native``), which skips the
+custom-op dispatch in eager mode (about 15 us a call) and lets ``torch.compile`` fuse them into its
+own loops instead of calling an opaque op. Attention and the cache write always go through their ops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+_use_native = False
 
-@torch.library.custom_op("kvik::rms_norm", mutates_args=())
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+
+def use_native_ops(enabled: bool) -> None:
+    """Call the references of rms_norm, fused_add_rms_norm, rotary_embedding and silu_and_mul
+    directly instead of through ``torch.ops.kvik`` (set once per process by the runner from its
+    platform's ``native_ops``)."""
+    global _use_native
+    _use_native = enabled
+
+
+def native(name: str) -> Callable:
+    """What a layer calls for the small op ``name`` (say "rms_norm"): the custom op, or its
+    reference where native ops are on. Layers resolve it once, when they are built."""
+    return _REFERENCES[name] if _use_native else getattr(torch.ops.kvik, name)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # As Hugging Face: normalise in fp32, scale by the weight in the input dtype.
     normed = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * normed.to(x.dtype)
+
+
+rms_norm = torch.library.custom_op("kvik::rms_norm", _rms_norm, mutates_args=())
 
 
 @rms_norm.register_fake
@@ -24,13 +50,17 @@ def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("kvik::fused_add_rms_norm", mutates_args=())
-def fused_add_rms_norm(
+def _fused_add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     """Returns (rms_norm(x + residual), x + residual): the next layer's input and residual."""
     summed = x + residual
-    return rms_norm(summed, weight, eps), summed
+    return _rms_norm(summed, weight, eps), summed
+
+
+fused_add_rms_norm = torch.library.custom_op(
+    "kvik::fused_add_rms_norm", _fused_add_rms_norm, mutates_args=()
+)
 
 
 @fused_add_rms_norm.register_fake
@@ -51,8 +81,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
     return torch.stack((o1, o2), dim=-1).flatten(-2)
 
 
-@torch.library.custom_op("kvik::rotary_embedding", mutates_args=())
-def rotary_embedding(
+def _rotary_embedding(
     positions: Tensor,
     query: Tensor,
     key: Tensor,
@@ -80,16 +109,23 @@ def rotary_embedding(
     return apply(query), apply(key)
 
 
+rotary_embedding = torch.library.custom_op(
+    "kvik::rotary_embedding", _rotary_embedding, mutates_args=()
+)
+
+
 @rotary_embedding.register_fake
 def _(positions, query, key, head_size, cos_sin_cache, is_neox):
     return torch.empty_like(query), torch.empty_like(key)
 
 
-@torch.library.custom_op("kvik::silu_and_mul", mutates_args=())
-def silu_and_mul(x: Tensor) -> Tensor:
+def _silu_and_mul(x: Tensor) -> Tensor:
     """x: [T, 2*I] holding gate then up projections -> silu(gate) * up: [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+silu_and_mul = torch.library.custom_op("kvik::silu_and_mul", _silu_and_mul, mutates_args=())
 
 
 @silu_and_mul.register_fake
@@ -136,3 +172,12 @@ def unified_attention(
 @unified_attention.register_fake
 def _(query, key, value, output, layer_name) -> None:
     return None
+
+
+#: Each small op's reference, for ``native``.
+_REFERENCES: dict[str, Callable] = {
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "rotary_embedding": _rotary_embedding,
+    "silu_and_mul": _silu_and_mul,
+}

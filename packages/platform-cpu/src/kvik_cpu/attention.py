@@ -4,6 +4,11 @@ Each step gathers every request's context from its blocks into a padded [R, Hk, 
 pads the queries to [R, H, Q, D]; one boolean mask per distinct sliding window (shared by all layers)
 encodes causality, context length and window. Padding costs some work on ragged batches but keeps
 the hot path free of Python loops over requests.
+
+Everything that depends only on the step (the flat block list, the query layout, the masks) is built
+once per step in ``build_metadata``, not once per layer: a layer runs the cache write, the gather and
+SDPA, about eight PyTorch calls. A step of decodes only (one query token per request) needs no query
+padding, and a single request's context needs no mask at all.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
 
 
@@ -25,11 +29,22 @@ class SdpaMetadata:
     query_valid: Tensor  # [R, Q] bool
     query_pos: Tensor  # [R, Q] position of each query token in its sequence
     key_block_table: Tensor  # [R, ceil(S / block_size)]
-    masks: dict[int | None, Tensor] = field(default_factory=dict)  # window -> [R, 1, Q, S]
+    key_blocks: Tensor  # [R * ceil(S / block_size)] the same, flat, int64 for index_select
+    #: One query token per request: queries need no padding (Q = 1, token r is request r's).
+    decode_only: bool
+    #: Keys to read in a single request's step, which then needs no mask (else None).
+    single_request_len: int | None
+    masks: dict[int | None, Tensor | None] = field(default_factory=dict)  # window -> [R,1,Q,S]
 
-    def mask(self, sliding_window: int | None) -> Tensor:
+    def mask(self, sliding_window: int | None) -> Tensor | None:
         if sliding_window not in self.masks:
             c = self.common
+            if self.single_request_len is not None and (
+                sliding_window is None or self.single_request_len <= sliding_window
+            ):
+                # One request, one query token: it sees every key of its context.
+                self.masks[sliding_window] = None
+                return None
             s = self.key_block_table.shape[1] * c.block_size
             key_pos = torch.arange(s, dtype=torch.int32)  # [S]
             q_pos = self.query_pos.unsqueeze(-1)  # [R, Q, 1]
@@ -54,20 +69,29 @@ class TorchSdpaImpl(AttentionImpl):
     ) -> None:
         c = metadata.common
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
-        torch.ops.kvik.reshape_and_cache(
-            key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
-        )
+        # The cache write (kvik.ops.reshape_and_cache without its op dispatch and padding check:
+        # the CPU runner never pads, so every slot is valid).
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        flat = kv_cache.view(2, num_blocks * block_size, hk * d)
+        flat[0].index_copy_(0, c.slot_mapping, key[:t].to(kv_cache.dtype))
+        flat[1].index_copy_(0, c.slot_mapping, value[:t].to(kv_cache.dtype))
+
         r, nb = metadata.key_block_table.shape
-        blocks = metadata.key_block_table.flatten()
         # index_select over flattened blocks is about twice as fast as advanced indexing here.
         # [R * nb, block * Hk * D] -> [R, Hk, S, D]
         k, v = (
-            torch.index_select(kv_cache[i].flatten(1), 0, blocks)
+            torch.index_select(kv_cache[i].flatten(1), 0, metadata.key_blocks)
             .view(r, nb * c.block_size, hk, d)
             .transpose(1, 2)
             for i in (0, 1)
         )
-        q = query[:t].view(t, h, d)[metadata.query_index].transpose(1, 2)  # [R, H, Q, D]
+        if metadata.single_request_len is not None and metadata.mask(self.sliding_window) is None:
+            k = k[:, :, : metadata.single_request_len]
+            v = v[:, :, : metadata.single_request_len]
+        if metadata.decode_only:
+            q = query[:t].view(t, h, 1, d)  # [R, H, 1, D]
+        else:
+            q = query[:t].view(t, h, d)[metadata.query_index].transpose(1, 2)  # [R, H, Q, D]
         out = F.scaled_dot_product_attention(
             q.to(k.dtype),
             k,
@@ -76,8 +100,11 @@ class TorchSdpaImpl(AttentionImpl):
             scale=self.scale,
             enable_gqa=h != hk,
         )
-        out = out.transpose(1, 2)[metadata.query_valid]  # [T, H, D], in token order
-        output[:t].copy_(out.reshape(t, h * d))
+        if metadata.decode_only:
+            out = out.view(t, h * d)
+        else:
+            out = out.transpose(1, 2)[metadata.query_valid].reshape(t, h * d)  # token order
+        output[:t].copy_(out)
 
 
 class TorchSdpaBackend(AttentionBackend):
@@ -93,12 +120,17 @@ class TorchSdpaBackend(AttentionBackend):
         first_pos = (common.seq_lens - common.query_lens).unsqueeze(1)
         query_pos = (first_pos + offsets).to(torch.int32)
         num_key_blocks = -(-common.max_seq_len // common.block_size)
+        key_block_table = common.block_table[:, :num_key_blocks].long()
+        decode_only = max_q == 1
         return SdpaMetadata(
             common=common,
             query_index=query_index,
             query_valid=query_valid,
             query_pos=query_pos,
-            key_block_table=common.block_table[:, :num_key_blocks].long(),
+            key_block_table=key_block_table,
+            key_blocks=key_block_table.flatten(),
+            decode_only=decode_only,
+            single_request_len=common.max_seq_len if decode_only and common.num_reqs == 1 else None,
         )
 
     @classmethod

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvik.platforms.base import Platform
 
 if TYPE_CHECKING:
+    from torch import Tensor, nn
+
     from kvik.config import EngineConfig
 
 # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4): the KV cache gets 4 GiB unless told otherwise.
@@ -49,8 +52,9 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     priority = 0
     supported_dtypes = ("float32", "bfloat16", "float16")
-    attention_backends = ("TORCH_SDPA",)
-    graph_support = "none"
+    attention_backends = ("CPU_PAGED", "TORCH_SDPA")
+    graph_support = "inductor"
+    native_ops = True
 
     @classmethod
     def is_present(cls) -> bool:
@@ -82,3 +86,20 @@ class CpuPlatform(Platform):
     @classmethod
     def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
         return DEFAULT_KV_CACHE_BYTES
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, config: EngineConfig, compiled: bool) -> None:
+        from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
+
+        # The compiled forward prepacks its own weights (inductor's freezing); eager packs them
+        # here. The LM head runs outside the compiled forward, so it is packed either way.
+        if packed_linear_supported(config.model.dtype):
+            pack_linear_weights(model, include_linear=not compiled)
+
+    @classmethod
+    def compile_model(
+        cls, model: nn.Module, config: EngineConfig
+    ) -> Callable[[Tensor, Tensor], Tensor] | None:
+        from kvik_cpu.compile import compile_forward
+
+        return compile_forward(model)

@@ -16,4 +16,5 @@ def kvik_platform():
 
 @kvik.hookimpl
 def kvik_register_attention_backends(register):
+    register("CPU_PAGED", "kvik_cpu.paged_attention:CpuPagedBackend")
     register("TORCH_SDPA", "kvik_cpu.attention:TorchSdpaBackend")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
-import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik import ops
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._silu_and_mul = ops.native("silu_and_mul")
+
     def forward(self, x: Tensor) -> Tensor:
         # [T, 2*I] (gate, up) -> [T, I]
-        return torch.ops.kvik.silu_and_mul(x)
+        return self._silu_and_mul(x)

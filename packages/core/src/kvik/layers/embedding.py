@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -17,10 +19,15 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Hidden states to logits; ``tie(embedding)`` shares the embedding's weight."""
+    """Hidden states to logits; ``tie(embedding)`` shares the embedding's weight. A platform may set
+    ``kernel`` after loading to compute the product its own way (as ``Linear.kernel``)."""
+
+    kernel: Callable[[Tensor], Tensor] | None = None
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: Tensor) -> Tensor:
+        if self.kernel is not None:
+            return self.kernel(hidden)
         return F.linear(hidden, self.weight)  # [N, vocab]

@@ -2,10 +2,13 @@
 
 Checkpoints store q/k/v and gate/up as separate matrices; kvik packs each group into one matmul, and
 the packed layer's loader writes every checkpoint shard into its rows. Quantization will hook in
-here: every matmul of a model goes through ``Linear.forward``.
+here: every matmul of a model goes through ``Linear.forward``. A platform may replace the matmul
+after loading by setting ``kernel`` (the CPU's prepacked oneDNN weights, kvik_cpu.linear).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         if self.bias is not None:
             self.bias.weight_loader = self.weight_loader
+        #: Set by a platform after loading: computes the layer's product instead of ``F.linear``.
+        self.kernel: Callable[[Tensor], Tensor] | None = None
 
     def weight_loader(
         self, param: Tensor, loaded: Tensor, shard_id: int | str | None = None
@@ -43,6 +48,8 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.kernel is not None:
+            return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik import ops
 
 
 class RMSNorm(nn.Module):
@@ -13,9 +13,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        self._rms_norm = ops.native("rms_norm")
+        self._fused_add_rms_norm = ops.native("fused_add_rms_norm")
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x), or with a residual (norm(x + residual), x + residual)."""
         if residual is None:
-            return torch.ops.kvik.rms_norm(x, self.weight, self.eps)
-        return torch.ops.kvik.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self._rms_norm(x, self.weight, self.eps)
+        return self._fused_add_rms_norm(x, residual, self.weight, self.eps)

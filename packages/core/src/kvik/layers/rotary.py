@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+from kvik import ops
 
 
 def rope_config(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -56,10 +56,11 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.is_neox = is_neox
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
+        self._rotary_embedding = ops.native("rotary_embedding")
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         # positions [T]; q [T, H*D]; k [T, Hk*D]
-        return torch.ops.kvik.rotary_embedding(
+        return self._rotary_embedding(
             positions, q, k, self.head_size, self.cos_sin_cache, self.is_neox
         )
 

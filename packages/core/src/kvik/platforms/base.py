@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor, nn
 
     from kvik.config import EngineConfig
     from kvik.worker.model_runner import ModelRunner
@@ -33,8 +35,11 @@ class Platform:
     supported_quantization: ClassVar[tuple[str, ...]] = ()
     #: Attention backend names in order of preference.
     attention_backends: ClassVar[tuple[str, ...]] = ()
-    #: The graph runner this platform offers: "cuda_graphs" or "none".
+    #: The graph runner this platform offers: "cuda_graphs", "inductor" or "none".
     graph_support: ClassVar[str] = "none"
+    #: The platform's kernels for the small ops (norms, rotary, activation) are kvik.ops'
+    #: references themselves: models call them directly (see kvik.ops.use_native_ops).
+    native_ops: ClassVar[bool] = False
 
     @classmethod
     def is_present(cls) -> bool:
@@ -90,6 +95,20 @@ class Platform:
         """The KV cache's budget when the user gives no size, asked once the model is loaded (an
         accelerator platform profiles a forward pass with ``runner.profile_run`` here)."""
         return cls.default_kv_cache_bytes(config)
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, config: EngineConfig, compiled: bool) -> None:
+        """After loading: adapt the weights to this platform's kernels (repack, set
+        ``Linear.kernel``), for the forward ``compile_model`` returned (``compiled``) or eager."""
+
+    @classmethod
+    def compile_model(
+        cls, model: nn.Module, config: EngineConfig
+    ) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """A compiled ``model.forward(input_ids, positions)``, or None to run eagerly. Called
+        unless ``enforce_eager``; the runner compiles it at start-up (``ModelRunner.warm_up``) and
+        falls back to eager if compiling fails."""
+        return None
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -1,0 +1,174 @@
+// Paged attention on the CPU, reading keys and values where they lie in the paged KV cache.
+//
+// kvik_cpu::paged_attention writes a step's new keys and values into the cache, then attends every
+// query token over its request's context (causal, optionally within a sliding window). One work
+// item is a (token, KV head) pair: the query heads sharing that KV head (GQA) are handled together,
+// so each cached key and value row is read once per token. Scores and sums are fp32.
+//
+// Built at run time by kvik_cpu.extension (torch.utils.cpp_extension), for the host's CPU.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float load(float x) { return x; }
+inline float load(c10::BFloat16 x) { return static_cast<float>(x); }
+
+template <typename T>
+T from_float(float x) {
+  return static_cast<T>(x);
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_table, const at::Tensor& token_request,
+                          const at::Tensor& token_position, double scale_d,
+                          int64_t sliding_window, at::Tensor& output) {
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t block_size = kv_cache.size(2);
+  const int64_t kv_heads = kv_cache.size(3);
+  const int64_t head_size = kv_cache.size(4);
+  const int64_t heads = query.size(1) / head_size;
+  const int64_t group = heads / kv_heads;
+  const int64_t row = kv_heads * head_size;  // one token's keys (or values) in the cache
+  const int64_t cache_half = kv_cache.size(1) * block_size * row;
+  const int64_t max_blocks = block_table.size(1);
+  const float scale = static_cast<float>(scale_d);
+
+  T* k_cache = kv_cache.data_ptr<T>();
+  T* v_cache = k_cache + cache_half;
+  const T* q = query.data_ptr<T>();
+  const T* k = key.data_ptr<T>();
+  const T* v = value.data_ptr<T>();
+  T* out = output.data_ptr<T>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int32_t* tables = block_table.data_ptr<int32_t>();
+  const int32_t* requests = token_request.data_ptr<int32_t>();
+  const int32_t* positions = token_position.data_ptr<int32_t>();
+  const int64_t q_stride = query.stride(0), k_stride = key.stride(0), v_stride = value.stride(0);
+  const int64_t out_stride = output.stride(0);
+
+  // 1. The new keys and values into their slots (a negative slot is padding: skipped).
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    std::memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(T));
+    std::memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(T));
+  }
+
+  // 2. Attention, one (token, KV head) item at a time.
+  at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / kv_heads, g = item % kv_heads;
+      const int64_t request = requests[t], pos = positions[t];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
+      const int64_t n = pos - first + 1;
+      const int32_t* table = tables + request * max_blocks;
+      for (int64_t i = 0; i < group * head_size; ++i) {
+        qf[i] = load(q[t * q_stride + g * group * head_size + i]) * scale;
+      }
+      scores.resize(group * n);
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = first + j;
+        const T* krow = k_cache + (table[p / block_size] * block_size + p % block_size) * row +
+                        g * head_size;
+        for (int64_t h = 0; h < group; ++h) {
+          const float* qh = qf.data() + h * head_size;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < head_size; ++d) s += qh[d] * load(krow[d]);
+          scores[h * n + j] = s;
+        }
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores.data() + h * n;
+        float m = -std::numeric_limits<float>::max();
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
+        float sum = 0.f;
+        // Vectorised expf (glibc's libmvec): -fno-math-errno lets the compiler call it.
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = 0; j < n; ++j) {
+          sh[j] = std::exp(sh[j] - m);
+          sum += sh[j];
+        }
+        sums[h] = sum;
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = first + j;
+        const T* vrow = v_cache + (table[p / block_size] * block_size + p % block_size) * row +
+                        g * head_size;
+        for (int64_t h = 0; h < group; ++h) {
+          const float w = scores[h * n + j];
+          float* ah = acc.data() + h * head_size;
+#pragma omp simd
+          for (int64_t d = 0; d < head_size; ++d) ah[d] += w * load(vrow[d]);
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv = 1.f / sums[h];
+        T* o = out + t * out_stride + (g * group + h) * head_size;
+        for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
+      }
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& token_request,
+                     const at::Tensor& token_position, double scale, int64_t sliding_window,
+                     at::Tensor& output) {
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_size]");
+  const int64_t head_size = kv_cache.size(4), kv_heads = kv_cache.size(3);
+  TORCH_CHECK(query.dim() == 2 && query.size(1) % (kv_heads * head_size) == 0,
+              "query must be [tokens, heads * head_size] with heads a multiple of kv_heads");
+  for (const at::Tensor* x : {&query, &key, &value, static_cast<const at::Tensor*>(&output)}) {
+    TORCH_CHECK(x->dim() == 2 && x->stride(1) == 1, "rows of q, k, v and output must be dense");
+    TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(), "q, k, v, output and cache differ in dtype");
+  }
+  TORCH_CHECK(key.size(1) == kv_heads * head_size && value.size(1) == kv_heads * head_size,
+              "key and value must be [tokens, kv_heads * head_size]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64");
+  for (const at::Tensor* x : {&block_table, &token_request, &token_position}) {
+    TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(),
+                "block_table, token_request and token_position must be contiguous int32");
+  }
+  if (kv_cache.scalar_type() == at::kFloat) {
+    paged_attention_impl<float>(query, key, value, kv_cache, slot_mapping, block_table,
+                                token_request, token_position, scale, sliding_window, output);
+  } else if (kv_cache.scalar_type() == at::kBFloat16) {
+    paged_attention_impl<c10::BFloat16>(query, key, value, kv_cache, slot_mapping, block_table,
+                                        token_request, token_position, scale, sliding_window,
+                                        output);
+  } else {
+    TORCH_CHECK(false, "kvik_cpu::paged_attention supports float32 and bfloat16, not ",
+                kv_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvik_cpu, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
+      "Tensor slot_mapping, Tensor block_table, Tensor token_request, Tensor token_position, "
+      "float scale, int sliding_window, Tensor(b!) output) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvik_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,67 @@
+"""kvik_cpu's C++ ops (csrc/), compiled on first use for this machine's CPU and cached.
+
+The sources are built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the same
+toolchain TorchInductor needs on the CPU) into ``$KVIK_CACHE/torch_extensions`` (default
+``~/.cache/kvik``), under a name that includes a hash of the sources, the torch version and the
+CPU's flags: ``-march=native`` code must not run on another CPU. The first build takes about half a
+minute; later processes load the cached library. Where building fails, ``load()`` says why and the
+platform falls back to PyTorch's SDPA (kvik_cpu.attention).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kvik_cpu.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("KVIK_CACHE") or os.path.join(Path.home(), ".cache", "kvik")
+    return Path(root) / "torch_extensions"
+
+
+@cache
+def load() -> str | None:
+    """Build (or load the cached build of) the ops; None on success, else why it failed."""
+    if hasattr(torch.ops.kvik_cpu, "paged_attention"):
+        return None
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    name = f"kvik_cpu_ops_{digest.hexdigest()[:16]}"
+    build_dir = _build_dir() / name
+    try:
+        from torch.utils.cpp_extension import load as load_extension
+
+        build_dir.mkdir(parents=True, exist_ok=True)
+        load_extension(
+            name=name,
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=[
+                "-O3",
+                "-march=native",
+                "-fopenmp-simd",  # the kernel's `#pragma omp simd` loops, no OpenMP runtime
+                "-fno-math-errno",  # lets expf vectorise
+                "-fno-trapping-math",
+            ],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001  (a missing compiler or ninja, a failed build)
+        reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
+        logger.warning("kvik_cpu's C++ ops did not build (%s); using PyTorch SDPA", reason)
+        return reason
+    return None
