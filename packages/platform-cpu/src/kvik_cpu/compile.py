@@ -17,6 +17,7 @@ import torch._inductor.config
 from torch import Tensor, nn
 
 CPP_WRAPPER = __import__("os").environ.get("KVIK_CPPW") == "1"
+UNBACKED = __import__("os").environ.get("KVIK_UNBACKED") == "1"
 
 
 def compile_forward(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
@@ -32,6 +33,9 @@ def compile_forward(model: nn.Module) -> Callable[[Tensor, Tensor], Tensor]:
             # costs about 1.5 ms a step at batch 1.
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return compiled(input_ids, positions)
+        if UNBACKED:
+            torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+            torch._dynamo.decorators.mark_unbacked(positions, 0)
         # Freezing is read while TorchDynamo traces, outside ``torch.compile(options=...)``'s
         # reach: set it (for this call only, not for the user's other compiled code) here.
         with torch._inductor.config.patch(freezing=True, cpp_wrapper=CPP_WRAPPER):

@@ -53,9 +53,11 @@ def load() -> str | None:
                 "-O3",
                 "-march=native",
                 "-fopenmp-simd",  # the kernel's `#pragma omp simd` loops, no OpenMP runtime
-                "-fno-math-errno",  # lets expf vectorise
-                "-fno-trapping-math",
+                # Lets the softmax's expf loop call glibc's vector expf (libmvec); compile only,
+                # so no fast-math start-up code changes the process's float modes.
+                "-ffast-math",
             ],
+            extra_ldflags=["-lmvec"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,

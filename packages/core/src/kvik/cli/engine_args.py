@@ -34,7 +34,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
         help="share of an accelerator's memory the engine may use (weights, activations, KV cache)",
     )
     parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="run the model eagerly (on the CPU: skip compiling the forward pass at start-up)",
+    )
     parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
 
 

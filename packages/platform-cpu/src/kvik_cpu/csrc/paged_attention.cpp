@@ -10,6 +10,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -28,6 +32,122 @@ template <typename T>
 T from_float(float x) {
   return static_cast<T>(x);
 }
+
+// scores[h * n + j] = scale * (query head h . key first + j), for the KV head at head_offset.
+template <typename T>
+void score_keys(const T* qrow, const T* k_cache, const int32_t* table, int64_t first, int64_t n,
+                int64_t block_size, int64_t row, int64_t head_offset, int64_t group,
+                int64_t head_size, float scale, float* qf, float* scores) {
+  for (int64_t i = 0; i < group * head_size; ++i) qf[i] = load(qrow[i]) * scale;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = first + j;
+    const T* krow = k_cache + (table[p / block_size] * block_size + p % block_size) * row +
+                    head_offset;
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = qf + h * head_size;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < head_size; ++d) s += qh[d] * load(krow[d]);
+      scores[h * n + j] = s;
+    }
+  }
+}
+
+// Each row of scores [group, n] -> exp(score - max); sums[h] = the row's sum.
+inline void softmax_rows(float* scores, int64_t group, int64_t n, float* sums) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = scores + h * n;
+    float m = -std::numeric_limits<float>::max();
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
+    float sum = 0.f;
+    // Vectorised expf (glibc's libmvec): -fno-math-errno lets the compiler call it.
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) {
+      sh[j] = std::exp(sh[j] - m);
+      sum += sh[j];
+    }
+    sums[h] = sum;
+  }
+}
+
+// acc[h] += weights[h * n + j] * value first + j, over the n values.
+template <typename T>
+void accumulate_values(const float* weights, const T* v_cache, const int32_t* table,
+                       int64_t first, int64_t n, int64_t block_size, int64_t row,
+                       int64_t head_offset, int64_t group, int64_t head_size, float* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = first + j;
+    const T* vrow = v_cache + (table[p / block_size] * block_size + p % block_size) * row +
+                    head_offset;
+    for (int64_t h = 0; h < group; ++h) {
+      const float w = weights[h * n + j];
+      float* ah = acc + h * head_size;
+#pragma omp simd
+      for (int64_t d = 0; d < head_size; ++d) ah[d] += w * load(vrow[d]);
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// bf16 with AVX512-BF16 (head_size a multiple of 32, at most 16 query heads per KV head): each
+// product of a bf16 query and key element is exact in fp32 (vdpbf16ps), summed in fp32; values
+// are widened to fp32 and accumulated with FMAs. About 4x fewer instructions than the portable
+// loops, which matters at large batches, where decode attention reads every request's context.
+constexpr int64_t kMaxGroup = 16;
+constexpr int64_t kMaxChunks = 8;  // head_size up to 256
+
+inline __m512 widen(const c10::BFloat16* x) {  // 16 bf16 -> 16 fp32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+void score_keys_avx512(const c10::BFloat16* qrow, const c10::BFloat16* k_cache,
+                       const int32_t* table, int64_t first, int64_t n, int64_t block_size,
+                       int64_t row, int64_t head_offset, int64_t group, int64_t head_size,
+                       float scale, float* scores) {
+  const int64_t chunks = head_size / 32;
+  __m512bh qv[kMaxGroup][kMaxChunks];
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      qv[h][c] = (__m512bh)_mm512_loadu_si512(qrow + h * head_size + 32 * c);
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = first + j;
+    const c10::BFloat16* krow =
+        k_cache + (table[p / block_size] * block_size + p % block_size) * row + head_offset;
+    __m512bh kv[kMaxChunks];
+    for (int64_t c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow + 32 * c);
+    for (int64_t h = 0; h < group; ++h) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[h][c], kv[c]);
+      scores[h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache,
+                              const int32_t* table, int64_t first, int64_t n, int64_t block_size,
+                              int64_t row, int64_t head_offset, int64_t group, int64_t head_size,
+                              float* acc) {
+  const int64_t vectors = head_size / 16;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = first + j;
+    const c10::BFloat16* vrow =
+        v_cache + (table[p / block_size] * block_size + p % block_size) * row + head_offset;
+    __m512 vf[2 * kMaxChunks];
+    for (int64_t c = 0; c < vectors; ++c) vf[c] = widen(vrow + 16 * c);
+    for (int64_t h = 0; h < group; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * n + j]);
+      float* ah = acc + h * head_size;
+      for (int64_t c = 0; c < vectors; ++c) {
+        _mm512_storeu_ps(ah + 16 * c, _mm512_fmadd_ps(w, vf[c], _mm512_loadu_ps(ah + 16 * c)));
+      }
+    }
+  }
+}
+#endif
 
 template <typename T>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -68,6 +188,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   }
 
   // 2. Attention, one (token, KV head) item at a time.
+  bool fast_bf16 = false;
+#if defined(__AVX512BF16__)
+  fast_bf16 = std::is_same_v<T, c10::BFloat16> && head_size % 32 == 0 &&
+              head_size <= 32 * kMaxChunks && group <= kMaxGroup;
+#endif
   at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -76,48 +201,31 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int64_t n = pos - first + 1;
       const int32_t* table = tables + request * max_blocks;
-      for (int64_t i = 0; i < group * head_size; ++i) {
-        qf[i] = load(q[t * q_stride + g * group * head_size + i]) * scale;
-      }
+      const int64_t head_offset = g * head_size;
       scores.resize(group * n);
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = first + j;
-        const T* krow = k_cache + (table[p / block_size] * block_size + p % block_size) * row +
-                        g * head_size;
-        for (int64_t h = 0; h < group; ++h) {
-          const float* qh = qf.data() + h * head_size;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < head_size; ++d) s += qh[d] * load(krow[d]);
-          scores[h * n + j] = s;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (fast_bf16) {
+          score_keys_avx512(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
+                            block_size, row, head_offset, group, head_size, scale, scores.data());
         }
       }
+#endif
+      if (!fast_bf16) score_keys(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
+                                 block_size, row, head_offset, group, head_size, scale, qf.data(),
+                                 scores.data());
+      softmax_rows(scores.data(), group, n, sums.data());
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores.data() + h * n;
-        float m = -std::numeric_limits<float>::max();
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
-        float sum = 0.f;
-        // Vectorised expf (glibc's libmvec): -fno-math-errno lets the compiler call it.
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sh[j] = std::exp(sh[j] - m);
-          sum += sh[j];
-        }
-        sums[h] = sum;
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = first + j;
-        const T* vrow = v_cache + (table[p / block_size] * block_size + p % block_size) * row +
-                        g * head_size;
-        for (int64_t h = 0; h < group; ++h) {
-          const float w = scores[h * n + j];
-          float* ah = acc.data() + h * head_size;
-#pragma omp simd
-          for (int64_t d = 0; d < head_size; ++d) ah[d] += w * load(vrow[d]);
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (fast_bf16) {
+          accumulate_values_avx512(scores.data(), v_cache, table, first, n, block_size, row,
+                                   head_offset, group, head_size, acc.data());
         }
       }
+#endif
+      if (!fast_bf16) accumulate_values(scores.data(), v_cache, table, first, n, block_size, row,
+                                        head_offset, group, head_size, acc.data());
       for (int64_t h = 0; h < group; ++h) {
         const float inv = 1.f / sums[h];
         T* o = out + t * out_stride + (g * group + h) * head_size;
