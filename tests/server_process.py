@@ -25,6 +25,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         command = [sys.executable, "-m", "kvik_server.cli", str(model), "--port", str(self.port)]
+        # Eager: compiling the forward would add a minute to every server's start on the CPU.
+        command += ["--enforce-eager"]
         command += ["--api-key", api_key] if api_key else []
         self.log = open(
             Path(os.environ.get("TMPDIR", "/tmp")) / f"kvik-server-{self.port}.log", "w+"

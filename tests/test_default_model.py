@@ -3,9 +3,11 @@ the same GGUF file itself."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -41,9 +43,22 @@ def hf_reference(gguf_path):
 
 
 @pytest.fixture(scope="module")
+def hf_bf16(hf_reference):
+    # The same as loading the GGUF with dtype=torch.bfloat16 (both round the dequantised float32
+    # weights to nearest), without dequantising it a second time.
+    return copy.deepcopy(hf_reference).to(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
 def llm_fp32():
     # A cache of 40 blocks cannot hold all eight prompts at once: preemption happens.
-    return LLM(dtype="float32", max_model_len=600, num_kv_blocks=40, max_num_batched_tokens=128)
+    return LLM(
+        dtype="float32",
+        max_model_len=600,
+        num_kv_blocks=40,
+        max_num_batched_tokens=128,
+        enforce_eager=True,
+    )
 
 
 def test_greedy_chat_and_plain_prompts_equal_transformers(llm_fp32, hf_reference):
@@ -82,8 +97,84 @@ def test_greedy_chat_and_plain_prompts_equal_transformers(llm_fp32, hf_reference
     assert_greedy_equal(prompts, outputs, hf_reference, 16)
 
 
+@contextmanager
+def torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def first_divergence(hf_model, prompt: list[int], got: list[int]) -> tuple[int, torch.Tensor]:
+    """Where kvik's greedy tokens first leave transformers' greedy continuation, and transformers'
+    logits there (len(got) and the last position's logits when they never do).
+
+    One teacher-forced forward over the prompt and kvik's tokens: by causality, the logits at
+    each output position are those of transformers on the prompt and kvik's tokens before it, so
+    the first position whose argmax is not kvik's token is the first position where transformers'
+    greedy decoding (without a KV cache) picks another token, and its logits there are
+    transformers' on the prompt plus the common prefix."""
+    with torch.no_grad(), torch_threads(1):  # the reference's speed only: steady on a busy CPU
+        ids = torch.tensor([prompt + got], device=hf_model.device)
+        logits = hf_model(ids).logits[0, len(prompt) - 1 : -1].float()
+    differs = (logits.argmax(-1) != torch.tensor(got, device=logits.device)).nonzero()
+    i = int(differs[0]) if len(differs) else len(got)
+    return i, logits[min(i, len(got) - 1)]
+
+
+def test_bfloat16_agrees_with_transformers_in_bfloat16(hf_bf16):
+    """kvik in bfloat16, on the engine's default CPU path, against transformers in bfloat16:
+    greedy outputs may part only where kvik's token is among transformers' top 5 at the first
+    differing position, and at least half of the prompts agree on their first 8 tokens."""
+    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=1024, num_kv_blocks=256)
+    processor = llm.input_processor
+    conversations = [
+        QUESTION,
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which fossils?"}],
+        [{"role": "user", "content": "Write a haiku about autumn."}],
+    ]
+    chat = [processor.apply_chat_template(c)["prompt_token_ids"] for c in conversations]
+    tokenizer = llm.get_tokenizer()
+    long_text = " ".join(
+        f"Paragraph {i}: the river flows past the old mill and the bridge." for i in range(14)
+    )
+    plain = [
+        tokenizer.encode(t) for t in ("The capital of France is", "def fibonacci(n):", long_text)
+    ]
+    prompts = chat + plain
+    assert len(prompts[1]) > 100 and len(prompts[-1]) > 200
+    max_tokens = 32
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # one batch
+    report, failures, agree_8 = [], [], 0
+    for prompt, output in zip(prompts, outputs):
+        got = list(output.outputs[0].token_ids)
+        assert len(got) == max_tokens
+        i, logits = first_divergence(hf_bf16, prompt, got)
+        agree_8 += i >= 8
+        if i == len(got):
+            report.append(f"prompt of {len(prompt)} tokens: equal for all {max_tokens}")
+            continue
+        rank = int((logits > logits[got[i]]).sum())
+        gap = float(logits.log_softmax(-1).max() - logits.log_softmax(-1)[got[i]])
+        line = (
+            f"prompt of {len(prompt)} tokens: first differs at output {i}: kvik {got[i]} "
+            f"(rank {rank} in transformers, logprob {gap:.3f} below its best), "
+            f"transformers {int(logits.argmax())}"
+        )
+        report.append(line)
+        if rank >= 5:  # not in transformers' top 5 (a token tied with the fifth counts as in)
+            failures.append(line)
+    print("\n".join(report))
+    assert not failures, "\n".join(report)
+    assert agree_8 >= len(prompts) / 2, "\n".join(report)
+
+
 def test_capital_of_france_in_default_dtype():
-    llm = LLM(max_model_len=512)
+    # Eager: test_bfloat16_agrees_with_transformers_in_bfloat16 covers the compiled default path.
+    llm = LLM(max_model_len=512, enforce_eager=True)
     (out,) = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"
@@ -101,6 +192,7 @@ def test_kvik_generate_and_chat_commands():
             "512",
             "--max-tokens",
             "24",
+            "--enforce-eager",
         ],
         capture_output=True,
         text=True,
@@ -110,7 +202,7 @@ def test_kvik_generate_and_chat_commands():
     assert generated.returncode == 0, generated.stderr
     assert "Paris" in generated.stdout
     chat = subprocess.run(
-        [*kvik, "chat", "--max-model-len", "512", "--max-tokens", "24"],
+        [*kvik, "chat", "--max-model-len", "512", "--max-tokens", "24", "--enforce-eager"],
         input="What is the capital of France?\n",
         capture_output=True,
         text=True,
