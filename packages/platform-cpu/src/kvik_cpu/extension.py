@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
+import kvik.ops  # noqa: F401  (defines the torch.ops.kvik.* ops whose CPU kernels load here)
 from kvik_cpu.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "paged_attention.cpp",)
+SOURCES = tuple(
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_ops.cpp")
+)
 
 
 def _build_dir() -> Path:

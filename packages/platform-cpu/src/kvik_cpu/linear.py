@@ -41,15 +41,15 @@ class PackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module, *, include_linear: bool) -> int:
-    """Give each ``Linear`` (if ``include_linear``) and the LM head a ``PackedLinear`` kernel.
+def pack_linear_weights(model: nn.Module) -> int:
+    """Give each ``Linear`` and the LM head a ``PackedLinear`` kernel.
 
     A packed ``Linear``'s dense weight is released (only the packed copy is read). The LM head keeps
     its dense weight, which a tied embedding also looks tokens up in. Returns how many were packed.
     """
     packed = 0
     for module in model.modules():
-        if isinstance(module, LMHead) or (include_linear and isinstance(module, Linear)):
+        if isinstance(module, (LMHead, Linear)):
             module.kernel = PackedLinear(module.weight, getattr(module, "bias", None))
             if isinstance(module, Linear):
                 module.weight.data = module.weight.data.new_empty(0)

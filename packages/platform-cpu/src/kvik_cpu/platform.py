@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvik.platforms.base import Platform
 
 if TYPE_CHECKING:
-    from torch import Tensor, nn
+    from torch import nn
 
     from kvik.config import EngineConfig
 
@@ -53,7 +52,8 @@ class CpuPlatform(Platform):
     priority = 0
     supported_dtypes = ("float32", "bfloat16", "float16")
     attention_backends = ("CPU_PAGED", "TORCH_SDPA")
-    graph_support = "inductor"
+    graph_support = "none"
+    # Until on_selected() has built the C++ kernels of the small ops, the references are them.
     native_ops = True
 
     @classmethod
@@ -72,6 +72,15 @@ class CpuPlatform(Platform):
         }
 
     @classmethod
+    def on_selected(cls) -> None:
+        from kvik_cpu import extension
+
+        # Loading the C++ ops registers their CPU kernels for torch.ops.kvik.* (csrc/small_ops.cpp);
+        # models then call the ops rather than the references. If they did not build, the
+        # references run (and TORCH_SDPA replaces CPU_PAGED).
+        cls.native_ops = extension.load() is not None
+
+    @classmethod
     def total_memory_bytes(cls) -> int:
         return _meminfo("MemTotal")
 
@@ -88,18 +97,8 @@ class CpuPlatform(Platform):
         return DEFAULT_KV_CACHE_BYTES
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, config: EngineConfig, compiled: bool) -> None:
+    def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
         from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
 
-        # The compiled forward prepacks its own weights (inductor's freezing); eager packs them
-        # here. The LM head runs outside the compiled forward, so it is packed either way.
         if packed_linear_supported(config.model.dtype):
-            pack_linear_weights(model, include_linear=not compiled)
-
-    @classmethod
-    def compile_model(
-        cls, model: nn.Module, config: EngineConfig
-    ) -> Callable[[Tensor, Tensor], Tensor] | None:
-        from kvik_cpu.compile import compile_forward
-
-        return compile_forward(model)
+            pack_linear_weights(model)

@@ -37,7 +37,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     parser.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="run the model eagerly (on the CPU: skip compiling the forward pass at start-up)",
+        help="run the model eagerly (kvik does so everywhere until CUDA graphs land)",
     )
     parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
 

@@ -24,7 +24,6 @@ class EngineCore:
         self.platform.seed_everything(config.model.seed)
         self.runner = ModelRunner(config, self.platform)
         self.num_kv_blocks = self._num_kv_blocks()
-        self.runner.warm_up(config.model.max_model_len)
         self.runner.initialize_kv_cache(self.num_kv_blocks)
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching

@@ -27,9 +27,8 @@ class LLM:
     ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
     or the platform's default (4 GiB on the CPU) decides it. On a GPU the default is what a
     profiling forward pass leaves of ``gpu_memory_utilization`` (0.9) of the device's memory.
-    ``enforce_eager`` runs the model eagerly. Otherwise a platform may compile it: the CPU compiles
-    the forward pass with TorchInductor at start-up (a minute or two for the default model on two
-    cores; eager is the fallback if compiling fails). CUDA graphs are not captured yet.
+    ``enforce_eager`` is accepted for vLLM compatibility: kvik runs eagerly until CUDA graphs land
+    (the CPU's speed comes from its C++ kernels and prepacked weights, not from a compiler).
     """
 
     def __init__(

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
-    from torch import Tensor, nn
+    from torch import nn
 
     from kvik.config import EngineConfig
     from kvik.worker.model_runner import ModelRunner
@@ -35,7 +34,7 @@ class Platform:
     supported_quantization: ClassVar[tuple[str, ...]] = ()
     #: Attention backend names in order of preference.
     attention_backends: ClassVar[tuple[str, ...]] = ()
-    #: The graph runner this platform offers: "cuda_graphs", "inductor" or "none".
+    #: The graph runner this platform offers: "cuda_graphs" or "none".
     graph_support: ClassVar[str] = "none"
     #: The platform's kernels for the small ops (norms, rotary, activation) are kvik.ops'
     #: references themselves: models call them directly (see kvik.ops.use_native_ops).
@@ -97,18 +96,9 @@ class Platform:
         return cls.default_kv_cache_bytes(config)
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, config: EngineConfig, compiled: bool) -> None:
-        """After loading: adapt the weights to this platform's kernels (repack, set
-        ``Linear.kernel``), for the forward ``compile_model`` returned (``compiled``) or eager."""
-
-    @classmethod
-    def compile_model(
-        cls, model: nn.Module, config: EngineConfig
-    ) -> Callable[[Tensor, Tensor], Tensor] | None:
-        """A compiled ``model.forward(input_ids, positions)``, or None to run eagerly. Called
-        unless ``enforce_eager``; the runner compiles it at start-up (``ModelRunner.warm_up``) and
-        falls back to eager if compiling fails."""
-        return None
+    def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
+        """After loading: adapt the weights to this platform's kernels (repack them, set
+        ``Linear.kernel``)."""
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,8 +23,6 @@ if TYPE_CHECKING:
     from kvik.platforms.base import Platform
     from kvik.request import Request
     from kvik.scheduler.output import SchedulerOutput
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,11 +64,7 @@ class ModelRunner:
         self.dtype = model_config.dtype
         ops.use_native_ops(platform.native_ops)  # before the layers are built
         self.model: nn.Module = load_model(model_config, self.device)
-        #: The platform's compiled forward, compiled by ``warm_up``; None runs the model eagerly.
-        self.compiled_forward: Callable[[Tensor, Tensor], Tensor] | None = (
-            None if config.enforce_eager else platform.compile_model(self.model, config)
-        )
-        platform.prepare_model(self.model, config, compiled=self.compiled_forward is not None)
+        platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -142,20 +134,6 @@ class ModelRunner:
             for layer in self.attention_layers.values():
                 layer.kv_cache = None
 
-    def warm_up(self, max_model_len: int) -> None:
-        """Compile the forward pass now, not in the first requests' steps: one step of a single
-        token and one of two (the shapes a compiler specialises and the dynamic one). If compiling
-        fails (no C++ compiler, say), warn and run eagerly. Call before ``initialize_kv_cache``."""
-        if self.compiled_forward is None:
-            return
-        try:
-            for num_tokens in (1, 2):
-                self.profile_run(num_tokens, num_tokens, max_model_len)
-        except Exception as e:  # noqa: BLE001  (any compiler failure: eager still works)
-            logger.warning("compiling the forward pass failed, running eagerly: %s", e)
-            self.compiled_forward = None
-            self.platform.prepare_model(self.model, self.config, compiled=False)
-
     # --- one step -------------------------------------------------------------------------
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
         scheduled = scheduler_output.scheduled
@@ -220,9 +198,8 @@ class ModelRunner:
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
         """Run the model over the step's tokens: hidden states [T, hidden]."""
         context = ForwardContext(inputs.attn_metadata, self.attention_layers)
-        forward = self.compiled_forward or self.model
         with forward_context(context):
-            return forward(inputs.input_ids, inputs.positions)
+            return self.model(inputs.input_ids, inputs.positions)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
