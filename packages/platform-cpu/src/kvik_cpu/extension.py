@@ -55,12 +55,14 @@ def load() -> str | None:
             extra_cflags=[
                 "-O3",
                 "-march=native",
-                "-fopenmp-simd",  # the kernel's `#pragma omp simd` loops, no OpenMP runtime
+                # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
+                # The library then needs libgomp.so.1, which torch has loaded already.
+                "-fopenmp",
                 # Lets the softmax's expf loop call glibc's vector expf (libmvec); compile only,
                 # so no fast-math start-up code changes the process's float modes.
                 "-ffast-math",
             ],
-            extra_ldflags=["-lmvec"],
+            extra_ldflags=["-fopenmp", "-lmvec"],
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
