@@ -1,13 +1,14 @@
-"""The CPU's default attention backend: decode steps in a C++ kernel that reads the paged cache in
-place, steps with prompt tokens in PyTorch's SDPA.
+"""The CPU's default attention backend: decode tokens in a C++ kernel that reads the paged cache in
+place, prompt chunks in PyTorch's SDPA.
 
 ``kvik_cpu::paged_attention`` (csrc/paged_attention.cpp) writes a step's keys and values into the
 cache and attends each token over its context in one call per layer, with no gathered copy of the
 context: at batch 1 a layer's attention costs about 40 us against SDPA's 100 us, mostly the calls
 saved. It attends one query token at a time, though, so for prompt chunks (many query tokens per
-request) SDPA's flash attention, built on matrix products, is about three times faster: a step that
-holds any prompt tokens uses the SDPA backend's path (kvik_cpu.attention) for every request. The
-kernel runs float32 and bfloat16; the backend is unavailable, and TORCH_SDPA chosen instead, where
+request) SDPA's flash attention, built on matrix products, is faster: prompt chunks go through the
+SDPA backend's path (kvik_cpu.attention). A step that holds both is split by rows, so that a decode
+token is computed by the same kernel whatever else its step holds (the two round differently in
+bf16, and a request's output should not depend on its batch). The kernel runs float32 and bfloat16; the backend is unavailable, and TORCH_SDPA chosen instead, where
 it cannot be built (kvik_cpu.extension).
 """
 
@@ -24,12 +25,23 @@ from kvik_cpu.attention import SdpaMetadata, TorchSdpaBackend, TorchSdpaImpl
 
 @dataclass
 class PagedMetadata:
-    """A decode-only step's metadata (steps with prompt tokens get the SDPA backend's)."""
+    """The metadata of decode tokens, for the C++ kernel."""
 
     common: AttentionMetadata
     block_table: Tensor  # [R, max_blocks] int32, contiguous
     token_request: Tensor  # [T] int32: the request (row of block_table) of each token
     token_position: Tensor  # [T] int32: each token's position in its sequence
+
+
+@dataclass
+class MixedMetadata:
+    """A step with both decodes and prompt chunks: each part runs on its own rows, so a decode
+    token meets the same kernel whatever else its step holds."""
+
+    decode_rows: Tensor  # [Nd] flat token indices of the decode tokens
+    decode: PagedMetadata
+    prompt_rows: Tensor  # [Np] flat token indices of the prompt tokens
+    prompt: SdpaMetadata
 
 
 class CpuPagedImpl(TorchSdpaImpl):
@@ -51,6 +63,16 @@ class CpuPagedImpl(TorchSdpaImpl):
     ) -> None:
         if isinstance(metadata, SdpaMetadata):
             super().forward(query, key, value, kv_cache, metadata, output)
+            return
+        if isinstance(metadata, MixedMetadata):
+            for rows, part in (
+                (metadata.decode_rows, metadata.decode),
+                (metadata.prompt_rows, metadata.prompt),
+            ):
+                q, k, v = (x.index_select(0, rows) for x in (query, key, value))
+                out = torch.empty_like(q)
+                self.forward(q, k, v, kv_cache, part, out)
+                output.index_copy_(0, rows, out)
             return
         torch.ops.kvik_cpu.paged_attention(
             query,
@@ -82,9 +104,24 @@ class CpuPagedBackend(TorchSdpaBackend):
         return reason
 
     @classmethod
-    def build_metadata(cls, common: AttentionMetadata) -> PagedMetadata | SdpaMetadata:
-        if common.max_query_len > 1:
+    def build_metadata(
+        cls, common: AttentionMetadata
+    ) -> PagedMetadata | SdpaMetadata | MixedMetadata:
+        if common.max_query_len == 1:
+            return cls._decode_metadata(common)
+        is_decode = common.query_lens == 1
+        if not bool(is_decode.any()):
             return super().build_metadata(common)
+        token_is_decode = torch.repeat_interleave(is_decode, common.query_lens.long())
+        return MixedMetadata(
+            decode_rows=token_is_decode.nonzero().flatten(),
+            decode=cls._decode_metadata(_requests(common, is_decode, token_is_decode)),
+            prompt_rows=(~token_is_decode).nonzero().flatten(),
+            prompt=super().build_metadata(_requests(common, ~is_decode, ~token_is_decode)),
+        )
+
+    @classmethod
+    def _decode_metadata(cls, common: AttentionMetadata) -> PagedMetadata:
         num_tokens = common.num_actual_tokens
         token_request = torch.repeat_interleave(
             torch.arange(common.num_reqs, dtype=torch.int32), common.query_lens.long()
@@ -101,3 +138,23 @@ class CpuPagedBackend(TorchSdpaBackend):
     @classmethod
     def impl_class(cls) -> type[AttentionImpl]:
         return CpuPagedImpl
+
+
+def _requests(common: AttentionMetadata, keep: Tensor, token_keep: Tensor) -> AttentionMetadata:
+    """The common metadata of the requests ``keep`` selects, their tokens renumbered from 0."""
+    query_lens = common.query_lens[keep]
+    seq_lens = common.seq_lens[keep]
+    query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+    return AttentionMetadata(
+        num_actual_tokens=int(query_start_loc[-1]),
+        num_reqs=len(query_lens),
+        query_start_loc=query_start_loc,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_table=common.block_table[keep],
+        slot_mapping=common.slot_mapping[: len(token_keep)][token_keep],
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+        block_size=common.block_size,
+    )
