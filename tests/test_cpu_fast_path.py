@@ -15,7 +15,7 @@ from tiny_models import load_hf, ragged_prompts
 import kvik.ops as ops
 from kvik import LLM, SamplingParams
 from kvik_cpu import extension
-from kvik_cpu.linear import PackedLinear, packed_linear_supported
+from kvik_cpu.linear import AmxLinear, OneDnnLinear, amx_supported, packed_linear_supported
 from kvik_cpu.paged_attention import CpuPagedBackend
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -79,14 +79,52 @@ def test_rotary_kernel_equals_the_reference(dtype, is_neox, rot_dim):
     not packed_linear_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU"
 )
 @pytest.mark.parametrize("num_rows", [1, 5, 64])
-def test_packed_linear_equals_f_linear(num_rows):
+def test_onednn_linear_equals_f_linear(num_rows):
     torch.manual_seed(num_rows)
     weight = torch.randn(96, 80, dtype=torch.bfloat16)
     bias = torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(num_rows, 80, dtype=torch.bfloat16)
     for b in (None, bias):
-        assert torch.equal(PackedLinear(weight, b)(x), F.linear(x, weight, b))
-    assert PackedLinear(weight, None)(x[:0]).shape == (0, 96)
+        assert torch.equal(OneDnnLinear(weight, b)(x), F.linear(x, weight, b))
+    assert OneDnnLinear(weight, None)(x[:0]).shape == (0, 96)
+
+
+needs_amx = pytest.mark.skipif(not amx_supported(), reason="no AMX on this CPU (or no C++ ops)")
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "out_features, in_features",
+    [(96, 64), (100, 80), (960, 576), (33, 1536), (16, 32)],  # N and K off the tiles' multiples too
+)
+@pytest.mark.parametrize("num_rows", [1, 7, 16, 17, 32, 45, 100])
+def test_amx_linear_matches_a_float64_product(num_rows, out_features, in_features):
+    """fp32 sums of exact bf16 products, rounded once to bf16: within bf16's rounding of the exact
+    result (plus fp32's summation error), with and without a bias."""
+    torch.manual_seed(num_rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    bias = torch.randn(out_features, dtype=torch.bfloat16)
+    x = torch.randn(num_rows, in_features, dtype=torch.bfloat16)
+    for b in (None, bias):
+        got = AmxLinear(weight, b)(x)
+        want = x.double() @ weight.double().T + (0 if b is None else b.double())
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        limit = want.abs() * 2**-8 + 1e-5 * in_features**0.5
+        assert ((got.double() - want).abs() <= limit).all()
+
+
+@needs_amx
+def test_amx_linear_gives_a_row_the_same_bits_at_any_batch_size():
+    """Decode tokens meet the same kernel whether alone, in a batch or beside a prefill."""
+    torch.manual_seed(0)
+    weight = torch.randn(200, 96, dtype=torch.bfloat16)
+    linear = AmxLinear(weight, torch.randn(200, dtype=torch.bfloat16))
+    x = torch.randn(70, 96, dtype=torch.bfloat16)
+    full = linear(x)
+    for start, stop in [(0, 1), (5, 6), (3, 40), (33, 70)]:
+        assert torch.equal(linear(x[start:stop]), full[start:stop])
+    assert linear(x[:0]).shape == (0, 200)
+    assert linear(x.view(7, 10, 96)).shape == (7, 10, 200)  # leading dims kept
 
 
 @pytest.mark.skipif(
@@ -97,7 +135,8 @@ def test_bf16_engine_packs_every_matmul_and_keeps_the_embedding(tiny_model):
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine.runner.model
     kernels = [m.kernel for m in model.modules() if hasattr(m, "kernel")]
-    assert kernels and all(isinstance(k, PackedLinear) for k in kernels)
+    expected = AmxLinear if amx_supported() else OneDnnLinear
+    assert kernels and all(isinstance(k, expected) for k in kernels)
     assert model.model.embed_tokens.weight.numel() > 0  # still looked up
     prompts = ragged_prompts(3, seed=2)
     hf = load_hf(folder).to(torch.bfloat16)

@@ -24,7 +24,7 @@ from kvik_cpu.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_ops.cpp")
+    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp")
 )
 
 

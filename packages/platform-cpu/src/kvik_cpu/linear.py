@@ -1,9 +1,14 @@
-"""Matrix products with weights reordered once for oneDNN, the CPU's bf16 GEMM library.
+"""Matrix products with each bf16 weight packed once, at load time, for the CPU's fastest kernel.
 
-``F.linear`` on a bf16 CPU tensor already calls oneDNN, but reorders the weight into oneDNN's
-blocked layout on every call; reordering once at load time makes batch-1 decoding's matrix-vector
-products about 1.5x faster on this project's CPU machine (docs/benchmarks.md). The results are the
-same bits: the same oneDNN kernel runs on the same layout.
+At decode batch sizes (1 to a few dozen rows) a step's matrix products are bound by reading the
+weights once. Two packings:
+
+- ``AmxLinear`` (csrc/amx_linear.cpp): Intel AMX tiles over weights in AMX's own layout, one
+  contiguous run per 32 output columns. It reads the weights at about 85% of the memory's speed, 1.5x
+  faster than oneDNN at batch 1 and 32 on this project's machine (docs/benchmarks.md), and a row's
+  result does not depend on the other rows of the call.
+- ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
+  for CPUs with bf16 but no AMX, or where the C++ ops did not build. Same bits as ``F.linear``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,26 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
     )
 
 
-class PackedLinear:
+def amx_supported() -> bool:
+    """The C++ ops are built and this CPU (and kernel) let the process use AMX tiles."""
+    return hasattr(torch.ops.kvik_cpu, "amx_supported") and torch.ops.kvik_cpu.amx_supported()
+
+
+class AmxLinear:
+    """y = x W^T + b on AMX tiles; W packed by ``kvik_cpu::amx_pack``."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.out_features = weight.shape[0]
+        self.weight = torch.ops.kvik_cpu.amx_pack(weight.detach())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.kvik_cpu.amx_linear(rows, self.weight, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+class OneDnnLinear:
     """y = x W^T + b, W held in oneDNN's layout (an opaque ``mkldnn`` tensor)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
@@ -42,15 +66,16 @@ class PackedLinear:
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Give each ``Linear`` and the LM head a ``PackedLinear`` kernel.
+    """Give each ``Linear`` and the LM head a packed kernel (AMX where it runs, else oneDNN).
 
     A packed ``Linear``'s dense weight is released (only the packed copy is read). The LM head keeps
     its dense weight, which a tied embedding also looks tokens up in. Returns how many were packed.
     """
+    kernel = AmxLinear if amx_supported() else OneDnnLinear
     packed = 0
     for module in model.modules():
         if isinstance(module, (LMHead, Linear)):
-            module.kernel = PackedLinear(module.weight, getattr(module, "bias", None))
+            module.kernel = kernel(module.weight, getattr(module, "bias", None))
             if isinstance(module, Linear):
                 module.weight.data = module.weight.data.new_empty(0)
             packed += 1
