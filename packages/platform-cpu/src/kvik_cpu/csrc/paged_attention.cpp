@@ -111,8 +111,11 @@ void accumulate_values(const float* weights, const T* v_cache, const int32_t* ta
 #if defined(__AVX512BF16__)
 // bf16 with AVX512-BF16 (head_size a multiple of 32, at most 16 query heads per KV head): each
 // product of a bf16 query and key element is exact in fp32 (vdpbf16ps), summed in fp32; values
-// are widened to fp32 and accumulated with FMAs. About 4x fewer instructions than the portable
-// loops, which matters at large batches, where decode attention reads every request's context.
+// are widened to fp32 and accumulated with FMAs.
+//
+// Keys go 16 at a time: one accumulator per key, then one transposing reduction turns the 16
+// accumulators into 16 scores (45 shuffles and adds instead of 16 horizontal sums of ~8 each).
+// Values keep a tile of heads' sums in registers and widen each value row once for all of them.
 constexpr int64_t kMaxGroup = 16;
 constexpr int64_t kMaxChunks = 8;  // head_size up to 256
 
@@ -121,47 +124,138 @@ inline __m512 widen(const c10::BFloat16* x) {  // 16 bf16 -> 16 fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// Lane i of the result is the sum of v[i]'s 16 lanes.
+inline __m512 sum_each(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) {  // 128-bit chunks: [v2i (q0+q2), v2i (q1+q3), v2i+1 ..., ...]
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int i = 0; i < 4; ++i) {  // chunk k: v(4i + k)'s 4 partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int i = 0; i < 2; ++i) {  // chunk k: v(8i + k)'s 2 partials, v(8i + 4 + k)'s 2 partials
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // Lane 4k + l: v(4l + k)'s total; the permutation puts v(i) in lane i.
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, d);
+}
+
+// exp(x) for x <= 0 (scores minus their row's maximum): 2^(x log2 e) as 2^n times a degree-6
+// Taylor polynomial of 2^f, |f| <= 1/2; relative error about 1e-7 plus 1e-5 from rounding x log2 e
+// at large |x|, where the result is negligible beside the maximum's 1. libmvec's expf, which the
+// portable loop gets, costs a third of a decode step's attention at batch 32.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
+                                 _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax_rows with AVX512: each row of scores [group, n] -> exp(score - max), sums[h] its sum.
+void softmax_rows_avx512(float* scores, int64_t group, int64_t n, float* sums) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* sh = scores + h * n;
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::max());
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, sh + j));
+    }
+    const __m512 row_max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sh + j), row_max));
+      _mm512_mask_storeu_ps(sh + j, k, e);
+      sum = _mm512_mask_add_ps(sum, k, sum, e);
+    }
+    sums[h] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+// scores[h * n + j] = scale * (query head h . key j); keys[j] is key j's row (this KV head's part).
 void score_keys_avx512(const c10::BFloat16* qrow, const c10::BFloat16* k_cache,
-                       const int32_t* table, int64_t first, int64_t n, int64_t block_size,
-                       int64_t row, int64_t head_offset, int64_t group, int64_t head_size,
+                       const int64_t* keys, int64_t n, int64_t group, int64_t head_size,
                        float scale, float* scores) {
   const int64_t chunks = head_size / 32;
-  __m512bh qv[kMaxGroup][kMaxChunks];
-  for (int64_t h = 0; h < group; ++h) {
-    for (int64_t c = 0; c < chunks; ++c) {
-      qv[h][c] = (__m512bh)_mm512_loadu_si512(qrow + h * head_size + 32 * c);
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    // The next 16 keys lie in another cache block, anywhere in memory: start fetching them now.
+    for (int64_t i = j0 + 16; i < std::min<int64_t>(j0 + 32, n); ++i) {
+      for (int64_t c = 0; c < head_size; c += 32) _mm_prefetch(k_cache + keys[i] + c, _MM_HINT_T0);
     }
-  }
-  SlotCursor slot(table, first, block_size);
-  for (int64_t j = 0; j < n; ++j) {
-    const c10::BFloat16* krow = k_cache + slot.next() * row + head_offset;
-    __m512bh kv[kMaxChunks];
-    for (int64_t c = 0; c < chunks; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(krow + 32 * c);
     for (int64_t h = 0; h < group; ++h) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) acc = _mm512_dpbf16_ps(acc, qv[h][c], kv[c]);
-      scores[h * n + j] = _mm512_reduce_add_ps(acc) * scale;
+      const c10::BFloat16* qh = qrow + h * head_size;
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i >= count) continue;
+        const c10::BFloat16* krow = k_cache + keys[j0 + i];
+        for (int64_t c = 0; c < chunks; ++c) {
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(qh + 32 * c),
+                                    (__m512bh)_mm512_loadu_si512(krow + 32 * c));
+        }
+      }
+      const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+      _mm512_mask_storeu_ps(scores + h * n + j0, mask, _mm512_mul_ps(sum_each(acc), scale_v));
     }
   }
 }
 
+// acc[h] = sum_j weights[h * n + j] * value j, for head_size = 16 * V.
+template <int V>
 void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache,
-                              const int32_t* table, int64_t first, int64_t n, int64_t block_size,
-                              int64_t row, int64_t head_offset, int64_t group, int64_t head_size,
-                              float* acc) {
-  const int64_t vectors = head_size / 16;
-  SlotCursor slot(table, first, block_size);
-  for (int64_t j = 0; j < n; ++j) {
-    const c10::BFloat16* vrow = v_cache + slot.next() * row + head_offset;
-    __m512 vf[2 * kMaxChunks];
-    for (int64_t c = 0; c < vectors; ++c) vf[c] = widen(vrow + 16 * c);
-    for (int64_t h = 0; h < group; ++h) {
-      const __m512 w = _mm512_set1_ps(weights[h * n + j]);
-      float* ah = acc + h * head_size;
-      for (int64_t c = 0; c < vectors; ++c) {
-        _mm512_storeu_ps(ah + 16 * c, _mm512_fmadd_ps(w, vf[c], _mm512_loadu_ps(ah + 16 * c)));
+                              const int64_t* values, int64_t n, int64_t group, float* acc) {
+  constexpr int kHeads = V >= 16 ? 1 : 16 / V;  // sums held in registers: kHeads * V <= 16
+  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+    const int64_t heads = std::min<int64_t>(kHeads, group - h0);
+    __m512 sums[kHeads][V];
+    for (int h = 0; h < kHeads; ++h)
+      for (int c = 0; c < V; ++c) sums[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const c10::BFloat16* vrow = v_cache + values[j];
+      if (j + 16 < n) {  // as for the keys: values 16 ahead
+        for (int c = 0; c < V; c += 2) _mm_prefetch(v_cache + values[j + 16] + 16 * c, _MM_HINT_T0);
+      }
+      __m512 vf[V];
+      for (int c = 0; c < V; ++c) vf[c] = widen(vrow + 16 * c);
+      for (int h = 0; h < kHeads; ++h) {
+        if (h >= heads) break;
+        const __m512 w = _mm512_set1_ps(weights[(h0 + h) * n + j]);
+        for (int c = 0; c < V; ++c) sums[h][c] = _mm512_fmadd_ps(w, vf[c], sums[h][c]);
       }
     }
+    for (int64_t h = 0; h < heads; ++h)
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(acc + (h0 + h) * V * 16 + 16 * c, sums[h][c]);
+  }
+}
+
+void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache,
+                              const int64_t* values, int64_t n, int64_t group, int64_t head_size,
+                              float* acc) {
+  switch (head_size / 16) {
+    case 2: return accumulate_values_avx512<2>(weights, v_cache, values, n, group, acc);
+    case 4: return accumulate_values_avx512<4>(weights, v_cache, values, n, group, acc);
+    case 6: return accumulate_values_avx512<6>(weights, v_cache, values, n, group, acc);
+    case 8: return accumulate_values_avx512<8>(weights, v_cache, values, n, group, acc);
+    case 10: return accumulate_values_avx512<10>(weights, v_cache, values, n, group, acc);
+    case 12: return accumulate_values_avx512<12>(weights, v_cache, values, n, group, acc);
+    case 14: return accumulate_values_avx512<14>(weights, v_cache, values, n, group, acc);
+    default: return accumulate_values_avx512<16>(weights, v_cache, values, n, group, acc);
   }
 }
 #endif
@@ -212,6 +306,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
 #endif
   at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
+    std::vector<int64_t> rows;  // cache offsets of the item's key (and value) rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / kv_heads, g = item % kv_heads;
       const int64_t request = requests[t], pos = positions[t];
@@ -223,21 +318,27 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (fast_bf16) {
-          score_keys_avx512(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
-                            block_size, row, head_offset, group, head_size, scale, scores.data());
+          rows.resize(n);
+          SlotCursor slot(table, first, block_size);
+          for (int64_t j = 0; j < n; ++j) rows[j] = slot.next() * row + head_offset;
+          score_keys_avx512(q + t * q_stride + g * group * head_size, k_cache, rows.data(), n,
+                            group, head_size, scale, scores.data());
         }
       }
 #endif
       if (!fast_bf16) score_keys(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
                                  block_size, row, head_offset, group, head_size, scale, qf.data(),
                                  scores.data());
-      softmax_rows(scores.data(), group, n, sums.data());
+#if defined(__AVX512BF16__)
+      if (fast_bf16) softmax_rows_avx512(scores.data(), group, n, sums.data());
+#endif
+      if (!fast_bf16) softmax_rows(scores.data(), group, n, sums.data());
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (fast_bf16) {
-          accumulate_values_avx512(scores.data(), v_cache, table, first, n, block_size, row,
-                                   head_offset, group, head_size, acc.data());
+          accumulate_values_avx512(scores.data(), v_cache, rows.data(), n, group, head_size,
+                                   acc.data());
         }
       }
 #endif
