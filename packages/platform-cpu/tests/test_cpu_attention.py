@@ -49,11 +49,28 @@ def backends() -> list:
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 1)])
 def test_batch_matches_dense_attention(backend, dtype, requests, heads, kv_heads, window):
     """(context length, new tokens) per request; fresh random inputs, shuffled block ids."""
-    torch.manual_seed(0)
-    d, scale = 32, 32**-0.5
-    num_blocks = 40
+    check_against_dense(backend, dtype, requests, heads, kv_heads, window, d=32)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("in_order", [True, False], ids=["blocks-in-order", "shuffled"])
+def test_long_bf16_decodes_of_every_head_size_match_dense_attention(d, in_order):
+    """The bf16 decode kernel's paths: 16 keys read in place (consecutive blocks) or staged (the
+    next block elsewhere, the last partial run), 1 to 8 chunks of 32 dimensions."""
+    from kvik_cpu.paged_attention import CpuPagedBackend
+
+    if CpuPagedBackend.unsupported_reason(torch.bfloat16, d, BLOCK) is not None:
+        pytest.skip("CPU_PAGED is not available here")
+    requests = [(150, 1), (33, 1), (300, 1), (16, 1)]
+    check_against_dense(CpuPagedBackend, torch.bfloat16, requests, 12, 3, None, d, in_order)
+
+
+def check_against_dense(backend, dtype, requests, heads, kv_heads, window, d, in_order=False):
+    torch.manual_seed(d)
+    scale = d**-0.5
+    num_blocks = sum(-(-seq_len // BLOCK) for seq_len, _ in requests) + 8
     kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d, dtype=dtype)
-    free = torch.randperm(num_blocks).tolist()
+    free = list(range(num_blocks))[::-1] if in_order else torch.randperm(num_blocks).tolist()
     tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
     for seq_len, new in requests:
         blocks = [free.pop() for _ in range(-(-seq_len // BLOCK))]

@@ -23,9 +23,9 @@ from kvik_cpu.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp")
-)
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp"))
+HEADERS = (CSRC / "amx.h",)
 
 
 def _build_dir() -> Path:
@@ -39,7 +39,7 @@ def load() -> str | None:
     if hasattr(torch.ops.kvik_cpu, "paged_attention"):
         return None
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())

@@ -26,12 +26,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
-#define KVIK_HAVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -43,32 +38,14 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 #ifdef KVIK_HAVE_AMX
 
-// Linux hands out AMX's 8 KB of tile state only to processes that ask for it.
-bool request_amx() {
-  static const bool granted = [] {
-    constexpr int kArchReqXcompPerm = 0x1023;
-    constexpr int kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using kvik_cpu::request_amx;
+using kvik_cpu::TileConfig;
 
 // tmm0..3: C[a][b] for A tile a (rows m0 / m1) and B tile b; tmm4, tmm5: A0, A1; tmm6, tmm7: B0, B1.
 void configure_tiles(int m0, int m1) {
   TileConfig config;
   const int rows[8] = {m0, m0, m1, m1, m0, m1, 16, 16};
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = static_cast<uint8_t>(rows[t]);
-    config.colsb[t] = rows[t] ? 64 : 0;
-  }
+  for (int t = 0; t < 8; ++t) config.set(t, rows[t], 64);
   _tile_loadconfig(&config);
 }
 

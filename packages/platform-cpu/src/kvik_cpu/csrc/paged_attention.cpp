@@ -15,6 +15,8 @@
 #endif
 #include <torch/library.h>
 
+#include "amx.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -216,6 +218,81 @@ void score_keys_avx512(const c10::BFloat16* qrow, const c10::BFloat16* k_cache,
   }
 }
 
+#ifdef KVIK_HAVE_AMX
+// score_keys_avx512 on AMX tiles: one instruction multiplies 16 keys by all the group's query
+// heads over 32 dimensions. tmm0: the scores [16 keys, 16 heads] (fp32); tmm1: 16 key rows, 32
+// dimensions (read straight from the cache where the 16 keys are consecutive slots, else from a
+// staging copy); tmm2..: the query heads' 32-dimension chunks, transposed into dimension pairs
+// (AMX's B layout), loaded once per item.
+constexpr int64_t kMaxAmxChunks = 6;  // head_size up to 192
+
+void configure_score_tiles() {
+  kvik_cpu::TileConfig config;
+  for (int t = 0; t < 8; ++t) config.set(t, 16, 64);
+  _tile_loadconfig(&config);
+}
+
+void score_keys_amx(const c10::BFloat16* qrow, const c10::BFloat16* k_cache, const int64_t* keys,
+                    int64_t n, int64_t group, int64_t head_size, int64_t key_stride, float scale,
+                    float* scores) {
+  const int64_t chunks = head_size / 32;
+  alignas(64) c10::BFloat16 qt[kMaxAmxChunks][16][32];  // [chunk][dim pair][head * 2 + dim % 2]
+  std::memset(qt, 0, sizeof(qt[0]) * chunks);
+  for (int64_t h = 0; h < group; ++h) {
+    for (int64_t d = 0; d < head_size; ++d) qt[d / 32][(d % 32) / 2][h * 2 + d % 2] = qrow[h * head_size + d];
+  }
+  // Tile numbers are immediates: one line per possible chunk.
+#define KVIK_LOAD_QUERY(c, tmm) \
+  if (chunks > c) _tile_loadd(tmm, qt[c], 64);
+  KVIK_LOAD_QUERY(0, 2) KVIK_LOAD_QUERY(1, 3) KVIK_LOAD_QUERY(2, 4) KVIK_LOAD_QUERY(3, 5)
+  KVIK_LOAD_QUERY(4, 6) KVIK_LOAD_QUERY(5, 7)
+#undef KVIK_LOAD_QUERY
+  alignas(64) c10::BFloat16 staged[16 * 32 * kMaxAmxChunks];
+  alignas(64) float tile[16 * 16];
+  const __m512i column = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t count = std::min<int64_t>(16, n - j0);
+    for (int64_t i = j0 + 16; i < std::min<int64_t>(j0 + 32, n); ++i) {
+      for (int64_t c = 0; c < head_size; c += 32) _mm_prefetch(k_cache + keys[i] + c, _MM_HINT_T0);
+    }
+    const c10::BFloat16* a;
+    int64_t a_stride;  // bytes
+    if (count == 16 && keys[j0 + 15] - keys[j0] == 15 * key_stride) {
+      a = k_cache + keys[j0];
+      a_stride = key_stride * 2;
+    } else {  // the keys cross into a block elsewhere, or fewer than 16 remain
+      for (int64_t i = 0; i < 16; ++i) {
+        c10::BFloat16* dst = staged + i * head_size;
+        if (i < count) {
+          std::memcpy(dst, k_cache + keys[j0 + i], head_size * sizeof(c10::BFloat16));
+        } else {
+          std::memset(dst, 0, head_size * sizeof(c10::BFloat16));
+        }
+      }
+      a = staged;
+      a_stride = head_size * 2;
+    }
+    _tile_zero(0);
+#define KVIK_MULTIPLY(c, tmm)             \
+  if (chunks > c) {                       \
+    _tile_loadd(1, a + 32 * c, a_stride); \
+    _tile_dpbf16ps(0, 1, tmm);            \
+  }
+    KVIK_MULTIPLY(0, 2) KVIK_MULTIPLY(1, 3) KVIK_MULTIPLY(2, 4) KVIK_MULTIPLY(3, 5)
+    KVIK_MULTIPLY(4, 6) KVIK_MULTIPLY(5, 7)
+#undef KVIK_MULTIPLY
+    _tile_stored(0, tile, 64);
+    const __mmask16 mask = count == 16 ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+    for (int64_t h = 0; h < group; ++h) {  // head h's scores: column h of the tile
+      const __m512 s = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32(h)), tile, 4);
+      _mm512_mask_storeu_ps(scores + h * n + j0, mask, _mm512_mul_ps(s, scale_v));
+    }
+  }
+}
+#endif
+
 // acc[h] = sum_j weights[h * n + j] * value j, for head_size = 16 * V.
 template <int V>
 void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache,
@@ -304,7 +381,14 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   fast_bf16 = std::is_same_v<T, c10::BFloat16> && head_size % 32 == 0 &&
               head_size <= 32 * kMaxChunks && group <= kMaxGroup;
 #endif
+  bool amx_scores = false;
+#ifdef KVIK_HAVE_AMX
+  amx_scores = fast_bf16 && head_size <= 32 * kMaxAmxChunks && kvik_cpu::request_amx();
+#endif
   at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
+#ifdef KVIK_HAVE_AMX
+    if (amx_scores) configure_score_tiles();
+#endif
     std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
     std::vector<int64_t> rows;  // cache offsets of the item's key (and value) rows
     for (int64_t item = begin; item < end; ++item) {
@@ -321,6 +405,12 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
           rows.resize(n);
           SlotCursor slot(table, first, block_size);
           for (int64_t j = 0; j < n; ++j) rows[j] = slot.next() * row + head_offset;
+#ifdef KVIK_HAVE_AMX
+          if (amx_scores) {
+            score_keys_amx(q + t * q_stride + g * group * head_size, k_cache, rows.data(), n,
+                           group, head_size, row, scale, scores.data());
+          } else
+#endif
           score_keys_avx512(q + t * q_stride + g * group * head_size, k_cache, rows.data(), n,
                             group, head_size, scale, scores.data());
         }
@@ -350,6 +440,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
         for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
       }
     }
+#ifdef KVIK_HAVE_AMX
+    if (amx_scores) _tile_release();
+#endif
   });
 }
 
