@@ -161,3 +161,45 @@ def test_engine_without_the_cpp_kernels_falls_back_to_the_references(tiny_model,
     prompts = ragged_prompts(4, seed=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert_greedy_equal(prompts, outputs, load_hf(folder), GREEDY.max_tokens)
+
+
+@needs_amx
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])  # llama3 rope, a window, biases
+def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(tiny_model, kind):
+    """kvik_cpu.decode_layers runs a decode step's layers in one C++ call of the same kernels:
+    tokens and logprobs equal the layer-by-layer path's exactly."""
+    from kvik_cpu.decode_layers import DecodeLayers
+
+    folder = tiny_model(kind)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=3)]
+    results = []
+    for fused in (True, False):
+        llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
+        inner = llm.engine.runner.model.model
+        assert isinstance(inner.decode_kernel, DecodeLayers)
+        ran: list = []
+        if fused:
+            inner.decode_kernel = counting(inner.decode_kernel, ran)
+        else:
+            inner.decode_kernel = None
+        outputs = llm.generate(prompts, params)
+        assert not fused or sum(out is not None for out in ran) >= params.max_tokens - 1
+        results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert results[0] == results[1]
+
+
+def counting(kernel, results: list):
+    """``kernel``, recording what it returns (None: the step ran layer by layer)."""
+
+    def call(hidden, positions):
+        results.append(kernel(hidden, positions))
+        return results[-1]
+
+    return call
+
+
+def test_qwen3_layers_are_left_to_python(tiny_model):
+    """q and k norms are not in the C++ loop: Qwen3 runs layer by layer."""
+    llm = LLM(str(tiny_model("qwen3")), dtype="bfloat16", num_kv_blocks=64)
+    assert llm.engine.runner.model.model.decode_kernel is None

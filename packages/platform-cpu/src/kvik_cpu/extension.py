@@ -24,8 +24,11 @@ from kvik_cpu.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = tuple(CSRC / name for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp"))
-HEADERS = (CSRC / "amx.h",)
+SOURCES = tuple(
+    CSRC / name
+    for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp", "decode_layers.cpp")
+)
+HEADERS = (CSRC / "amx.h", CSRC / "ops.h")
 
 
 def _build_dir() -> Path:

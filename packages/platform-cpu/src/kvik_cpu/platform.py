@@ -102,3 +102,7 @@ class CpuPlatform(Platform):
 
         if packed_linear_supported(config.model.dtype):
             pack_linear_weights(model)
+            if not cls.native_ops:
+                from kvik_cpu import decode_layers
+
+                decode_layers.install(model)

@@ -22,6 +22,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -185,6 +187,13 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 }
 
 }  // namespace
+
+namespace kvik_cpu::ops {
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias_fp32) {
+  return ::amx_linear(x, packed, out_features, bias_fp32);
+}
+}  // namespace kvik_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
   m.def("amx_supported() -> bool", &amx_supported);

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "amx.h"
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -482,6 +483,17 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
 }
 
 }  // namespace
+
+namespace kvik_cpu::ops {
+void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& token_request,
+                     const at::Tensor& token_position, double scale, int64_t sliding_window,
+                     at::Tensor& output) {
+  ::paged_attention(query, key, value, kv_cache, slot_mapping, block_table, token_request,
+                    token_position, scale, sliding_window, output);
+}
+}  // namespace kvik_cpu::ops
 
 TORCH_LIBRARY(kvik_cpu, m) {
   m.def(

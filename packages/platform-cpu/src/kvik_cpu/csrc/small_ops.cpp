@@ -14,6 +14,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <tuple>
@@ -212,6 +214,24 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 }  // namespace
+
+namespace kvik_cpu::ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  return ::fused_add_rms_norm(x, residual, weight, eps);
+}
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                    const at::Tensor& query,
+                                                    const at::Tensor& key, int64_t head_size,
+                                                    const at::Tensor& cos_sin_cache, bool is_neox) {
+  return ::rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox);
+}
+at::Tensor silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
+}  // namespace kvik_cpu::ops
 
 TORCH_LIBRARY_IMPL(kvik, CPU, m) {
   m.impl("rms_norm", &rms_norm);

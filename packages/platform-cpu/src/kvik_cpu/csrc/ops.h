@@ -1,0 +1,34 @@
+// kvik_cpu's kernels as plain C++ functions, for kernels that call others without the dispatcher
+// (decode_layers.cpp). Each is the function its file registers as a torch op.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <tuple>
+
+namespace kvik_cpu::ops {
+
+// small_ops.cpp (torch.ops.kvik.*'s CPU kernels)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                    const at::Tensor& query,
+                                                    const at::Tensor& key, int64_t head_size,
+                                                    const at::Tensor& cos_sin_cache, bool is_neox);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// amx_linear.cpp
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                      const std::optional<at::Tensor>& bias_fp32);
+
+// paged_attention.cpp
+void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_table, const at::Tensor& token_request,
+                     const at::Tensor& token_position, double scale, int64_t sliding_window,
+                     at::Tensor& output);
+
+}  // namespace kvik_cpu::ops

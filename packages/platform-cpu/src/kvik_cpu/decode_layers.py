@@ -1,0 +1,133 @@
+"""Decode steps of Llama-family models in one C++ call (csrc/decode_layers.cpp).
+
+At decode batch sizes a layer's kernels take tens of microseconds, and the Python around them
+(module calls, views, dispatch: about 35 calls a layer) as long again. ``DecodeLayers`` runs all
+the decoder layers of a decode-only step as one call of the same kernels in the same order, so the
+tokens are the same bits as the layer-by-layer path; the CPU's analogue of a CUDA graph for decode.
+
+It applies to ``LlamaModel`` (Llama, Mistral, Qwen2, SmolLM) when every matmul runs on AMX
+(kvik_cpu.linear.AmxLinear), the small ops have their C++ kernels, and attention is CPU_PAGED; any
+other step (prompt chunks, a mixed step) or model runs layer by layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kvik.layers.activation import SiluAndMul
+from kvik.layers.norm import RMSNorm
+from kvik.worker.forward_context import get_forward_context
+from kvik_cpu.linear import AmxLinear
+from kvik_cpu.paged_attention import CpuPagedImpl, PagedMetadata
+
+
+def _no_bias() -> Tensor:
+    return torch.empty(0)
+
+
+class DecodeLayers:
+    """``LlamaModel.decode_kernel``: the decoder layers and final norm of a decode-only step."""
+
+    def __init__(self, model) -> None:  # a kvik_models.llama.LlamaModel
+        self.model = model
+        first = model.layers[0].self_attn
+        self.num_heads = first.attn.num_heads
+        self.num_kv_heads = first.attn.num_kv_heads
+        self.head_size = first.head_size
+        self.scale = first.attn.scale
+        self.intermediate_size = model.layers[0].mlp.gate_up_proj.kernel.out_features // 2
+        self.eps = model.norm.eps
+        self.rotary = first.rotary_emb
+        weights: list[Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (
+                layer.input_layernorm,
+                attn.qkv_proj,
+                attn.o_proj,
+                layer.post_attention_layernorm,
+                mlp.gate_up_proj,
+                mlp.down_proj,
+            ):
+                if isinstance(module, RMSNorm):
+                    weights.append(module.weight.detach())
+                else:
+                    kernel = module.kernel
+                    weights += [kernel.weight, _no_bias() if kernel.bias is None else kernel.bias]
+        self.weights = weights
+        self.sliding_windows = [layer.self_attn.attn.sliding_window or 0 for layer in model.layers]
+        self._ready: bool | None = None  # attention impls are bound after loading: checked later
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether ``model`` (a LlamaModel, packed) is made of exactly the parts the C++ loop runs."""
+        from kvik_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+        layers = list(getattr(model, "layers", []))
+        if not layers or not isinstance(getattr(model, "norm", None), RMSNorm):
+            return False
+        first = layers[0].self_attn
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            if not (
+                type(layer).forward is LlamaDecoderLayer.forward
+                and isinstance(attn, LlamaAttention)
+                and type(attn).forward is LlamaAttention.forward
+                and type(attn).qkv is LlamaAttention.qkv
+                and type(mlp).forward is LlamaMLP.forward
+                and type(mlp.act_fn) is SiluAndMul
+                and all(
+                    isinstance(m.kernel, AmxLinear)
+                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+                )
+                and attn.rotary_emb is first.rotary_emb
+                and attn.attn.scale == first.attn.scale
+                and attn.rotary_emb._rotary_embedding is torch.ops.kvik.rotary_embedding
+                and all(
+                    n.eps == model.norm.eps
+                    for n in (layer.input_layernorm, layer.post_attention_layernorm)
+                )
+            ):
+                return False
+        return True
+
+    def __call__(self, embedded: Tensor, positions: Tensor) -> Tensor | None:
+        """The final hidden states, or None where this step must run layer by layer."""
+        metadata = get_forward_context().attn_metadata
+        if type(metadata) is not PagedMetadata:
+            return None
+        layers = self.model.layers
+        if self._ready is None:
+            self._ready = all(type(layer.self_attn.attn.impl) is CpuPagedImpl for layer in layers)
+        if not self._ready:
+            return None
+        return torch.ops.kvik_cpu.llama_decode_layers(
+            embedded,
+            positions,
+            self.weights,
+            self.model.norm.weight,
+            self.eps,
+            self.rotary.cos_sin_cache,
+            self.rotary.is_neox,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            self.intermediate_size,
+            [layer.self_attn.attn.kv_cache for layer in layers],
+            self.sliding_windows,
+            self.scale,
+            metadata.common.slot_mapping,
+            metadata.block_table,
+            metadata.token_request,
+            metadata.token_position,
+        )
+
+
+def install(model) -> bool:
+    """Give the model's ``LlamaModel`` a ``DecodeLayers`` kernel where it applies."""
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "decode_kernel") or not DecodeLayers.supports(inner):
+        return False
+    inner.decode_kernel = DecodeLayers(inner)
+    return True
