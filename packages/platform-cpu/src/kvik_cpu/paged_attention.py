@@ -122,17 +122,13 @@ class CpuPagedBackend(TorchSdpaBackend):
 
     @classmethod
     def _decode_metadata(cls, common: AttentionMetadata) -> PagedMetadata:
-        num_tokens = common.num_actual_tokens
-        token_request = torch.repeat_interleave(
-            torch.arange(common.num_reqs, dtype=torch.int32), common.query_lens.long()
-        )
-        first_position = (common.seq_lens - common.query_lens)[token_request]
-        offset = torch.arange(num_tokens, dtype=torch.int32) - common.query_start_loc[token_request]
+        """For steps whose requests each have one query token (decodes): token r is request r's
+        next token, at position seq_lens[r] - 1."""
         return PagedMetadata(
             common=common,
             block_table=common.block_table.to(torch.int32).contiguous(),
-            token_request=token_request,
-            token_position=(first_position + offset).to(torch.int32),
+            token_request=torch.arange(common.num_reqs, dtype=torch.int32),
+            token_position=(common.seq_lens - 1).to(torch.int32),
         )
 
     @classmethod

@@ -146,13 +146,19 @@ class ModelRunner:
         query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
         torch.cumsum(query_lens, 0, out=query_start_loc[1:])
         num_tokens = len(token_ids)
-        req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens)  # [T]
-        offsets = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_index]
-        positions = starts.long()[req_index] + offsets  # [T]
+        if num_tokens == num_reqs:  # one token per request (decodes): no expansion to build
+            req_index = torch.arange(num_reqs)
+            positions = starts.long()
+        else:
+            req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens)  # [T]
+            offsets = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_index]
+            positions = starts.long()[req_index] + offsets  # [T]
         max_blocks = max(len(s.block_ids) for s in scheduled)
-        block_table = torch.zeros(num_reqs, max_blocks, dtype=torch.int32)
-        for row, s in enumerate(scheduled):
-            block_table[row, : len(s.block_ids)] = torch.tensor(s.block_ids, dtype=torch.int32)
+        # One tensor from padded lists: a small tensor per row cost more than the rows' contents.
+        block_table = torch.tensor(
+            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled],
+            dtype=torch.int32,
+        )
         bs = self.block_size
         slot_mapping = block_table.long()[req_index, positions // bs] * bs + positions % bs
         seq_lens = starts + query_lens
