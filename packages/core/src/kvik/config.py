@@ -106,6 +106,53 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
 
+#: vLLM's CUDA graph modes. kvik builds "none" and "full" (FULL graphs for uniform decode steps,
+#: eager for the others); the piecewise modes come with the torch.compile path.
+CUDAGRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
+BUILT_CUDAGRAPH_MODES = ("none", "full")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's padded decode batch sizes: 1, 2, 4, then steps of 8 to 256, then of 16 to 512,
+    capped by ``max_num_seqs`` (which is always a size, so every decode batch has a graph)."""
+    sizes = [1, 2, 4, *range(8, 257, 8), *range(272, 513, 16)]
+    capped = [s for s in sizes if s < max_num_seqs]
+    if max_num_seqs <= 512:
+        capped.append(max_num_seqs)
+    return capped
+
+
+@dataclass
+class CompilationConfig:
+    """How steps are replayed: CUDA graphs for uniform decode batches of the padded sizes."""
+
+    cudagraph_mode: str = "full"
+    #: Padded decode batch sizes with a graph, ascending; a decode batch runs in the smallest that
+    #: holds it, or eagerly above the largest.
+    cudagraph_capture_sizes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(
+                f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
+                f"got {self.cudagraph_mode!r}"
+            )
+        if self.cudagraph_mode not in BUILT_CUDAGRAPH_MODES:
+            raise ValueError(
+                f"cudagraph_mode {self.cudagraph_mode!r} needs piecewise graphs under "
+                "torch.compile, which kvik does not have yet; use 'full' (graphs for decode steps, "
+                "eager otherwise) or 'none'"
+            )
+        sizes = self.cudagraph_capture_sizes
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+            raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {sizes!r}")
+        self.cudagraph_capture_sizes = sorted(set(sizes))
+
+    @property
+    def use_cudagraphs(self) -> bool:
+        return self.cudagraph_mode != "none" and bool(self.cudagraph_capture_sizes)
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -113,3 +160,10 @@ class EngineConfig:
     scheduler: Any  # kvik.scheduler.SchedulerConfig
     device: str | None = None
     enforce_eager: bool = False
+    compilation: CompilationConfig = field(
+        default_factory=lambda: CompilationConfig(cudagraph_mode="none")
+    )
+    #: Schedule step N+1 while the device runs step N; None lets the platform decide.
+    async_scheduling: bool | None = None
+    #: NVTX ranges around schedule, prepare, forward, sample and update (for nsys).
+    enable_nvtx: bool = False

@@ -35,9 +35,31 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     )
     parser.add_argument("--no-enable-prefix-caching", action="store_true")
     parser.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="run the model eagerly (kvik does so everywhere until CUDA graphs land)",
+        "--enforce-eager", action="store_true", help="run the model eagerly: no CUDA graphs"
+    )
+    parser.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        choices=("none", "full", "piecewise", "full_and_piecewise"),
+        help="none, or full: one CUDA graph per padded decode batch size (default where the "
+        "platform has graphs); the piecewise modes are not built yet",
+    )
+    parser.add_argument(
+        "--cudagraph-capture-sizes",
+        type=_int_list,
+        default=None,
+        metavar="N,N,...",
+        help="padded decode batch sizes to capture (default: 1, 2, 4, 8..256 by 8, 272..512 by "
+        "16, up to --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule step N+1 while the device runs step N (default: on for GPUs)",
+    )
+    parser.add_argument(
+        "--enable-nvtx", action="store_true", help="NVTX ranges around each step's phases"
     )
     parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
 
@@ -61,7 +83,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_enable_prefix_caching,
         enforce_eager=args.enforce_eager,
         load_format=args.load_format,
+        cudagraph_mode=args.cudagraph_mode,
+        cudagraph_capture_sizes=args.cudagraph_capture_sizes,
+        async_scheduling=args.async_scheduling,
+        enable_nvtx=args.enable_nvtx,
     )
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvik.config import CacheConfig, EngineConfig
+from kvik.config import CacheConfig, CompilationConfig, EngineConfig, default_capture_sizes
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -36,6 +36,12 @@ class EngineArgs:
     tokenizer: str | None = None
     enable_chunked_prefill: bool = True
     scheduling_policy: str = "fcfs"
+    #: "none", "full" (FULL graphs for decode steps); None: "full" where the platform has graphs.
+    cudagraph_mode: str | None = None
+    cudagraph_capture_sizes: list[int] | None = None
+    #: None: on where the platform's device runs asynchronously to the host (GPUs).
+    async_scheduling: bool | None = None
+    enable_nvtx: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from kvik.model_loader.loader import load_model_config
@@ -63,6 +69,7 @@ class EngineArgs:
                 f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
             )
         platform = select_platform(self.device)
+        compilation = self._compilation_config(platform.graph_support != "none")
         model_config = load_model_config(
             self.model,
             dtype=self.dtype,
@@ -102,7 +109,27 @@ class EngineArgs:
             ),
             device=platform.name,
             enforce_eager=self.enforce_eager,
+            compilation=compilation,
+            async_scheduling=self.async_scheduling,
+            enable_nvtx=bool(self.enable_nvtx),
         )
+
+    def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
+        mode = self.cudagraph_mode
+        if mode is None:
+            mode = "full" if platform_has_graphs and not self.enforce_eager else "none"
+        elif self.enforce_eager and mode != "none":
+            raise ValueError(
+                f"enforce_eager turns CUDA graphs off, but cudagraph_mode={mode!r} asks for them"
+            )
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            sizes = default_capture_sizes(self.max_num_seqs) if mode != "none" else []
+        elif not isinstance(sizes, list | tuple):
+            raise ValueError(f"cudagraph_capture_sizes must be a list of integers, got {sizes!r}")
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
+        return CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes))
 
 
 def _check_positive(optional: bool = False, **values: Any) -> None:

@@ -27,8 +27,9 @@ class LLM:
     ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
     or the platform's default (4 GiB on the CPU) decides it. On a GPU the default is what a
     profiling forward pass leaves of ``gpu_memory_utilization`` (0.9) of the device's memory.
-    ``enforce_eager`` is accepted for vLLM compatibility: kvik runs eagerly until CUDA graphs land
-    (the CPU's speed comes from its C++ kernels and prepacked weights, not from a compiler).
+    ``enforce_eager`` turns CUDA graphs off; ``cudagraph_mode`` ("none" or "full") and
+    ``cudagraph_capture_sizes`` choose them where the platform has them. ``async_scheduling``
+    (None: the platform decides, on for GPUs) overlaps scheduling with the device's step.
     """
 
     def __init__(
@@ -50,6 +51,10 @@ class LLM:
         tokenizer: str | None = None,
         enable_chunked_prefill: bool = True,
         scheduling_policy: str = "fcfs",
+        cudagraph_mode: str | None = None,
+        cudagraph_capture_sizes: list[int] | None = None,
+        async_scheduling: bool | None = None,
+        enable_nvtx: bool = False,
     ) -> None:
         self.config = EngineArgs(
             model=model,
@@ -69,6 +74,10 @@ class LLM:
             tokenizer=tokenizer,
             enable_chunked_prefill=enable_chunked_prefill,
             scheduling_policy=scheduling_policy,
+            cudagraph_mode=cudagraph_mode,
+            cudagraph_capture_sizes=cudagraph_capture_sizes,
+            async_scheduling=async_scheduling,
+            enable_nvtx=enable_nvtx,
         ).create_engine_config()
         self.input_processor = InputProcessor(self.config.model)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)

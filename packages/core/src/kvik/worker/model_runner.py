@@ -33,6 +33,16 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+class PendingStep:
+    """A launched step; ``collect()`` returns its output (once the device is done)."""
+
+    def __init__(self, output: ModelRunnerOutput) -> None:
+        self._output = output
+
+    def collect(self) -> ModelRunnerOutput:
+        return self._output
+
+
 @dataclass
 class StepInputs:
     input_ids: Tensor  # [T]
@@ -207,8 +217,20 @@ class ModelRunner:
         with forward_context(context):
             return self.model(inputs.input_ids, inputs.positions)
 
-    @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, synchronously: ``launch`` then ``collect``."""
+        return self.launch(scheduler_output).collect()
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step on the device and return at once; ``PendingStep.collect()`` waits for its
+        sampled tokens. Tokens of the step that are not known yet (a request's last output token,
+        still in flight from the previous step under asynchronous scheduling: positions at or past
+        ``len(request.all_token_ids)``) are taken from the previous step's sampled tokens on the
+        device."""
+        return PendingStep(self._execute(scheduler_output))
+
+    @torch.inference_mode()
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
         if not scheduler_output.scheduled:
