@@ -176,13 +176,13 @@ def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(tiny_model, k
     results = []
     for fused in (True, False):
         llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
-        inner = llm.engine.runner.model.model
-        assert isinstance(inner.decode_kernel, DecodeLayers)
+        step_runner = llm.engine.runner.step_runner
+        assert isinstance(step_runner.decode_layers, DecodeLayers)
         ran: list = []
         if fused:
-            inner.decode_kernel = counting(inner.decode_kernel, ran)
+            step_runner.decode_layers = counting(step_runner.decode_layers, ran)
         else:
-            inner.decode_kernel = None
+            step_runner.decode_layers = None
         outputs = llm.generate(prompts, params)
         assert not fused or sum(out is not None for out in ran) >= params.max_tokens - 1
         results.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
@@ -192,8 +192,8 @@ def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(tiny_model, k
 def counting(kernel, results: list):
     """``kernel``, recording what it returns (None: the step ran layer by layer)."""
 
-    def call(hidden, positions):
-        results.append(kernel(hidden, positions))
+    def call(hidden, positions, metadata):
+        results.append(kernel(hidden, positions, metadata))
         return results[-1]
 
     return call
@@ -202,4 +202,4 @@ def counting(kernel, results: list):
 def test_qwen3_layers_are_left_to_python(tiny_model):
     """q and k norms are not in the C++ loop: Qwen3 runs layer by layer."""
     llm = LLM(str(tiny_model("qwen3")), dtype="bfloat16", num_kv_blocks=64)
-    assert llm.engine.runner.model.model.decode_kernel is None
+    assert llm.engine.runner.step_runner.decode_layers is None

@@ -6,7 +6,7 @@ requests concatenated, ``input_ids [T]``, ``positions [T]``, hidden ``[T, hidden
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
@@ -123,17 +123,9 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # A platform may run whole steps of the layers natively (kvik_cpu.decode_layers): it
-        # returns the final hidden states, or None for a step it leaves to the layers.
-        self.decode_kernel: Callable[[Tensor, Tensor], Tensor | None] | None = None
 
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if (
-            self.decode_kernel is not None
-            and (out := self.decode_kernel(hidden, positions)) is not None
-        ):
-            return out
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)

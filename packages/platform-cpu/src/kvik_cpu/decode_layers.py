@@ -1,9 +1,12 @@
-"""Decode steps of Llama-family models in one C++ call (csrc/decode_layers.cpp).
+"""Decode steps of Llama-family models in one C++ call (csrc/decode_layers.cpp): the CPU's step
+runner.
 
 At decode batch sizes a layer's kernels take tens of microseconds, and the Python around them
 (module calls, views, dispatch: about 35 calls a layer) as long again. ``DecodeLayers`` runs all
 the decoder layers of a decode-only step as one call of the same kernels in the same order, so the
 tokens are the same bits as the layer-by-layer path; the CPU's analogue of a CUDA graph for decode.
+``CpuStepRunner`` (the CPU platform's implementation of kvik.worker.step_runner's seam) uses it for
+the steps it covers and runs the model's layers otherwise; the model itself knows nothing of it.
 
 It applies to ``LlamaModel`` (Llama, Mistral, Qwen2, SmolLM) when every matmul runs on AMX
 (kvik_cpu.linear.AmxLinear), the small ops have their C++ kernels, and attention is CPU_PAGED; any
@@ -17,7 +20,7 @@ from torch import Tensor
 
 from kvik.layers.activation import SiluAndMul
 from kvik.layers.norm import RMSNorm
-from kvik.worker.forward_context import get_forward_context
+from kvik.worker.step_runner import StepRunner
 from kvik_cpu.linear import AmxLinear
 from kvik_cpu.paged_attention import CpuPagedImpl, PagedMetadata
 
@@ -27,7 +30,7 @@ def _no_bias() -> Tensor:
 
 
 class DecodeLayers:
-    """``LlamaModel.decode_kernel``: the decoder layers and final norm of a decode-only step."""
+    """The decoder layers and final norm of a ``LlamaModel``'s decode-only step, in one call."""
 
     def __init__(self, model) -> None:  # a kvik_models.llama.LlamaModel
         self.model = model
@@ -92,9 +95,8 @@ class DecodeLayers:
                 return False
         return True
 
-    def __call__(self, embedded: Tensor, positions: Tensor) -> Tensor | None:
+    def __call__(self, embedded: Tensor, positions: Tensor, metadata: object) -> Tensor | None:
         """The final hidden states, or None where this step must run layer by layer."""
-        metadata = get_forward_context().attn_metadata
         if type(metadata) is not PagedMetadata:
             return None
         layers = self.model.layers
@@ -124,10 +126,23 @@ class DecodeLayers:
         )
 
 
-def install(model) -> bool:
-    """Give the model's ``LlamaModel`` a ``DecodeLayers`` kernel where it applies."""
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "decode_kernel") or not DecodeLayers.supports(inner):
-        return False
-    inner.decode_kernel = DecodeLayers(inner)
-    return True
+class CpuStepRunner(StepRunner):
+    """Decode-only steps of a supported Llama-family model through ``DecodeLayers``; every other
+    step (prompt chunks, mixed steps, other models) eagerly, layer by layer."""
+
+    name = "cpu_decode_layers"
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        inner = getattr(self.model, "model", None)
+        self.decode_layers = (
+            DecodeLayers(inner) if inner is not None and DecodeLayers.supports(inner) else None
+        )
+
+    def forward_hidden(self, inputs) -> Tensor:
+        if self.decode_layers is not None:
+            embedded = self.model.model.embed_tokens(inputs.input_ids)
+            hidden = self.decode_layers(embedded, inputs.positions, inputs.attn_metadata)
+            if hidden is not None:
+                return hidden
+        return super().forward_hidden(inputs)

@@ -102,7 +102,9 @@ class CpuPlatform(Platform):
 
         if packed_linear_supported(config.model.dtype):
             pack_linear_weights(model)
-            if not cls.native_ops:
-                from kvik_cpu import decode_layers
 
-                decode_layers.install(model)
+    @classmethod
+    def step_runner_class(cls, config: EngineConfig) -> type:
+        from kvik_cpu.decode_layers import CpuStepRunner
+
+        return CpuStepRunner

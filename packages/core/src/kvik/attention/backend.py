@@ -32,6 +32,35 @@ class AttentionMetadata:
     block_size: int
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a metadata builder may size its persistent buffers by (the model's first attention
+    layer and the engine's limits)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    block_size: int
+    max_num_seqs: int
+    max_num_tokens: int
+    max_model_len: int
+    device: torch.device
+
+
+class AttentionMetadataBuilder:
+    """One per model runner: turns each step's common metadata into the backend's. A backend
+    whose kernels need scratch memory allocates it here once, so a step allocates nothing and a
+    captured graph keeps pointing at the same buffers."""
+
+    def __init__(self, backend: type[AttentionBackend], spec: AttentionSpec) -> None:
+        self.backend = backend
+        self.spec = spec
+
+    def build(self, common: AttentionMetadata) -> Any:
+        return self.backend.build_metadata(common)
+
+
 class AttentionImpl(ABC):
     """One layer's attention. ``forward`` writes the new keys and values into the paged cache and
     attends each query token over its request's context, causally (and within the sliding window)."""
@@ -93,6 +122,11 @@ class AttentionBackend(ABC):
     def build_metadata(cls, common: AttentionMetadata) -> Any:
         """Turn the common metadata into this backend's (once per step, shared by all layers)."""
         return common
+
+    @classmethod
+    def builder_class(cls) -> type[AttentionMetadataBuilder]:
+        """The per-runner metadata builder; the default calls ``build_metadata``."""
+        return AttentionMetadataBuilder
 
     @classmethod
     @abstractmethod

@@ -87,26 +87,49 @@ def apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """Per row: the given token's logprob and rank, then the top ``num_top[row]`` (-1 = all).
+@dataclass
+class LogprobTensors:
+    """Logprobs of N rows, still on the device: computed when a step launches and read on the host
+    (``to_lists``) when it is collected, so that asking for logprobs adds no sync of its own."""
 
-    logprobs [N, V] (log-softmax of raw logits), token_ids [N].
+    chosen_ids: Tensor  # [N]
+    chosen_values: Tensor  # [N]
+    ranks: Tensor  # [N]
+    top_values: Tensor  # [N, K]
+    top_ids: Tensor  # [N, K]
+    counts: list[int]  # per row, how many of the top K it asked for
+
+    def to_lists(self) -> list[TokenLogprobs]:
+        top_values, top_ids = self.top_values.tolist(), self.top_ids.tolist()
+        chosen_values, chosen_ids = self.chosen_values.tolist(), self.chosen_ids.tolist()
+        ranks = self.ranks.tolist()
+        return [
+            TokenLogprobs(
+                token_ids=[chosen_ids[i]] + top_ids[i][:n],
+                logprobs=[chosen_values[i]] + top_values[i][:n],
+                ranks=[ranks[i]] + list(range(1, n + 1)),
+            )
+            for i, n in enumerate(self.counts)
+        ]
+
+
+def logprob_tensors(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> LogprobTensors:
+    """Per row: the given token's logprob and rank, and the top ``num_top[row]`` (-1 = all).
+
+    logprobs [N, V] (log-softmax of raw logits), token_ids [N]. Launches device work only.
     """
     vocab = logprobs.shape[-1]
     counts = [vocab if n < 0 else min(n, vocab) for n in num_top]
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
-    ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+    ranks = (logprobs > chosen).sum(-1) + 1
     k = max(counts)
-    top_values, top_ids = (
-        logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0])
-    )
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    chosen_values, chosen_ids = chosen.squeeze(1).tolist(), token_ids.tolist()
-    return [
-        TokenLogprobs(
-            token_ids=[chosen_ids[i]] + top_ids[i][:n],
-            logprobs=[chosen_values[i]] + top_values[i][:n],
-            ranks=[ranks[i]] + list(range(1, n + 1)),
-        )
-        for i, n in enumerate(counts)
-    ]
+    if k > 0:
+        top_values, top_ids = logprobs.topk(k, dim=-1)
+    else:
+        top_values, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
+    return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_values, top_ids, counts)
+
+
+def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """``logprob_tensors`` read at once on the host."""
+    return logprob_tensors(logprobs, token_ids, num_top).to_lists()

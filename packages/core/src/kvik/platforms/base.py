@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
     from kvik.config import EngineConfig
     from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_runner import StepRunner
 
 #: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.9
@@ -99,6 +100,20 @@ class Platform:
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
         """After loading: adapt the weights to this platform's kernels (repack them, set
         ``Linear.kernel``)."""
+
+    @classmethod
+    def step_runner_class(cls, config: EngineConfig) -> type[StepRunner]:
+        """How the runner executes a prepared step on this platform: eager by default; a platform
+        with CUDA graphs or a native decode loop returns its own (kvik.worker.step_runner)."""
+        from kvik.worker.step_runner import StepRunner
+
+        return StepRunner
+
+    @classmethod
+    def async_scheduling_default(cls) -> bool:
+        """Whether the engine overlaps scheduling with the device's step unless told otherwise:
+        worth it where the device runs asynchronously to the host."""
+        return cls.device_type != "cpu"
 
     @classmethod
     def seed_everything(cls, seed: int) -> None:

@@ -1,28 +1,42 @@
-"""The device-neutral model runner: one forward pass per step over every scheduled request."""
+"""The device-neutral model runner: one forward pass per step over every scheduled request.
+
+A step is prepared in persistent buffers (kvik.worker.step_buffers: ids, positions, slot mapping,
+query starts, sequence lengths, a fixed-width block table, sampling parameters), run by the
+platform's step runner (kvik.worker.step_runner: eager, CUDA graphs, the CPU's one-call decode),
+sampled on the device, and copied back to pinned host memory behind an event. ``launch`` returns as
+soon as the device has the work; ``PendingStep.collect`` waits for the tokens. So the engine can
+schedule step N+1 while the device runs step N: a token still in flight when step N+1 is prepared
+(the last output token of a request that step N samples) is read on the device from step N's
+sampled tokens.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from kvik import ops
-from kvik.attention.backend import AttentionBackend, AttentionMetadata
+from kvik.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from kvik.attention.selector import select_attention_backend
 from kvik.layers.attention import Attention
 from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
-from kvik.layers.sampler import Sampler, SamplingBatch, gather_logprobs
+from kvik.layers.sampler import LogprobTensors, Sampler, SamplingBatch, logprob_tensors
 from kvik.model_loader.loader import load_model
 from kvik.scheduler.output import TokenLogprobs
-from kvik.worker.forward_context import ForwardContext, forward_context
+from kvik.worker.nvtx import nvtx_range
+from kvik.worker.step_buffers import BlockTable, StagedBuffer
 
 if TYPE_CHECKING:
     from kvik.config import EngineConfig
     from kvik.platforms.base import Platform
     from kvik.request import Request
     from kvik.scheduler.output import SchedulerOutput
+    from kvik.worker.step_runner import StepRunner
 
 
 @dataclass
@@ -33,24 +47,58 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-class PendingStep:
-    """A launched step; ``collect()`` returns its output (once the device is done)."""
-
-    def __init__(self, output: ModelRunnerOutput) -> None:
-        self._output = output
-
-    def collect(self) -> ModelRunnerOutput:
-        return self._output
-
-
 @dataclass
 class StepInputs:
-    input_ids: Tensor  # [T]
-    positions: Tensor  # [T]
+    """One prepared step: views of the runner's persistent device buffers."""
+
+    input_ids: Tensor  # [T_pad]
+    positions: Tensor  # [T_pad]
     attn_metadata: object  # the backend's metadata
     logits_indices: Tensor  # [N] rows of the hidden states that sample
+    num_tokens: int  # T, the scheduled tokens; rows T..T_pad are padding
+    num_padded: int  # T_pad
+    #: Every request computes one token and samples, and none needs prompt logprobs: a step that
+    #: a CUDA graph can replay.
+    uniform_decode: bool
     query_starts: list[int]  # [R] first row of each scheduled request
     sampling_requests: list[Request]  # the N requests that sample, in row order
+
+    @property
+    def num_sampling(self) -> int:
+        return len(self.sampling_requests)
+
+
+class PendingStep:
+    """A launched step. ``collect()`` waits for its sampled tokens (the one host-device sync of a
+    step) and reads what the device computed into a ``ModelRunnerOutput``."""
+
+    def __init__(
+        self,
+        requests: list[Request] | None = None,
+        sampled_host: Tensor | None = None,
+        done: object | None = None,
+        finishers: list[Callable[[ModelRunnerOutput], None]] | None = None,
+    ) -> None:
+        self._requests = requests or []
+        self._sampled_host = sampled_host  # pinned [>= N] int64
+        self._done = done  # a device event recorded after the copy to sampled_host; None: ready
+        self._finishers = finishers or []
+        self._output: ModelRunnerOutput | None = None
+
+    def collect(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        if self._done is not None:
+            self._done.synchronize()
+        output = ModelRunnerOutput()
+        if self._requests:
+            tokens = self._sampled_host[: len(self._requests)].tolist()
+            for request, token in zip(self._requests, tokens):
+                output.sampled_token_ids[request.request_id] = [token]
+        for finish in self._finishers:  # logprobs, read now that the device is done
+            finish(output)
+        self._output = output
+        return output
 
 
 @dataclass
@@ -72,6 +120,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         model_config = config.model
         self.dtype = model_config.dtype
+        self.nvtx = config.enable_nvtx
         ops.use_native_ops(platform.native_ops)  # before the layers are built
         self.model: nn.Module = load_model(model_config, self.device)
         platform.prepare_model(self.model, config)
@@ -90,10 +139,64 @@ class ModelRunner:
                 layer.num_kv_heads,
                 layer.sliding_window,
             )
+        scheduler = config.scheduler
+        self.max_num_seqs = scheduler.max_num_seqs
+        # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
+        self.max_num_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
+        self.max_model_len = model_config.max_model_len
+        self.metadata_builder = self.backend.builder_class()(
+            self.backend,
+            AttentionSpec(
+                num_heads=first.num_heads,
+                num_kv_heads=first.num_kv_heads,
+                head_size=first.head_size,
+                dtype=self.dtype,
+                block_size=self.block_size,
+                max_num_seqs=self.max_num_seqs,
+                max_num_tokens=self.max_num_tokens,
+                max_model_len=self.max_model_len,
+                device=self.device,
+            ),
+        )
+        self._allocate_buffers()
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(generator)
         self.eos_token_ids = sorted(model_config.eos_token_ids())
         self.requests: dict[str, _RequestState] = {}
+        # The last launched step's sampled tokens on the device, and each request's row in them:
+        # where the next step's in-flight tokens come from.
+        self._prev_sampled: Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
+        self.step_runner: StepRunner = platform.step_runner_class(config)(self)
+
+    def _allocate_buffers(self) -> None:
+        t, r, device = self.max_num_tokens, self.max_num_seqs, self.device
+        self.input_ids = StagedBuffer(t, torch.int64, device)
+        self.positions = StagedBuffer(t, torch.int64, device)
+        self.slot_mapping = StagedBuffer(t, torch.int64, device, fill=-1)
+        self.query_start_loc = StagedBuffer(r + 1, torch.int32, device)
+        self.query_lens = StagedBuffer(r, torch.int32, device)
+        self.seq_lens = StagedBuffer(r, torch.int32, device, fill=1)
+        self.logits_indices = StagedBuffer(r, torch.int64, device)
+        # Rows of the flat token layout whose token is still in flight, and where it is.
+        self.in_flight_rows = StagedBuffer(r, torch.int64, device)
+        self.in_flight_sources = StagedBuffer(r, torch.int64, device)
+        self.temperature = StagedBuffer(r, torch.float32, device)
+        self.top_k = StagedBuffer(r, torch.int64, device)
+        self.top_p = StagedBuffer(r, torch.float32, device)
+        self.min_p = StagedBuffer(r, torch.float32, device)
+        max_blocks = -(-self.max_model_len // self.block_size)
+        self.block_table = BlockTable(r, max_blocks, device)
+        on_device = device.type != "cpu"
+        # Two pinned outputs, alternating: step N+1's copy must not overwrite step N's tokens
+        # before they are collected.
+        self._sampled_host = [torch.zeros(r, dtype=torch.int64, pin_memory=on_device) for _ in "ab"]
+        self._sampled_turn = 0
+        # Recorded after a step's host-to-device copies: the host waits on it before it rewrites
+        # the pinned staging buffers for the next step (a copy may still be queued behind the
+        # previous step's work).
+        self._inputs_copied = torch.Event(device.type) if on_device else None
+        self._events = on_device
 
     # --- KV cache -------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -103,7 +206,7 @@ class ModelRunner:
         )
         return per_layer * self.dtype.itemsize
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
+    def initialize_kv_cache(self, num_blocks: int, warm_up: bool = True) -> None:
         for layer in self.attention_layers.values():
             shape = self.backend.kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
@@ -111,6 +214,8 @@ class ModelRunner:
             # Zeros, not empty: masked-out slots still meet a zero attention weight, and 0 * NaN
             # from uninitialised memory would poison the sum.
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if warm_up:
+            self.step_runner.on_kv_cache_ready()
 
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         """One step of ``num_tokens`` dummy prompt tokens over ``min(max_num_seqs, num_tokens)``
@@ -133,7 +238,7 @@ class ModelRunner:
             block_ids = list(range(next_block, next_block + num_blocks))
             next_block += num_blocks
             scheduled.append(ScheduledRequest(request, 0, n, block_ids, True))
-        self.initialize_kv_cache(next_block)
+        self.initialize_kv_cache(next_block, warm_up=False)
         rng_state = self.sampler.generator.get_state()  # the dummy step must not move the RNG
         try:
             self.execute_model(SchedulerOutput(scheduled, num_tokens))
@@ -141,129 +246,213 @@ class ModelRunner:
             self.sampler.generator.set_state(rng_state)
             for s in scheduled:
                 self.requests.pop(s.request.request_id, None)
+            self._prev_sampled, self._prev_rows = None, {}
             for layer in self.attention_layers.values():
                 layer.kv_cache = None
 
     # --- one step -------------------------------------------------------------------------
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
+        """Fill the persistent buffers for the step and copy them to the device, once each."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()  # the previous step's copies have left the buffers
         scheduled = scheduler_output.scheduled
-        token_ids: list[int] = []
-        for s in scheduled:
-            token_ids.extend(s.request.all_token_ids[s.start : s.start + s.num_tokens])
         num_reqs = len(scheduled)
-        query_lens = torch.tensor([s.num_tokens for s in scheduled], dtype=torch.int32)
-        starts = torch.tensor([s.start for s in scheduled], dtype=torch.int32)
-        query_start_loc = torch.zeros(num_reqs + 1, dtype=torch.int32)
-        torch.cumsum(query_lens, 0, out=query_start_loc[1:])
+        starts = np.empty(num_reqs, dtype=np.int64)
+        lens = np.empty(num_reqs, dtype=np.int64)
+        token_ids: list[int] = []
+        in_flight: list[tuple[int, int]] = []  # (flat row, row in the previous step's tokens)
+        sample_rows: list[int] = []
+        table_rows: list[tuple[object, list[int]]] = []
+        needs_hidden = False
+        for r, s in enumerate(scheduled):
+            request = s.request
+            start, n = s.start, s.num_tokens
+            starts[r], lens[r] = start, n
+            known = request.all_token_ids
+            if start + n <= len(known):
+                if n == 1:
+                    token_ids.append(known[start])
+                else:
+                    token_ids.extend(known[start : start + n])
+            else:
+                # The request's last token is still in flight: the previous step samples it.
+                token_ids.extend(known[start:])
+                token_ids.append(0)
+                in_flight.append((len(token_ids) - 1, self._in_flight_source(request)))
+            if s.samples:
+                sample_rows.append(r)
+            table_rows.append(((request, request.num_preemptions), s.block_ids))
+            if request.sampling_params.prompt_logprobs is not None and (
+                start < request.num_prompt_tokens - 1
+            ):
+                needs_hidden = True
         num_tokens = len(token_ids)
-        if num_tokens == num_reqs:  # one token per request (decodes): no expansion to build
-            req_index = torch.arange(num_reqs)
-            positions = starts.long()
+        uniform_decode = num_tokens == num_reqs == len(sample_rows) and not needs_hidden
+        padded = self.step_runner.padded_num_tokens(num_tokens, uniform_decode)
+        padded_reqs = padded if uniform_decode else num_reqs
+
+        query_start_loc = self.query_start_loc.np
+        query_start_loc[0] = 0
+        np.cumsum(lens, out=query_start_loc[1 : num_reqs + 1])
+        if num_tokens == num_reqs:
+            positions = starts
+            token_request = None
         else:
-            req_index = torch.repeat_interleave(torch.arange(num_reqs), query_lens)  # [T]
-            offsets = torch.arange(num_tokens) - query_start_loc[:-1].long()[req_index]
-            positions = starts.long()[req_index] + offsets  # [T]
-        max_blocks = max(len(s.block_ids) for s in scheduled)
-        # One tensor from padded lists: a small tensor per row cost more than the rows' contents.
-        block_table = torch.tensor(
-            [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in scheduled],
-            dtype=torch.int32,
-        )
+            token_request = np.repeat(np.arange(num_reqs), lens)
+            positions = (
+                np.arange(num_tokens) - np.repeat(query_start_loc[:num_reqs], lens)
+            ) + np.repeat(starts, lens)
+        self.block_table.update(table_rows)
         bs = self.block_size
-        slot_mapping = block_table.long()[req_index, positions // bs] * bs + positions % bs
-        seq_lens = starts + query_lens
-        sample_rows = [row for row, s in enumerate(scheduled) if s.samples]
+        table = self.block_table.np
+        rows = np.arange(num_reqs) if token_request is None else token_request
+        self.slot_mapping.np[:num_tokens] = table[rows, positions // bs] * bs + positions % bs
+        self.input_ids.np[:num_tokens] = token_ids
+        self.positions.np[:num_tokens] = positions
+        self.query_lens.np[:num_reqs] = lens
+        self.seq_lens.np[:num_reqs] = starts + lens
+        if padded > num_tokens:  # padding rows: no cache write, one harmless key each
+            self.input_ids.np[num_tokens:padded] = 0
+            self.positions.np[num_tokens:padded] = 0
+            self.slot_mapping.np[num_tokens:padded] = -1
+            self.query_lens.np[num_reqs:padded_reqs] = 1
+            self.seq_lens.np[num_reqs:padded_reqs] = 1
+            query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(
+                num_tokens + 1, padded + 1
+            )
+        self.logits_indices.np[: len(sample_rows)] = query_start_loc[1:][sample_rows] - 1
+
+        input_ids = self.input_ids.upload(padded)
+        if in_flight:
+            n = len(in_flight)
+            flat_rows, sources = zip(*in_flight)
+            self.in_flight_rows.np[:n] = flat_rows
+            self.in_flight_sources.np[:n] = sources
+            input_ids.index_copy_(
+                0,
+                self.in_flight_rows.upload(n),
+                self._prev_sampled.index_select(0, self.in_flight_sources.upload(n)),
+            )
         common = AttentionMetadata(
-            num_actual_tokens=num_tokens,
-            num_reqs=num_reqs,
-            query_start_loc=query_start_loc,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
+            num_actual_tokens=padded,
+            num_reqs=padded_reqs,
+            query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
+            query_lens=self.query_lens.upload(padded_reqs),
+            seq_lens=self.seq_lens.upload(padded_reqs),
+            block_table=self.block_table.device[:padded_reqs],
+            slot_mapping=self.slot_mapping.upload(padded),
+            max_query_len=int(lens.max()),
+            max_seq_len=int((starts + lens).max()),
             block_size=bs,
         )
-        metadata = self.backend.build_metadata(self._to_device(common))
-        return StepInputs(
-            input_ids=self._h2d(torch.tensor(token_ids, dtype=torch.long)),
-            positions=self._h2d(positions),
-            attn_metadata=metadata,
-            logits_indices=self._h2d((query_start_loc[1:].long() - 1)[sample_rows]),
-            query_starts=query_start_loc[:-1].tolist(),
-            sampling_requests=[scheduled[row].request for row in sample_rows],
+        inputs = StepInputs(
+            input_ids=input_ids,
+            positions=self.positions.upload(padded),
+            attn_metadata=self.metadata_builder.build(common),
+            logits_indices=self.logits_indices.upload(len(sample_rows)),
+            num_tokens=num_tokens,
+            num_padded=padded,
+            uniform_decode=uniform_decode,
+            query_starts=query_start_loc[:num_reqs].tolist(),
+            sampling_requests=[scheduled[r].request for r in sample_rows],
         )
+        return inputs
 
-    def _h2d(self, tensor: Tensor) -> Tensor:
-        """A step input built on the host, on the device: staged through pinned memory and copied
-        without blocking the host (a pageable source would make the copy wait)."""
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
-
-    def _to_device(self, common: AttentionMetadata) -> AttentionMetadata:
-        if self.device.type == "cpu":
-            return common
-        for name, value in vars(common).items():
-            if isinstance(value, Tensor):
-                setattr(common, name, self._h2d(value))
-        return common
+    def _in_flight_source(self, request: Request) -> int:
+        row = self._prev_rows.get(request.request_id)
+        if row is None or self._prev_sampled is None:
+            raise RuntimeError(
+                f"request {request.request_id}: a scheduled token is neither known nor sampled by "
+                "the previous step (the scheduler may put at most one token in flight)"
+            )
+        return row
 
     @torch.inference_mode()
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
-        """Run the model over the step's tokens: hidden states [T, hidden]."""
-        context = ForwardContext(inputs.attn_metadata, self.attention_layers)
-        with forward_context(context):
-            return self.model(inputs.input_ids, inputs.positions)
+        """The model's hidden states [T, hidden] for a prepared step, eagerly (for tests and tools
+        that want more than the sampled rows)."""
+        from kvik.worker.step_runner import StepRunner
+
+        hidden = StepRunner.forward_hidden(self.step_runner, inputs)  # the eager path
+        return hidden[: inputs.num_tokens]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step, synchronously: ``launch`` then ``collect``."""
         return self.launch(scheduler_output).collect()
 
-    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Start a step on the device and return at once; ``PendingStep.collect()`` waits for its
-        sampled tokens. Tokens of the step that are not known yet (a request's last output token,
-        still in flight from the previous step under asynchronous scheduling: positions at or past
-        ``len(request.all_token_ids)``) are taken from the previous step's sampled tokens on the
-        device."""
-        return PendingStep(self._execute(scheduler_output))
-
     @torch.inference_mode()
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step on the device and return without waiting for it. Tokens of the step that
+        are not known yet (at or past ``len(request.all_token_ids)``: a request's last output
+        token, sampled by the previous launched step and not yet collected) are read on the
+        device from that step's sampled tokens."""
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
         if not scheduler_output.scheduled:
-            return ModelRunnerOutput()
-        inputs = self.prepare_inputs(scheduler_output)
-        hidden = self.forward_hidden(inputs)
-        output = ModelRunnerOutput()
-        self._prompt_logprobs(scheduler_output, inputs, hidden, output)
+            return PendingStep()
+        with nvtx_range("prepare", self.nvtx):
+            inputs = self.prepare_inputs(scheduler_output)
+        with nvtx_range("forward", self.nvtx):
+            hidden, logits = self.step_runner.forward(inputs)
+        finishers: list[Callable[[ModelRunnerOutput], None]] = []
+        if hidden is not None:
+            self._prompt_logprobs(scheduler_output, inputs, hidden, finishers)
         requests = inputs.sampling_requests
         if not requests:
-            return output
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+            self._record_inputs_copied()
+            return PendingStep(finishers=finishers)
+        with nvtx_range("sample", self.nvtx):
+            sampled = self._sample(logits, requests, finishers)
+        self._record_inputs_copied()
+        sampled_host = self._sampled_host[self._sampled_turn]
+        self._sampled_turn ^= 1
+        sampled_host[: len(requests)].copy_(sampled, non_blocking=True)
+        done = None
+        if self._events:
+            done = torch.Event(self.device.type)
+            done.record()
+        self._prev_sampled = sampled
+        self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
+        return PendingStep(requests, sampled_host, done, finishers)
+
+    def _record_inputs_copied(self) -> None:
+        if self._inputs_copied is not None:
+            self._inputs_copied.record()
+
+    def _sample(
+        self,
+        logits: Tensor,
+        requests: list[Request],
+        finishers: list[Callable[[ModelRunnerOutput], None]],
+    ) -> Tensor:
         wanted = [r.sampling_params.logprobs for r in requests]
         # Logprobs come from the raw logits, before processors and temperature (vLLM's default).
         raw_logprobs = logits.log_softmax(-1) if any(w is not None for w in wanted) else None
         sampled = self.sampler(logits, self._sampling_batch(requests))
-        for request, token in zip(requests, sampled.tolist()):
-            output.sampled_token_ids[request.request_id] = [token]
         if raw_logprobs is not None:
             rows = [i for i, w in enumerate(wanted) if w is not None]
-            entries = gather_logprobs(raw_logprobs[rows], sampled[rows], [wanted[i] for i in rows])
-            for row, entry in zip(rows, entries):
-                output.logprobs[requests[row].request_id] = [entry]
-        return output
+            index = torch.tensor(rows, device=logits.device) if len(rows) < len(wanted) else None
+            chosen = raw_logprobs if index is None else raw_logprobs[index]
+            tokens = sampled if index is None else sampled[index]
+            tensors = logprob_tensors(chosen, tokens, [wanted[i] for i in rows])
+            ids = [requests[i].request_id for i in rows]
+
+            def finish(output: ModelRunnerOutput) -> None:
+                for request_id, entry in zip(ids, tensors.to_lists()):
+                    output.logprobs[request_id] = [entry]
+
+            finishers.append(finish)
+        return sampled
 
     def _prompt_logprobs(
         self,
         scheduler_output: SchedulerOutput,
         inputs: StepInputs,
         hidden: Tensor,
-        output: ModelRunnerOutput,
+        finishers: list[Callable[[ModelRunnerOutput], None]],
     ) -> None:
-        """Logprobs of each prompt token given the ones before it, for requests that ask."""
+        """Logprobs of each prompt token given the ones before it, for requests that ask: computed
+        now on the device, read and assembled when the step is collected."""
         for s, first_row in zip(scheduler_output.scheduled, inputs.query_starts):
             request = s.request
             num_top = request.sampling_params.prompt_logprobs
@@ -273,20 +462,18 @@ class ModelRunner:
             prompt_len = request.num_prompt_tokens
             # Position p predicts prompt token p + 1; the last prompt position predicts output.
             end = min(s.start + s.num_tokens, prompt_len - 1)
+            tensors: LogprobTensors | None = None
             if end > s.start:
                 rows = torch.arange(first_row, first_row + end - s.start, device=hidden.device)
                 targets = torch.tensor(
                     request.prompt_token_ids[s.start + 1 : end + 1], device=hidden.device
                 )
                 logprobs = self.model.compute_logits(hidden[rows]).float().log_softmax(-1)
-                entries = gather_logprobs(logprobs, targets, [num_top] * len(targets))
-                for offset, entry in enumerate(entries):
-                    state.prompt_logprobs[s.start + offset] = entry
-            if s.start + s.num_tokens >= prompt_len and not state.prompt_logprobs_sent:
+                tensors = logprob_tensors(logprobs, targets, [num_top] * len(targets))
+            completes = s.start + s.num_tokens >= prompt_len and not state.prompt_logprobs_sent
+            if completes:
                 state.prompt_logprobs_sent = True
-                output.prompt_logprobs[request.request_id] = [
-                    state.prompt_logprobs[p] for p in range(prompt_len - 1)
-                ]
+            finishers.append(_PromptLogprobsFinisher(request, state, s.start, tensors, completes))
 
     def _state(self, request: Request) -> _RequestState:
         state = self.requests.get(request.request_id)
@@ -300,23 +487,57 @@ class ModelRunner:
         return state
 
     def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        n = len(requests)
         params = [r.sampling_params for r in requests]
-        batch = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            all_greedy=all(p.is_greedy for p in params),
-            use_top_k=any(p.top_k > 0 for p in params),
-            use_top_p=any(p.top_p < 1.0 for p in params),
-            use_min_p=any(p.min_p > 0 for p in params),
-        )
+        all_greedy = all(p.is_greedy for p in params)
+        if all_greedy:
+            # Greedy rows read none of the per-row settings: no copies for them.
+            empty = self.temperature.device[:0]
+            batch = SamplingBatch(empty, empty, empty, empty, all_greedy=True)
+        else:
+            self.temperature.np[:n] = [p.temperature for p in params]
+            self.top_k.np[:n] = [p.top_k for p in params]
+            self.top_p.np[:n] = [p.top_p for p in params]
+            self.min_p.np[:n] = [p.min_p for p in params]
+            batch = SamplingBatch(
+                temperature=self.temperature.upload(n),
+                top_k=self.top_k.upload(n),
+                top_p=self.top_p.upload(n),
+                min_p=self.min_p.upload(n),
+                all_greedy=False,
+                use_top_k=any(p.top_k > 0 for p in params),
+                use_top_p=any(p.top_p < 1.0 for p in params),
+                use_min_p=any(p.min_p > 0 for p in params),
+            )
         for row, request in enumerate(requests):
             state = self._state(request)
             if state.generator is not None:
                 batch.generators[row] = state.generator
             if state.processors:
                 batch.processors.append((row, state.processors, request.output_token_ids))
-        for name in ("temperature", "top_k", "top_p", "min_p"):
-            setattr(batch, name, self._h2d(getattr(batch, name)))
         return batch
+
+
+class _PromptLogprobsFinisher:
+    """At collect: store a chunk's prompt logprobs by position, and hand out the whole list once
+    the prompt is done (a recompute after preemption overwrites positions)."""
+
+    def __init__(
+        self,
+        request: Request,
+        state: _RequestState,
+        start: int,
+        tensors: LogprobTensors | None,
+        completes: bool,
+    ) -> None:
+        self.request, self.state, self.start = request, state, start
+        self.tensors, self.completes = tensors, completes
+
+    def __call__(self, output: ModelRunnerOutput) -> None:
+        if self.tensors is not None:
+            for offset, entry in enumerate(self.tensors.to_lists()):
+                self.state.prompt_logprobs[self.start + offset] = entry
+        if self.completes:
+            output.prompt_logprobs[self.request.request_id] = [
+                self.state.prompt_logprobs[p] for p in range(self.request.num_prompt_tokens - 1)
+            ]
