@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from kvik import ops
-from kvik.attention.backend import AttentionMetadata
+from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik_cpu.attention import TorchSdpaBackend
 from kvik_cuda.attention import TritonAttentionBackend, device_arch
 from kvik_cuda.kernels.activation import silu_and_mul
@@ -229,7 +229,19 @@ def run_attention(
         impl = TritonAttentionBackend.impl_class()(
             heads, head_size, scale, kv_heads, sliding_window
         )
-        impl.forward(q, k, v, cache, dev, out)
+        spec = AttentionSpec(
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_size=head_size,
+            dtype=dtype,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=len(requests),
+            max_num_tokens=t,
+            max_model_len=max(c + q for c, q in requests),
+            device=torch.device(DEVICE),
+        )
+        builder = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec)
+        impl.forward(q, k, v, cache, builder.build(dev), out)
     else:
         reshape_and_cache(
             k.view(t, kv_heads, head_size), v.view(t, kv_heads, head_size), cache, dev.slot_mapping

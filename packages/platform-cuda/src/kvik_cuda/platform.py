@@ -219,13 +219,16 @@ class CudaPlatform(Platform):
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+        # CUDA graphs hold their pool and executable graphs for the engine's life: a trial capture
+        # measures them before the KV cache takes the rest.
+        graphs = runner.step_runner.reserved_memory_bytes()
         limit = total * config.cache.gpu_memory_utilization
-        budget = int(limit - peak - outside_torch)
+        budget = int(limit - peak - outside_torch - graphs)
         logger.info(
             "memory profile: %.2f GiB of %.2f GiB allowed (gpu_memory_utilization=%.2f); peak "
-            "%.2f GiB in torch, %.2f GiB outside it; KV cache %.2f GiB",
+            "%.2f GiB in torch, %.2f GiB outside it, %.2f GiB for CUDA graphs; KV cache %.2f GiB",
             limit / GiB, total / GiB, config.cache.gpu_memory_utilization, peak / GiB,
-            outside_torch / GiB, budget / GiB,
+            outside_torch / GiB, graphs / GiB, budget / GiB,
         )  # fmt: skip
         if budget <= 0:
             raise ValueError(
@@ -236,6 +239,15 @@ class CudaPlatform(Platform):
                 "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
             )
         return budget
+
+    @classmethod
+    def step_runner_class(cls, config: EngineConfig) -> type:
+        """FULL CUDA graphs for decode steps unless the config turns them off."""
+        if config.compilation.use_cudagraphs:
+            from kvik_cuda.graphs import CudaGraphStepRunner
+
+            return CudaGraphStepRunner
+        return super().step_runner_class(config)
 
     @classmethod
     def synchronize(cls) -> None:

@@ -317,9 +317,7 @@ class ModelRunner:
             self.slot_mapping.np[num_tokens:padded] = -1
             self.query_lens.np[num_reqs:padded_reqs] = 1
             self.seq_lens.np[num_reqs:padded_reqs] = 1
-            query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(
-                num_tokens + 1, padded + 1
-            )
+            query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(num_tokens + 1, padded + 1)
         self.logits_indices.np[: len(sample_rows)] = query_start_loc[1:][sample_rows] - 1
 
         input_ids = self.input_ids.upload(padded)
@@ -356,6 +354,47 @@ class ModelRunner:
             query_starts=query_start_loc[:num_reqs].tolist(),
             sampling_requests=[scheduled[r].request for r in sample_rows],
         )
+        return inputs
+
+    def dummy_decode_inputs(self, size: int) -> StepInputs:
+        """A decode step of ``size`` padding rows (no cache write, one key each from block 0),
+        laid out in the persistent buffers as a real one would be: for capturing graphs."""
+        if self._inputs_copied is not None:
+            self._inputs_copied.synchronize()
+        self.input_ids.np[:size] = 0
+        self.positions.np[:size] = 0
+        self.slot_mapping.np[:size] = -1
+        self.query_lens.np[:size] = 1
+        self.seq_lens.np[:size] = 1
+        self.query_start_loc.np[: size + 1] = np.arange(size + 1)
+        self.logits_indices.np[:size] = np.arange(size)
+        self.block_table.np[:size, 0] = 0
+        self.block_table.device[:size, 0] = 0
+        self.block_table.forget()
+        common = AttentionMetadata(
+            num_actual_tokens=size,
+            num_reqs=size,
+            query_start_loc=self.query_start_loc.upload(size + 1),
+            query_lens=self.query_lens.upload(size),
+            seq_lens=self.seq_lens.upload(size),
+            block_table=self.block_table.device[:size],
+            slot_mapping=self.slot_mapping.upload(size),
+            max_query_len=1,
+            max_seq_len=1,
+            block_size=self.block_size,
+        )
+        inputs = StepInputs(
+            input_ids=self.input_ids.upload(size),
+            positions=self.positions.upload(size),
+            attn_metadata=self.metadata_builder.build(common),
+            logits_indices=self.logits_indices.upload(size),
+            num_tokens=size,
+            num_padded=size,
+            uniform_decode=True,
+            query_starts=list(range(size)),
+            sampling_requests=[],
+        )
+        self._record_inputs_copied()
         return inputs
 
     def _in_flight_source(self, request: Request) -> int:

@@ -27,7 +27,9 @@ class StagedBuffer:
         on_host = device.type == "cpu"
         self.host = torch.full((size,), fill, dtype=dtype, pin_memory=not on_host)
         self.np = self.host.numpy()
-        self.device = self.host if on_host else torch.full((size,), fill, dtype=dtype, device=device)
+        self.device = (
+            self.host if on_host else torch.full((size,), fill, dtype=dtype, device=device)
+        )
 
     def upload(self, n: int) -> Tensor:
         """Copy the first ``n`` host entries to the device (without blocking the host); their view."""

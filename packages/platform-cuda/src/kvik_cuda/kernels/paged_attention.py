@@ -18,6 +18,7 @@ against through the same ``AttentionMetadata``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,8 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
-@triton.jit
+# num_reqs changes from step to step: unspecialised, so a new batch size never compiles a variant.
+@triton.jit(do_not_specialize=["num_reqs"])
 def paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
@@ -211,6 +213,7 @@ class AttentionConfig:
     num_stages: int
 
 
+@functools.cache
 def attention_config(
     arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
 ) -> AttentionConfig:
@@ -231,16 +234,23 @@ def attention_config(
     return AttentionConfig(block_m, 32 if wide else 64, 4, 2 if wide else 3)
 
 
+MAX_KV_SPLITS = 16
+
+
 def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Segments per (request, KV head) for a decode-only batch: enough programs for two waves,
-    each segment at least 512 keys, a power of two up to 16."""
+    each segment at least 512 keys of ``max_seq_len``, a power of two up to 16. The engine passes
+    max_model_len as ``max_seq_len``, so the choice depends on the batch size alone."""
     programs = num_reqs * num_kv_heads
     splits = 1
-    while splits < 16 and programs * splits < 2 * num_sms and max_seq_len >= 1024 * splits:
+    while (
+        splits < MAX_KV_SPLITS and programs * splits < 2 * num_sms and max_seq_len >= 1024 * splits
+    ):
         splits *= 2
     return splits
 
 
+@functools.cache
 def attention_constexprs(
     num_heads: int,
     num_kv_heads: int,
@@ -267,6 +277,11 @@ def attention_constexprs(
     }
 
 
+@functools.cache
+def _reduce_constexprs(attention: tuple) -> dict[str, int]:
+    return reduce_constexprs(dict(attention))
+
+
 def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
     return {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
 
@@ -286,9 +301,15 @@ def paged_attention(
     sliding_window: int | None,
     config: AttentionConfig,
     num_splits: int = 1,
+    part_acc: Tensor | None = None,
+    part_max: Tensor | None = None,
+    part_sum: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
-    query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32."""
+    query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32. With
+    ``num_splits > 1``, the fp32 scratch ``part_acc [T, H, S, HEAD_PAD]``, ``part_max`` and
+    ``part_sum [T, H, S]`` may be given (persistent buffers, as a captured graph needs); else it
+    is allocated."""
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -300,10 +321,11 @@ def paged_attention(
         return
     assert query.stride(-1) == 1 and output.stride(-1) == 1 and key_cache.stride(-1) == 1
     if num_splits > 1:
-        f32 = {"dtype": torch.float32, "device": query.device}
-        part_acc = torch.empty(t, num_heads, num_splits, head_pad, **f32)
-        part_max = torch.empty(t, num_heads, num_splits, **f32)
-        part_sum = torch.empty_like(part_max)
+        if part_acc is None:
+            f32 = {"dtype": torch.float32, "device": query.device}
+            part_acc = torch.empty(t, num_heads, num_splits, head_pad, **f32)
+            part_max = torch.empty(t, num_heads, num_splits, **f32)
+            part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # unused
     grid = (t // block_q + num_reqs, num_kv_heads, num_splits)
@@ -317,5 +339,5 @@ def paged_attention(
     if num_splits > 1:
         reduce_splits_kernel[(t, num_heads)](
             output, part_acc, part_max, part_sum, output.stride(0), output.stride(1),
-            **reduce_constexprs(constexprs), num_warps=REDUCE_WARPS,
+            **_reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
         )  # fmt: skip
