@@ -12,21 +12,29 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from test_engine_vs_transformers import assert_greedy_equal
-from test_gpu_e2e import (  # noqa: F401  (fixtures)
+
+# Helpers from test_gpu_e2e.py beside this file and from the repository's top-level tests/.
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[3] / "tests"),
+]
+from test_engine_vs_transformers import assert_greedy_equal  # noqa: E402
+from test_gpu_e2e import (  # noqa: F401, E402  (fixtures)
     _free_gpu_memory,
     assert_greedy_in_top5,
     hf_models,
     make_llm,
     models,
 )
-from tiny_models import ragged_prompts
+from tiny_models import ragged_prompts  # noqa: E402
 
-from kvik import SamplingParams
+from kvik import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
