@@ -51,11 +51,14 @@ def serve(session: nox.Session) -> None:
     session.run("kvik", "serve", *session.posargs)
 
 
-# The CUDA machine's checks, in order; ``nox -s gpu -- e2e bench`` runs a subset.
+# The CUDA machine's checks, in order; ``nox -s gpu -- e2e bench`` runs a subset. ``speed`` is
+# bench/run_gpu.py (kvik against transformers, Llama-3.1-8B shapes, about 6 minutes); the
+# arguments after the step names go to it (``nox -s gpu -- speed --workloads A --enforce-eager``).
 GPU_STEPS = {
     "e2e": ["-m", "pytest", "-q", "-rA", "-s", "packages/platform-cuda/tests/test_gpu_e2e.py"],
     "kernels": ["-m", "pytest", "-q", "-rA", "packages/platform-cuda/tests/test_kernels_gpu.py"],
     "bench": ["packages/platform-cuda/tests/bench_decode_attention.py"],
+    "speed": ["bench/run_gpu.py"],
 }
 
 
@@ -65,7 +68,8 @@ def gpu(session: nox.Session) -> None:
     ``python3 -m nox -s gpu`` after installing the carried wheels (.whl, from
     ../shared/device/wheels.sh) into /tmp/site and putting it on PYTHONPATH. Installs the kvik
     packages from the tree beside them (no deps: torch, triton and transformers are the image's),
-    then runs every step even if one fails; results go to $OUT (or ./gpu-results).
+    then runs every step even if one fails; results go to $OUT (or ./gpu-results): at most 8
+    files come back from a device call, and the steps write 3 + 4 (speed's JSONs).
     """
     out = os.environ.get("OUT") or "gpu-results"
     os.makedirs(out, exist_ok=True)
@@ -85,11 +89,15 @@ def gpu(session: nox.Session) -> None:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")]))}
     env["PYTHONUNBUFFERED"] = "1"
     session.run(python, "-c", "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())", env=env)  # fmt: skip
+    steps = [a for a in session.posargs if a in GPU_STEPS]
+    speed_args = [a for a in session.posargs if a not in GPU_STEPS]
     failed = []
     for name, args in GPU_STEPS.items():
-        if session.posargs and name not in session.posargs:
+        if steps and name not in steps:
             continue
         extra = [f"--junitxml={out}/{name}.xml"] if "pytest" in args else []
+        if name == "speed":
+            extra = ["--out", out, *speed_args]
         try:
             if name == "bench":
                 text = session.run(python, *args, env=env, silent=True)

@@ -1,10 +1,15 @@
 """``kvik bench``: the workload, the JSON each benchmark writes, the output-length check, the serve
-client against a stand-in OpenAI server and against ``kvik serve``, and bench/run_cpu.py's report."""
+client against a stand-in OpenAI server and against ``kvik serve``, bench/run_cpu.py's report, and
+bench/run_gpu.py (its records, table and rooflines on made-up results, and a whole run on the CPU
+with a tiny model) with the transformers peer it runs."""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -15,23 +20,48 @@ from pathlib import Path
 import pytest
 
 import kvik
-from kvik.bench.common import percentiles, random_workload, warmup_workload
+from kvik.bench.common import (
+    git_commit,
+    non_default_engine_args,
+    percentiles,
+    random_workload,
+    warmup_workload,
+)
 from kvik.bench.throughput import check_output_lens
 from kvik.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[3]
-THROUGHPUT_FIELDS = {
-    "system",
-    "model",
-    "num_prompts",
-    "input_len",
-    "output_len",
-    "elapsed_s",
-    "output_tok_s",
-    "total_tok_s",
-    "device",
-    "kvik_version",
+#: The fields every benchmark record has (kvik's and its peers'), with their types.
+RECORD_FIELDS = {
+    "system": str,
+    "model": str,
+    "num_prompts": int,
+    "input_len": int,
+    "output_len": int,
+    "elapsed_s": float,
+    "output_tok_s": float,
+    "total_tok_s": float,
+    "device": str,
+    "date": str,
+    "commit": (str, type(None)),
+    "engine_args": dict,
 }
+THROUGHPUT_FIELDS = {**RECORD_FIELDS, "kvik_version": str, "engine_config": dict}
+
+
+def assert_record(result: dict, fields: dict = RECORD_FIELDS, fresh: bool = True) -> None:
+    missing = fields.keys() - result.keys()
+    assert not missing, f"missing {sorted(missing)}"
+    for name, kind in fields.items():
+        assert isinstance(result[name], kind), f"{name}: {result[name]!r} is not {kind}"
+    assert result["device"] and result["output_tok_s"] > 0 and result["total_tok_s"] > 0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", result["date"])
+    age = datetime.datetime.now(datetime.timezone.utc) - datetime.datetime.fromisoformat(
+        result["date"].replace("Z", "+00:00")
+    )
+    assert not fresh or datetime.timedelta(0) <= age < datetime.timedelta(hours=1)
+    assert result["commit"] is None or re.fullmatch(r"[0-9a-f]{40}", result["commit"])
+    json.dumps(result["engine_args"])
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +138,19 @@ def test_bench_throughput_writes_the_peer_fields(tiny_config, tmp_path) -> None:
     argv += ["--input-len", "12", "--output-len", "6", "--output-json", str(out)]
     assert main(argv) == 0
     result = json.loads(out.read_text())
-    assert THROUGHPUT_FIELDS <= result.keys()
+    assert_record(result, THROUGHPUT_FIELDS)
     assert result["system"] == "kvik" and result["kvik_version"] == kvik.__version__
     assert (result["num_prompts"], result["input_len"], result["output_len"]) == (4, 12, 6)
     assert result["num_output_tokens"] == 4 * 6
-    assert result["device"].startswith("cpu")
+    # The CPU's model name, as on a GPU torch.cuda.get_device_name() ("NVIDIA H200").
+    assert result["platform"] == "cpu" and not result["device"].startswith("cpu")
+    assert result["threads"] >= 1
+    # --enforce-eager is an engine option that is not the default; the model, weights, dtype and
+    # seed are what is measured, recorded in fields of their own.
+    assert result["engine_args"] == {"enforce_eager": True}
+    assert result["engine_config"]["cudagraph_mode"] == "none"
+    assert (result["load_format"], result["dtype"], result["seed"]) == ("dummy", "float32", 0)
+    assert result["commit"] == git_commit(ROOT)  # the repository's HEAD (a checkout here)
     elapsed = result["elapsed_s"]
     assert result["output_tok_s"] == pytest.approx(24 / elapsed, rel=0.01)
     assert result["total_tok_s"] == pytest.approx((24 + 48) / elapsed, rel=0.01)
@@ -277,3 +315,177 @@ def test_run_cpu_summary_ratios_and_docs_section(tmp_path) -> None:
     pytest.importorskip("matplotlib")
     run_cpu.plot(summary, tmp_path / "cpu.png")
     assert (tmp_path / "cpu.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_non_default_engine_args_and_commit(monkeypatch, tmp_path) -> None:
+    from kvik.cli.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    # What is measured (model, weights, dtype, seed, device) is not an engine argument.
+    headline = ["--model", "m", "--load-format", "dummy", "--dtype", "bfloat16", "--seed", "3"]
+    assert non_default_engine_args(parser.parse_args([*headline, "--device", "cuda"])) == {}
+    comparison = parser.parse_args(
+        [*headline, "--enforce-eager", "--no-async-scheduling", "--max-num-seqs", "128"]
+    )
+    assert non_default_engine_args(comparison) == {
+        "async_scheduling": False,
+        "enforce_eager": True,
+        "max_num_seqs": 128,
+    }
+    monkeypatch.delenv("KVIK_BENCH_COMMIT", raising=False)
+    assert git_commit(tmp_path) is None  # no checkout there
+    monkeypatch.setenv("KVIK_BENCH_COMMIT", "a" * 40)
+    assert git_commit(tmp_path) == "a" * 40
+
+
+def load_run_gpu():
+    spec = importlib.util.spec_from_file_location("run_gpu", ROOT / "bench" / "run_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_config_loads_as_dummy_weights_and_rooflines() -> None:
+    from kvik.model_loader.loader import load_model_config
+
+    run_gpu = load_run_gpu()
+    config = load_model_config(str(run_gpu.DEFAULT_MODEL), dtype="bfloat16", load_format="dummy")
+    assert config.architecture == "LlamaForCausalLM" and config.vocab_size == 128256
+    assert (config.num_layers, config.num_kv_heads, config.head_size) == (32, 8, 128)
+    hf = json.loads((run_gpu.DEFAULT_MODEL / "config.json").read_text())
+    assert run_gpu.parameter_count(hf) == 8_030_261_248  # Llama-3.1-8B's
+    a, b = run_gpu.WORKLOADS["A"], run_gpu.WORKLOADS["B"]
+    assert (a.num_prompts, a.input_len, a.output_len) == (1, 128, 256) and a.peer_static_cache
+    assert (b.num_prompts, b.input_len, b.output_len) == (256, 128, 1024)
+    assert not b.peer_static_cache
+    # BENCHMARKS.md: 268 tok/s at batch 1 (16.06 GB per step at 4.3 TB/s), less the KV reads and
+    # the prefill; 26,000-29,000 at 256 x (128, 1024).
+    limit_a = run_gpu.roofline_output_tok_s(hf, 1, 128, 256)
+    assert 265 < limit_a < 268
+    assert 26_000 < run_gpu.roofline_output_tok_s(hf, 256, 128, 1024) < 29_000
+
+
+def fake_record(run_gpu, key: str, system: str, out: float, **extra) -> dict:
+    workload = run_gpu.WORKLOADS[key]
+    hf = json.loads((run_gpu.DEFAULT_MODEL / "config.json").read_text())
+    raw = {"system": system, "model": "bench/models/llama-3.1-8b", "num_prompts": workload.num_prompts,
+           "input_len": workload.input_len, "output_len": workload.output_len, "elapsed_s": 1.0,
+           "output_tok_s": out, "total_tok_s": 2 * out, "device": "NVIDIA H200",
+           "date": "2026-11-30T10:20:00Z", "commit": None, "dtype": "bfloat16", **extra}  # fmt: skip
+    return run_gpu.finish_record(
+        raw, workload, system, ["python", "x"], 10.0, "2026-11-30T10:12:03Z", "c" * 40, hf
+    )
+
+
+def test_run_gpu_records_table_and_collect(tmp_path, capsys) -> None:
+    run_gpu = load_run_gpu()
+    records = [
+        fake_record(run_gpu, "A", "kvik", 200.0, engine_args={}, torch_version="2.11.0+cu130"),
+        fake_record(run_gpu, "A", "transformers-static-cache", 100.0,
+                    engine_args={"cache_implementation": "static"}, transformers_version="5.17.0"),
+        fake_record(run_gpu, "B", "kvik", 20_000.0, engine_args={}),
+        fake_record(run_gpu, "B", "transformers", 2_500.0),
+    ]  # fmt: skip
+    kvik_a = records[0]
+    assert_record(kvik_a, fresh=False)
+    assert kvik_a["commit"] == "c" * 40  # the run's commit where the system had none
+    assert (kvik_a["workload"], kvik_a["workload_name"]) == ("A", "gpu-latency")
+    assert kvik_a["limit_output_tok_s"] == pytest.approx(267, abs=1)
+    name = run_gpu.record_filename(kvik_a)
+    assert name == "2026-11-30T1012Z_A-gpu-latency_kvik.json"
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", run_gpu.record_filename(records[1]))
+    text = run_gpu.report(records, "python bench/run_gpu.py")
+    assert "NVIDIA H200" in text and "torch 2.11.0+cu130" in text
+    assert "transformers 5.17.0" in text and "kvik engine arguments: defaults" in text
+    rows = [line for line in text.splitlines() if line.startswith("| A") or line.startswith("| B")]
+    assert len(rows) == 2
+    assert rows[0].startswith(
+        "| A: batch 1, 128 in, 256 out | kvik | 200.0 | 100.0 (static cache) | 2.00x | 267 | 74."
+    )
+    assert rows[1].startswith(
+        "| B: 256 prompts, 128 in, 1024 out | kvik | 20,000.0 | 2,500.0 | 8.00x | 27,"
+    )
+    # Without a peer, and on another device (the roofline is the H200's), cells stay empty.
+    alone = dict(kvik_a, device="NVIDIA H100 80GB HBM3")
+    assert "| kvik | 200.0 | - | - | - | - |" in run_gpu.table([alone])
+    # --collect files a device call's $OUT (skipping failed runs and other files) and prints the table.
+    out = tmp_path / "out"
+    for record in [*records, dict(records[3], system="kvik-x", error="exit 1: boom")]:
+        run_gpu.write_record(out / run_gpu.record_filename(record), record)
+    (out / "bench_decode_attention.txt").write_text("not a record")
+    results = tmp_path / "results"
+    assert run_gpu.main(["--collect", str(out), "--results-dir", str(results)]) == 0
+    assert sorted(p.name for p in results.iterdir()) == sorted(
+        run_gpu.record_filename(r) for r in records
+    )
+    assert "| 8.00x |" in capsys.readouterr().out
+
+
+def test_run_gpu_options(capsys) -> None:
+    run_gpu = load_run_gpu()
+    args, extra = run_gpu.parse_args(
+        ["--workloads", "a", "--max-num-seqs", "128", "--enforce-eager", "--skip-peers"]
+    )
+    assert args.workloads == ["A"] and args.skip_peers
+    assert extra == ["--max-num-seqs", "128", "--enforce-eager"]
+    assert run_gpu.kvik_label(extra) == "kvik-max-num-seqs-128-enforce-eager"
+    assert run_gpu.kvik_label([]) == "kvik"
+    assert run_gpu.check_kvik_args(["--no-async-scheduling", "--cudagraph-mode", "none"]) is None
+    assert "--bogus" in run_gpu.check_kvik_args(["--bogus"])
+    assert "load_format" in run_gpu.check_kvik_args(["--load-format", "safetensors"])
+    for bad in (["--workloads", "C"], ["--enforce-eagr"]):
+        with pytest.raises(SystemExit):
+            run_gpu.parse_args(bad)
+    capsys.readouterr()
+    assert run_gpu.main(["--dry-run", "--no-async-scheduling", "--results-dir", ""]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("kvik bench throughput") == 2 and "--static-cache" in printed
+    assert "--no-async-scheduling" in printed and "kvik-no-async-scheduling" in printed
+
+
+def test_hf_peer_draws_kvik_prompts_and_writes_the_record_fields(tiny_config) -> None:
+    pytest.importorskip("transformers")
+    script = ROOT / "bench" / "peers" / "hf_generate_bench.py"
+    argv = [sys.executable, str(script), str(tiny_config / "config.json"), "--dtype", "float32"]
+    argv += ["--num-prompts", "3", "--input-len", "10", "--output-len", "5", "--seed", "7"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert_record(result)
+    assert result["system"] == "transformers" and result["random_weights"]
+    assert (result["num_prompts"], result["input_len"], result["output_len"]) == (3, 10, 5)
+    assert result["num_output_tokens"] == 15 and result["engine_args"] == {}
+    # Without a workload file the peer draws the prompts kvik bench throughput draws.
+    spec = importlib.util.spec_from_file_location("hf_peer", script)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    args = argparse.Namespace(num_prompts=3, input_len=10, output_len=5, seed=7)
+    drawn = peer.random_workload(args, 256)
+    assert drawn["prompts"] == random_workload(3, 10, 5, 256, seed=7).prompts
+    assert drawn["warmup"]["prompts"] == warmup_workload(2, 10, 256, seed=7).prompts
+
+
+def test_run_gpu_on_the_cpu(tiny_config, tmp_path, monkeypatch) -> None:
+    """The whole harness, shrunk: kvik and transformers each in a process of their own, records
+    in --out and --results-dir, the table printed."""
+    run_gpu = load_run_gpu()
+    monkeypatch.setattr(
+        run_gpu,
+        "WORKLOADS",
+        {"B": run_gpu.GpuWorkload("B", "gpu-decode-throughput", 3, 12, 5, 2, 3, False)},
+    )
+    out, results = tmp_path / "out", tmp_path / "results"
+    argv = ["--model", str(tiny_config), "--device", "cpu", "--dtype", "float32"]
+    assert run_gpu.main([*argv, "--out", str(out), "--results-dir", str(results)]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(p.name for p in results.iterdir()) and len(files) == 2
+    records = {r["system"]: r for r in (json.loads((out / f).read_text()) for f in files)}
+    assert set(records) == {"kvik", "transformers"}
+    for record in records.values():
+        assert_record(record)
+        assert (record["num_prompts"], record["input_len"], record["output_len"]) == (3, 12, 5)
+        assert record["workload"] == "B" and record["commit"] == git_commit(ROOT)
+    assert records["kvik"]["engine_args"] == {}  # a headline row: the engine's defaults
+    assert records["kvik"]["device"] == records["transformers"]["device"]

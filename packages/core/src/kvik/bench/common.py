@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import platform as host
 import random
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +63,12 @@ def random_workload(
     return Workload(prompts, output_lens)
 
 
-def warmup_workload(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> Workload:
+def warmup_workload(
+    num_prompts: int, input_len: int, vocab_size: int, seed: int, output_len: int = 4
+) -> Workload:
     """A few short requests from another seed than the timed ones: the same prompt lengths, so
     prefill paths warm up, and no prompt that prefix caching could reuse."""
-    return random_workload(num_prompts, input_len, 4, vocab_size, seed + 1_000_003)
+    return random_workload(num_prompts, input_len, output_len, vocab_size, seed + 1_000_003)
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser, num_prompts: int = 32) -> None:
@@ -104,16 +109,16 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def device_description(llm: Any) -> str:
-    """The platform kvik ran on and the chip: the CPU's model and threads, or the GPU's name."""
+def device_name(device_type: str) -> str:
+    """The chip as torch names it ("NVIDIA H200"), or the CPU's model name."""
     import torch
 
-    platform = llm.engine.platform
-    if platform.device_type == "cpu":
-        return f"{platform.name}: {cpu_model()}, {torch.get_num_threads()} threads"
-    module = getattr(torch, platform.device_type, None)
-    name = module.get_device_name(0) if module is not None else platform.device_type
-    return f"{platform.name}: {name}"
+    if device_type == "cpu":
+        return cpu_model()
+    module = getattr(torch, device_type, None)
+    if module is None or not hasattr(module, "get_device_name"):
+        return device_type
+    return module.get_device_name(module.current_device())
 
 
 def cpu_model() -> str:
@@ -129,6 +134,95 @@ def cpu_model() -> str:
 
 def base_result(system: str, model: str | None) -> dict[str, Any]:
     return {"system": system, "model": model, "kvik_version": kvik.__version__}
+
+
+def utc_now() -> str:
+    """The time now in UTC, ISO 8601 to the second: ``2026-11-30T10:12:03Z``."""
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0)
+    return now.isoformat().replace("+00:00", "Z")
+
+
+#: Set by whoever runs the benchmark where the tree is no git checkout (bench/run_gpu.py passes it
+#: on to the processes it starts).
+COMMIT_ENV = "KVIK_BENCH_COMMIT"
+
+
+def git_commit(path: str | os.PathLike[str] | None = None) -> str | None:
+    """The commit measured: $KVIK_BENCH_COMMIT if set, else ``git rev-parse HEAD`` in ``path``
+    (default: the folder of kvik's source, which is the repository for an editable install);
+    None where neither is available (an installed kvik, a machine without git)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    folder = Path(path) if path is not None else Path(kvik.__file__).resolve().parent
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(folder), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    commit = proc.stdout.strip()
+    return commit if proc.returncode == 0 and commit else None
+
+
+#: Engine options that say what is measured (the model, its weights and dtype, the workload's
+#: seed, the platform), not how the engine runs it; they are recorded in fields of their own.
+NOT_ENGINE_ARGS = frozenset(
+    {"model", "model_positional", "tokenizer", "device", "dtype", "load_format", "seed"}
+)
+
+
+def non_default_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options of ``args`` (kvik.cli.engine_args) that differ from their defaults,
+    under their ``LLM`` keyword names; empty when the engine runs as it does by default."""
+    from kvik.cli.engine_args import add_engine_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = vars(args)
+    return {
+        name: given[name]
+        for name in sorted(defaults)
+        if name in given and name not in NOT_ENGINE_ARGS and given[name] != defaults[name]
+    }
+
+
+def resolved_engine_config(llm: Any) -> dict[str, Any]:
+    """What the engine made of its options (None where this version of the engine has no such
+    setting): whether CUDA graphs and asynchronous scheduling were on."""
+    config = getattr(llm, "config", None)
+    compilation = getattr(config, "compilation", None)
+    return {
+        "enforce_eager": getattr(config, "enforce_eager", None),
+        "cudagraph_mode": getattr(compilation, "cudagraph_mode", None),
+        "async_scheduling": getattr(config, "async_scheduling", None),
+        "max_num_seqs": getattr(getattr(config, "scheduler", None), "max_num_seqs", None),
+    }
+
+
+def run_metadata(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The fields every kvik benchmark JSON carries beside its figures: the device as torch names
+    it, when (UTC), which commit, and the engine options that were not the defaults."""
+    import torch
+
+    platform = llm.engine.platform
+    metadata: dict[str, Any] = {
+        "device": device_name(platform.device_type),
+        "platform": platform.name,
+        "date": utc_now(),
+        "commit": git_commit(),
+        "engine_args": non_default_engine_args(args),
+        "engine_config": resolved_engine_config(llm),
+        "load_format": getattr(llm.config.model, "load_format", None),
+        "seed": getattr(args, "seed", None),
+        "torch_version": torch.__version__,
+    }
+    if platform.device_type == "cpu":
+        metadata["threads"] = torch.get_num_threads()
+    return metadata
 
 
 def write_json(result: dict[str, Any], path: str | None) -> None:

@@ -14,10 +14,10 @@ from tqdm.auto import tqdm
 
 from kvik.bench.common import (
     base_result,
-    device_description,
     mean,
     percentiles,
     random_workload,
+    run_metadata,
     write_json,
 )
 from kvik.bench.throughput import check_output_lens, generate
@@ -80,13 +80,13 @@ def run(args: argparse.Namespace) -> int:
         "output_len": args.output_len,
         "dtype": str(llm.config.model.dtype).removeprefix("torch."),
         "num_iters": args.num_iters,
-        "latencies_s": [round(t, 4) for t in latencies],
-        "avg_latency_s": round(avg, 4),
-        "percentiles_s": {k: round(v, 4) for k, v in percentiles(latencies, PERCENTILES).items()},
-        "elapsed_s": round(avg, 4),
+        "latencies_s": [round(t, 6) for t in latencies],
+        "avg_latency_s": round(avg, 6),
+        "percentiles_s": {k: round(v, 6) for k, v in percentiles(latencies, PERCENTILES).items()},
+        "elapsed_s": round(avg, 6),
         "output_tok_s": round(batch_tokens / avg, 2),
         "total_tok_s": round((batch_tokens + args.batch_size * args.input_len) / avg, 2),
-        "device": device_description(llm),
+        **run_metadata(llm, args),
     }
     print(
         f"latency over {args.num_iters} iterations: mean {avg:.3f} s, "

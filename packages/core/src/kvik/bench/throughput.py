@@ -2,6 +2,9 @@
 
 The timed prompts are all added at once and the clock runs until the last one finishes. The
 warm-up prompts come from another seed, so no block of theirs can be a cached prefix of a timed one.
+The JSON (``--output-json``) holds the figures and what they were measured on: ``device`` as torch
+names it, ``date`` (UTC), ``commit``, and ``engine_args``, the engine options that were not the
+defaults (empty for a headline figure).
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ from kvik.bench.common import (
     Workload,
     add_workload_arguments,
     base_result,
-    device_description,
     random_workload,
+    run_metadata,
     warmup_workload,
     write_json,
 )
@@ -27,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     parser.add_argument(
         "--num-warmup-prompts", type=int, default=2, help="prompts generated before timing"
+    )
+    parser.add_argument(
+        "--warmup-output-len",
+        type=int,
+        default=4,
+        help="tokens each warm-up prompt generates (default 4; the timed --output-len warms up "
+        "decode steps at every context length the timed run reaches)",
     )
     add_engine_arguments(parser)
 
@@ -41,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
             args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
         )
         if args.num_warmup_prompts > 0:
-            warmup = warmup_workload(args.num_warmup_prompts, args.input_len, vocab, args.seed)
+            warmup = warmup_workload(
+                args.num_warmup_prompts, args.input_len, vocab, args.seed, args.warmup_output_len
+            )
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
         start = time.perf_counter()
         produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)
@@ -95,5 +107,7 @@ def throughput_result(
         "num_output_tokens": num_output,
         "output_tok_s": round(num_output / elapsed, 2),
         "total_tok_s": round((num_output + workload.num_input_tokens) / elapsed, 2),
-        "device": device_description(llm),
+        "num_warmup_prompts": args.num_warmup_prompts,
+        "warmup_output_len": args.warmup_output_len,
+        **run_metadata(llm, args),
     }
