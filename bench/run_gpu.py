@@ -332,7 +332,7 @@ def run_one(
         stdout, stderr = proc.communicate()
         timed_out = True
     wall = time.monotonic() - start
-    tail = [line[:240] for line in stderr.splitlines() if line.strip()][-12:]
+    tail = [line[:200] for line in stderr.splitlines() if line.strip()][-6:]
     for line in tail:
         print(f"    | {line}")
     if timed_out:
