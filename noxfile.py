@@ -54,8 +54,12 @@ def serve(session: nox.Session) -> None:
 # The CUDA machine's checks, in order; ``nox -s gpu -- e2e bench`` runs a subset. ``speed`` is
 # bench/run_gpu.py (kvik against transformers, Llama-3.1-8B shapes, about 6 minutes); the
 # arguments after the step names go to it (``nox -s gpu -- speed --workloads A --enforce-eager``).
+GPU_E2E_TESTS = [
+    "packages/platform-cuda/tests/test_gpu_e2e.py",
+    "packages/platform-cuda/tests/test_gpu_graphs.py",
+]
 GPU_STEPS = {
-    "e2e": ["-m", "pytest", "-q", "-rA", "-s", "packages/platform-cuda/tests/test_gpu_e2e.py"],
+    "e2e": ["-m", "pytest", "-q", "-rA", "-s", *GPU_E2E_TESTS],
     "kernels": ["-m", "pytest", "-q", "-rA", "packages/platform-cuda/tests/test_kernels_gpu.py"],
     "bench": ["packages/platform-cuda/tests/bench_decode_attention.py"],
     "speed": ["bench/run_gpu.py"],
