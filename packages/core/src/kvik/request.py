@@ -40,6 +40,11 @@ class Request:
     len(prompt))``. ``eos_token_ids`` holds every EOS id of the model's generation config; it is
     ignored when ``sampling_params.ignore_eos`` is set. ``block_hashes`` are the chained hashes of
     the full blocks of ``all_token_ids``, extended by ``kv_cache.hashing.extend_block_hashes``.
+
+    Under asynchronous scheduling ``num_output_placeholders`` counts the output tokens that
+    scheduled steps will sample but that have not come back yet: the sequence the scheduler plans
+    with is ``num_tokens + num_output_placeholders`` long, while ``all_token_ids`` (and so
+    ``num_tokens`` and ``block_hashes``) only ever hold known tokens.
     """
 
     request_id: str
@@ -63,6 +68,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list, init=False)
     # The stop token id that ended the request (a stop string is set by the front end).
     stop_reason: int | str | None = field(default=None, init=False)
+    # Output tokens scheduled to be sampled whose ids are not known yet (asynchronous scheduling
+    # only; always 0 otherwise). At most 1 when a step is scheduled, 2 between scheduling a step
+    # and collecting the one before it.
+    num_output_placeholders: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -93,6 +102,21 @@ class Request:
 
     def is_finished(self) -> bool:
         return self.status.is_finished()
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether sampling this request's next token reads its output so far: the logits
+        processors of ``kvik.layers.logits_processors`` that look at ``output_token_ids`` (bad
+        words, min tokens while short of them, repetition / presence / frequency penalties).
+        Logit bias and allowed tokens do not. Keep in step with ``build_logits_processors``."""
+        p = self.sampling_params
+        return (
+            bool(self.bad_words_token_ids)
+            or self.num_output_tokens < p.min_tokens
+            or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0
+        )
 
     @property
     def finish_reason(self) -> str | None:

@@ -42,7 +42,10 @@ def request_extra_keys(request: Request, block_index: int) -> tuple | None:
 
 
 def extend_block_hashes(request: Request, block_size: int) -> None:
-    """Append the hashes of the request's full blocks that have none yet."""
+    """Append the hashes of the request's full blocks that have none yet.
+
+    Only known tokens (``all_token_ids``) are hashed, never an output token still in flight.
+    """
     hashes = request.block_hashes
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), request.num_tokens // block_size):

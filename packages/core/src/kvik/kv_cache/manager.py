@@ -90,6 +90,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
 
         # Blocks whose tokens are all known can be shared as soon as this step writes them.
+        # request.num_tokens counts known tokens only: under asynchronous scheduling a step may
+        # compute a token still in flight (a placeholder), whose slot is allocated here but whose
+        # block is hashed and cached only by a later call, once the token is known.
         num_full = min(num_total, request.num_tokens) // self.block_size
         start = self.num_cached_blocks.get(request.request_id, 0)
         if self.enable_caching and num_full > start:

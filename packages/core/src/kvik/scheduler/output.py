@@ -16,13 +16,20 @@ class ScheduledRequest:
     num_tokens: int
     block_ids: list[int]  # all of the request's blocks, for the runner's block table
     samples: bool  # the step reaches the request's last token, so it samples a new one
+    # Asynchronous scheduling: how many of the scheduled tokens (the last ones) are not known yet,
+    # 0 or 1. Such a token is the request's output token sampled by the previous launched step,
+    # not yet collected; its position is len(request.all_token_ids) when the step is launched,
+    # and the runner takes it from that step's sampled tokens on the device.
+    num_placeholder_tokens: int = 0
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     total_num_scheduled_tokens: int
-    # Finished or aborted since the previous schedule(): the runner can drop their state.
+    # Finished or aborted since the previous schedule(): the runner can drop their state. Under
+    # asynchronous scheduling such a request may be in the step launched just before this one
+    # (its token from there is dropped), never in this one.
     finished_req_ids: set[str] = field(default_factory=set)
     # Preempted in this step: their blocks are gone and they start over when readmitted.
     preempted_req_ids: set[str] = field(default_factory=set)

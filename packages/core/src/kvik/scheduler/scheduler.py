@@ -3,6 +3,29 @@
 Each step every request advances ``num_computed_tokens`` toward ``num_tokens``. A prompt is a
 request far behind; a decode is a request one token behind; a prefix-cache hit starts a request
 ahead. That one rule gives continuous batching, chunked prefill and prefix caching together.
+
+Asynchronous scheduling (``SchedulerConfig.async_scheduling``, vLLM V1's): the engine schedules
+step N+1 while the device runs step N, before N's sampled tokens are known. A request that samples
+in a step gets an output *placeholder* (``Request.num_output_placeholders``) until the token comes
+back in ``update_from_output``; the scheduler plans with ``num_tokens + num_output_placeholders``
+tokens, so a decoding request's next step computes its in-flight token, which the runner takes on
+the device from the previous step's sampled tokens. The rules:
+
+- The engine keeps at most one step in flight, so when ``schedule()`` runs a request has at most
+  one placeholder, and only if it sampled in the step launched just before; scheduling it again
+  makes two until that step is collected. The step that computes a placeholder is always a one-
+  token decode, and ``ScheduledRequest.num_placeholder_tokens`` says so.
+- A running request that is certain to finish when its in-flight tokens arrive (they reach
+  ``max_tokens`` or ``max_model_len``) is not scheduled: no step is spent on a token to discard.
+- A stop token (EOS, ``stop_token_ids``) is seen one step late: the request already has a step in
+  flight, whose token ``update_from_output`` drops since the request is finished by then.
+- A preempted request's in-flight token still arrives and is appended (it recomputes everything
+  when readmitted), and it is not readmitted while a placeholder is outstanding.
+- Block hashes and the prefix cache only ever cover known tokens (``all_token_ids``), never
+  placeholders; see ``KVCacheManager.allocate_slots``.
+- Logits processors that read a request's output history would see it one token short; the
+  engine collects the in-flight step before scheduling when such a request has a token in flight
+  (``must_collect_before_schedule``).
 """
 
 from __future__ import annotations
@@ -29,6 +52,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     policy: Literal["fcfs", "priority"] = "fcfs"
+    #: Schedule a step before the previous one's tokens are back (set by the EngineCore).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -135,7 +160,14 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._finishes_in_flight(request):
+                index += 1
+                continue
+            assert request.num_output_placeholders <= 1, "more than one step in flight"
+            num_new = min(
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
+                budget,
+            )
             # Preempt until the blocks fit; the else branch runs unless the request was the victim.
             while self.kv.allocate_slots(request, num_new) is None:
                 victim_index = self._victim_index()
@@ -144,7 +176,10 @@ class Scheduler:
                     index -= 1
                 if victim.request_id in scheduled:
                     # Already scheduled in this step (priority policy): take its tokens back.
-                    budget += scheduled.pop(victim.request_id).num_tokens
+                    taken = scheduled.pop(victim.request_id)
+                    budget += taken.num_tokens
+                    if taken.samples and self.config.async_scheduling:
+                        victim.num_output_placeholders -= 1
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
@@ -163,6 +198,10 @@ class Scheduler:
             and len(self.running) < self.config.max_num_seqs
         ):
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                # Preempted with a token in flight: it may only start over once the token is
+                # known, so that the recompute covers it. The head waits, keeping the order.
+                break
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -196,23 +235,48 @@ class Scheduler:
 
         Returns one output per request that got tokens or finished. Stop strings are the front
         end's business: only the detokenizer sees text.
+
+        Under asynchronous scheduling the output is that of an earlier ``schedule()`` than the
+        last one: a request may have finished since (a stop seen in the step before, an abort),
+        and then its token is dropped; or it may have been preempted since, and then the token
+        is appended all the same (it is part of the sequence the request will recompute).
         """
         outputs = []
         for item in scheduler_output.scheduled:
             request = item.request
-            # Aborted since schedule(): its blocks are gone and its output was already given.
             if not item.samples or request.is_finished():
+                # A finished request's blocks are gone and its final output was given; under
+                # asynchronous scheduling its blocks may have been freed while this step was
+                # still writing into them, which is safe: see _release.
                 continue
+            if self.config.async_scheduling:
+                request.num_output_placeholders -= 1
+            preempted = request.status == RequestStatus.PREEMPTED
             new_token_ids = []
             for token_id in sampled_token_ids[request.request_id]:
                 request.append_output_token(token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
+                    if preempted:  # preempted with this token in flight, which finished it
+                        self.waiting.remove(request)
                     self._release(request)
                     break
             outputs.append(self._output(request, new_token_ids))
         self.running = [r for r in self.running if not r.is_finished()]
         return outputs
+
+    def must_collect_before_schedule(self) -> bool:
+        """Whether the next ``schedule()`` must wait for the step in flight (asynchronous
+        scheduling): true when a request it may schedule has a token in flight and a logits
+        processor that reads the output history (``Request.needs_output_history``), which would
+        otherwise see that history one token short. The engine then collects first, making that
+        iteration synchronous. Only running requests can have a placeholder and be scheduled."""
+        return any(
+            request.num_output_placeholders > 0
+            and request.needs_output_history
+            and not self._finishes_in_flight(request)
+            for request in self.running
+        )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -239,12 +303,26 @@ class Scheduler:
         if start < request.num_prompt_tokens and end < request.num_prompt_tokens:
             self._num_prefill_chunks += 1
         request.num_computed_tokens = end
+        num_placeholder_tokens = max(0, end - request.num_tokens)
+        samples = end == request.num_tokens + request.num_output_placeholders
+        if samples and self.config.async_scheduling:
+            request.num_output_placeholders += 1
         return ScheduledRequest(
             request=request,
             start=start,
             num_tokens=num_tokens,
             block_ids=self.kv.get_block_ids(request.request_id),
-            samples=end == request.num_tokens,
+            samples=samples,
+            num_placeholder_tokens=num_placeholder_tokens,
+        )
+
+    def _finishes_in_flight(self, request: Request) -> bool:
+        """Whether the request's in-flight tokens are certain to finish it (by length), so that a
+        step for it would only compute a token to discard."""
+        n = request.num_output_placeholders
+        return n > 0 and (
+            request.num_output_tokens + n >= request.max_tokens
+            or request.num_tokens + n >= self.config.max_model_len
         )
 
     def _victim_index(self) -> int:
@@ -285,9 +363,20 @@ class Scheduler:
         return False
 
     def _release(self, request: Request) -> None:
-        """Forget a finished request; the caller takes it out of running or waiting."""
+        """Forget a finished request; the caller takes it out of running or waiting.
+
+        Under asynchronous scheduling a step that writes into the request's blocks may still be
+        in flight (the request stopped on the token of the step before it, or was aborted; a
+        preempted request's blocks are freed the same way). Freeing them at once is safe: they can
+        only be handed out again, or hit in the prefix cache, by a later ``schedule()``, whose step
+        is launched after the one in flight and so runs after it on the device's stream. That step
+        sees what the late one wrote: the right contents for any block with a hash (hashes cover
+        known tokens only, and those are the tokens the late step computed), and overwritten for
+        any other. Nothing on the host reads KV blocks.
+        """
         self.kv.free(request)
         del self.requests[request.request_id]
+        request.num_output_placeholders = 0
         self._finished_since_schedule.add(request.request_id)
 
     def _output(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
