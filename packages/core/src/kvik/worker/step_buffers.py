@@ -25,11 +25,14 @@ class StagedBuffer:
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device, fill: int = 0) -> None:
         on_host = device.type == "cpu"
-        self.host = torch.full((size,), fill, dtype=dtype, pin_memory=not on_host)
+        # Normal tensors even when made inside a step (under inference mode): steps and tools
+        # outside inference mode write them too.
+        with torch.inference_mode(False):
+            self.host = torch.full((size,), fill, dtype=dtype, pin_memory=not on_host)
+            self.device = (
+                self.host if on_host else torch.full((size,), fill, dtype=dtype, device=device)
+            )
         self.np = self.host.numpy()
-        self.device = (
-            self.host if on_host else torch.full((size,), fill, dtype=dtype, device=device)
-        )
 
     def upload(self, n: int) -> Tensor:
         """Copy the first ``n`` host entries to the device (without blocking the host); their view."""
