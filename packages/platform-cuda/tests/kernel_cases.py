@@ -286,6 +286,14 @@ DECODES = [(4200, 1), (5000, 1), (3001, 1), (37, 1)] if ON_GPU else [(150, 1), (
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("window", [None, 50])
+def test_decode_only_batch(dtype: torch.dtype, group: int, window: int | None) -> None:
+    """One token per request: the decode variant (a program per request, no search)."""
+    run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
 @pytest.mark.parametrize("splits", [2, 8])
 def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
     run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits)

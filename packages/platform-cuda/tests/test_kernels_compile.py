@@ -117,7 +117,7 @@ def test_paged_attention(
     kv_heads = 8
     config = attention_config(arch, head_size, group, max_query_len, dtype)
     constexprs = attention_constexprs(
-        kv_heads * group, kv_heads, head_size, 16, config, None, splits
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1
     )
     compiled = compiled_ok(
         paged_attention_kernel,

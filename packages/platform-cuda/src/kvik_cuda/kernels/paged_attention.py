@@ -81,16 +81,24 @@ def paged_attention_kernel(
     TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # one query token per request: program r is request r's
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
-    q_first = tl.load(query_start_loc_ptr + req)
-    q_len = tl.load(query_start_loc_ptr + req + 1) - q_first
-    q_start = (q_block - (q_first // BLOCK_Q + req)) * BLOCK_Q  # within the request
-    if q_start >= q_len:
-        return  # the grid is sized for the worst case
+    if DECODE_ONLY:
+        # Token r is request r's only one: no search, and no programs beyond the batch.
+        req = q_block
+        q_first = q_block
+        q_len = 1
+        q_start = 0
+    else:
+        req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+        q_first = tl.load(query_start_loc_ptr + req)
+        q_len = tl.load(query_start_loc_ptr + req + 1) - q_first
+        q_start = (q_block - (q_first // BLOCK_Q + req)) * BLOCK_Q  # within the request
+        if q_start >= q_len:
+            return  # the grid is sized for the worst case
     seq_len = tl.load(seq_lens_ptr + req)
     context_len = seq_len - q_len
 
@@ -259,6 +267,7 @@ def attention_constexprs(
     config: AttentionConfig,
     sliding_window: int | None,
     num_splits: int,
+    decode_only: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -274,6 +283,7 @@ def attention_constexprs(
         "TILE_N": config.tile_n,
         "SLIDING_WINDOW": sliding_window or 0,
         "NUM_SPLITS": num_splits,
+        "DECODE_ONLY": decode_only,
     }
 
 
@@ -313,9 +323,12 @@ def paged_attention(
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
+    # One token per request (every decode step, padded graphs included): the decode variant.
+    decode_only = t == num_reqs
     constexprs = attention_constexprs(
-        num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits
-    )
+        num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
+        decode_only,
+    )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
@@ -328,7 +341,7 @@ def paged_attention(
             part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # unused
-    grid = (t // block_q + num_reqs, num_kv_heads, num_splits)
+    grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
         seq_lens, block_table, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
