@@ -1,0 +1,81 @@
+"""Decode attention launch configurations on the GPU (run by hand there; not a test): for a few
+(batch, context) shapes of Llama-3.1-8B's attention (32 query heads over 8 KV heads of 128, bf16,
+16-token blocks in a permuted table), the time and bandwidth of each (tile_n, num_warps,
+num_stages) at the split count the backend would choose, against the configuration it uses now.
+
+    python packages/platform-cuda/tests/sweep_decode_attention.py
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from kvik_cuda.attention import device_arch
+from kvik_cuda.kernels.paged_attention import (
+    AttentionConfig,
+    attention_config,
+    num_kv_splits,
+    paged_attention,
+)
+
+HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
+CASES = [(256, 640), (256, 1152), (1, 640)]  # (batch, context)
+PEAK = 4.28e12
+MAX_MODEL_LEN = 131072
+
+
+def main() -> None:
+    arch, num_sms = device_arch(torch.device("cuda"))
+    for batch, context in CASES:
+        sweep(batch, context, arch, num_sms)
+
+
+def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
+    dev = torch.device("cuda")
+    blocks_per_req = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_req
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_req).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(q)
+    nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
+    splits = num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
+    now = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
+
+    def run(config: AttentionConfig) -> None:
+        paged_attention(
+            q, cache[0], cache[1], out, starts, seq_lens, table, HEAD_SIZE**-0.5, None, config,
+            splits,
+        )  # fmt: skip
+
+    results = {}
+    reference = None
+    for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+        config = AttentionConfig(16, tile_n, warps, stages)
+        try:
+            run(config)
+        except Exception:  # out of shared memory or registers
+            continue
+        if reference is None:
+            reference = out.clone()
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        assert err < 1e-2, (config, err)
+        results[config] = triton.testing.do_bench(
+            lambda config=config: run(config), warmup=10, rep=50, return_mode="median"
+        )
+    best = sorted(results, key=results.get)[:3]
+    ms_now = results.get(now, float("nan"))
+    print(f"batch {batch}, context {context}, splits {splits}: now {now} "
+          f"{ms_now * 1e3:.1f} us = {nbytes / ms_now / 1e9 / PEAK:.1%} of 4.28 TB/s")  # fmt: skip
+    for config in best:
+        ms = results[config]
+        print(f"   {config}: {ms * 1e3:.1f} us = {nbytes / ms / 1e9 / PEAK:.1%}")
+
+
+if __name__ == "__main__":
+    main()
