@@ -71,10 +71,10 @@ def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     best = sorted(results, key=results.get)[:3]
     ms_now = results.get(now, float("nan"))
     print(f"batch {batch}, context {context}, splits {splits}: now {now} "
-          f"{ms_now * 1e3:.1f} us = {nbytes / ms_now / 1e9 / PEAK:.1%} of 4.28 TB/s")  # fmt: skip
+          f"{ms_now * 1e3:.1f} us = {nbytes / (ms_now * 1e-3) / PEAK:.1%} of 4.28 TB/s")  # fmt: skip
     for config in best:
         ms = results[config]
-        print(f"   {config}: {ms * 1e3:.1f} us = {nbytes / ms / 1e9 / PEAK:.1%}")
+        print(f"   {config}: {ms * 1e3:.1f} us = {nbytes / (ms * 1e-3) / PEAK:.1%}")
 
 
 if __name__ == "__main__":

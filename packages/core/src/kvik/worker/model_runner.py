@@ -62,6 +62,8 @@ class StepInputs:
     uniform_decode: bool
     query_starts: list[int]  # [R] first row of each scheduled request
     sampling_requests: list[Request]  # the N requests that sample, in row order
+    #: Their settings, staged with the other inputs (None when nothing samples).
+    sampling: SamplingBatch | None = None
 
     @property
     def num_sampling(self) -> int:
@@ -343,6 +345,7 @@ class ModelRunner:
             max_seq_len=int((starts + lens).max()),
             block_size=bs,
         )
+        sampling_requests = [scheduled[r].request for r in sample_rows]
         inputs = StepInputs(
             input_ids=input_ids,
             positions=self.positions.upload(padded),
@@ -352,8 +355,12 @@ class ModelRunner:
             num_padded=padded,
             uniform_decode=uniform_decode,
             query_starts=query_start_loc[:num_reqs].tolist(),
-            sampling_requests=[scheduled[r].request for r in sample_rows],
+            sampling_requests=sampling_requests,
+            sampling=self._sampling_batch(sampling_requests) if sampling_requests else None,
         )
+        # Every pinned staging buffer of this step has had its copy queued: the next step's
+        # prepare waits for this event (not for the step's compute) before rewriting them.
+        self._record_inputs_copied()
         return inputs
 
     def dummy_decode_inputs(self, size: int) -> StepInputs:
@@ -438,11 +445,9 @@ class ModelRunner:
             self._prompt_logprobs(scheduler_output, inputs, hidden, finishers)
         requests = inputs.sampling_requests
         if not requests:
-            self._record_inputs_copied()
             return PendingStep(finishers=finishers)
         with nvtx_range("sample", self.nvtx):
-            sampled = self._sample(logits, requests, finishers)
-        self._record_inputs_copied()
+            sampled = self._sample(logits, requests, inputs.sampling, finishers)
         sampled_host = self._sampled_host[self._sampled_turn]
         self._sampled_turn ^= 1
         sampled_host[: len(requests)].copy_(sampled, non_blocking=True)
@@ -462,12 +467,13 @@ class ModelRunner:
         self,
         logits: Tensor,
         requests: list[Request],
+        batch: SamplingBatch,
         finishers: list[Callable[[ModelRunnerOutput], None]],
     ) -> Tensor:
         wanted = [r.sampling_params.logprobs for r in requests]
         # Logprobs come from the raw logits, before processors and temperature (vLLM's default).
         raw_logprobs = logits.log_softmax(-1) if any(w is not None for w in wanted) else None
-        sampled = self.sampler(logits, self._sampling_batch(requests))
+        sampled = self.sampler(logits, batch)
         if raw_logprobs is not None:
             rows = [i for i, w in enumerate(wanted) if w is not None]
             index = torch.tensor(rows, device=logits.device) if len(rows) < len(wanted) else None
