@@ -59,6 +59,38 @@ def test_norm_and_activation_kernels_equal_the_references(dtype, num_tokens):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_silu_kernel_gives_the_reference_bits_for_every_gate(dtype):
+    """silu(gate) * up is one fp32 expression rounded after the activation and after the product,
+    with no sum whose order could differ: the kernel must give the reference's bits for every
+    finite gate of the dtype (all 2^16 bit patterns), with up = 1 (the activation alone) and with
+    fresh random ups. Built with -ffast-math, the kernel divided by an approximate reciprocal: NaN
+    for every gate below -89 (the reciprocal of exp(89) = inf), and silu(5.9375) rounded up in bf16
+    (5.9375 where the exact 5.92187443... rounds to 5.90625), which turned the default model's
+    answer to "What is the capital of France?" from Paris to "L'Étoile, ..." in bf16 without AMX."""
+    torch.manual_seed(0)
+    gate = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    gate = gate[torch.isfinite(gate.float())]
+    for up in (torch.ones_like(gate), torch.randn(gate.shape).to(dtype)):
+        gate_up = torch.cat([gate, up]).view(1, -1)
+        got, want = torch.ops.kvik.silu_and_mul(gate_up)[0], ops._silu_and_mul(gate_up)[0]
+        differ = got.view(torch.int16) != want.view(torch.int16)
+        assert not differ.any(), (
+            f"{int(differ.sum())} gates differ, e.g. {gate[differ][:8].tolist()}: "
+            f"kernel {got[differ][:8].tolist()}, reference {want[differ][:8].tolist()}"
+        )
+
+
+@needs_kernels
+def test_silu_kernel_in_float32_is_finite_where_the_reference_is():
+    gate = torch.cat([torch.linspace(-1e4, 1e4, 20001), torch.linspace(-100, 100, 20001)])
+    gate_up = torch.cat([gate, torch.randn(gate.shape)]).view(1, -1)
+    got, want = torch.ops.kvik.silu_and_mul(gate_up)[0], ops._silu_and_mul(gate_up)[0]
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=4 * torch.finfo(torch.float32).eps, atol=1e-30)
+
+
+@needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("rot_dim", [32, 16])  # 16 < head size: partial rotary

@@ -28,7 +28,7 @@ SOURCES = tuple(
     CSRC / name
     for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp", "decode_layers.cpp")
 )
-HEADERS = (CSRC / "amx.h", CSRC / "ops.h")
+HEADERS = (CSRC / "amx.h", CSRC / "ops.h", CSRC / "vector_math.h")
 
 
 def _build_dir() -> Path:
@@ -61,9 +61,11 @@ def load() -> str | None:
                 # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
                 # The library then needs libgomp.so.1, which torch has loaded already.
                 "-fopenmp",
-                # Lets the softmax's expf loop call glibc's vector expf (libmvec); compile only,
-                # so no fast-math start-up code changes the process's float modes.
-                "-ffast-math",
+                # No -ffast-math: the kernels round where their references do, which approximate
+                # reciprocals and finite-only math break (silu gave NaN below -89). expf's calls
+                # in omp simd loops go to glibc's vector expf (libmvec) through vector_math.h;
+                # without errno they have no side effect to keep in order.
+                "-fno-math-errno",
             ],
             extra_ldflags=["-fopenmp", "-lmvec"],
             build_directory=str(build_dir),

@@ -17,6 +17,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -84,7 +85,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t n, float* sums) {
 #pragma omp simd reduction(max : m)
     for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
     float sum = 0.f;
-    // Vectorised expf (glibc's libmvec): -fno-math-errno lets the compiler call it.
+    // Vectorised expf (glibc's libmvec, declared for omp simd loops in vector_math.h).
 #pragma omp simd reduction(+ : sum)
     for (int64_t j = 0; j < n; ++j) {
       sh[j] = std::exp(sh[j] - m);
