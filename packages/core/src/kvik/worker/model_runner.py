@@ -171,24 +171,30 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}
         self.step_runner: StepRunner = platform.step_runner_class(config)(self)
 
-    def _allocate_buffers(self) -> None:
+    def _allocate_buffers(self, separate: bool | None = None) -> None:
+        """The persistent step buffers (``separate``: host and device copies even on the CPU, so
+        that tests run the copy and scatter paths there)."""
         t, r, device = self.max_num_tokens, self.max_num_seqs, self.device
-        self.input_ids = StagedBuffer(t, torch.int64, device)
-        self.positions = StagedBuffer(t, torch.int64, device)
-        self.slot_mapping = StagedBuffer(t, torch.int64, device, fill=-1)
-        self.query_start_loc = StagedBuffer(r + 1, torch.int32, device)
-        self.query_lens = StagedBuffer(r, torch.int32, device)
-        self.seq_lens = StagedBuffer(r, torch.int32, device, fill=1)
-        self.logits_indices = StagedBuffer(r, torch.int64, device)
+
+        def staged(size: int, dtype: torch.dtype, fill: int = 0) -> StagedBuffer:
+            return StagedBuffer(size, dtype, device, fill, separate)
+
+        self.input_ids = staged(t, torch.int64)
+        self.positions = staged(t, torch.int64)
+        self.slot_mapping = staged(t, torch.int64, fill=-1)
+        self.query_start_loc = staged(r + 1, torch.int32)
+        self.query_lens = staged(r, torch.int32)
+        self.seq_lens = staged(r, torch.int32, fill=1)
+        self.logits_indices = staged(r, torch.int64)
         # Rows of the flat token layout whose token is still in flight, and where it is.
-        self.in_flight_rows = StagedBuffer(r, torch.int64, device)
-        self.in_flight_sources = StagedBuffer(r, torch.int64, device)
-        self.temperature = StagedBuffer(r, torch.float32, device)
-        self.top_k = StagedBuffer(r, torch.int64, device)
-        self.top_p = StagedBuffer(r, torch.float32, device)
-        self.min_p = StagedBuffer(r, torch.float32, device)
+        self.in_flight_rows = staged(r, torch.int64)
+        self.in_flight_sources = staged(r, torch.int64)
+        self.temperature = staged(r, torch.float32)
+        self.top_k = staged(r, torch.int64)
+        self.top_p = staged(r, torch.float32)
+        self.min_p = staged(r, torch.float32)
         max_blocks = -(-self.max_model_len // self.block_size)
-        self.block_table = BlockTable(r, max_blocks, device)
+        self.block_table = BlockTable(r, max_blocks, device, separate)
         on_device = device.type != "cpu"
         # Two pinned outputs, alternating: step N+1's copy must not overwrite step N's tokens
         # before they are collected.

@@ -21,14 +21,25 @@ from torch import Tensor
 
 
 class StagedBuffer:
-    """A 1-D device tensor with a pinned host twin; ``np`` is the host side as a numpy array."""
+    """A 1-D device tensor with a pinned host twin; ``np`` is the host side as a numpy array.
 
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device, fill: int = 0) -> None:
-        on_host = device.type == "cpu"
+    ``separate`` keeps two tensors even on the CPU (tests use it to run the copy path there).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        fill: int = 0,
+        separate: bool | None = None,
+    ) -> None:
+        on_host = device.type == "cpu" and not separate
         # Normal tensors even when made inside a step (under inference mode): steps and tools
         # outside inference mode write them too.
         with torch.inference_mode(False):
-            self.host = torch.full((size,), fill, dtype=dtype, pin_memory=not on_host)
+            pin = device.type != "cpu"
+            self.host = torch.full((size,), fill, dtype=dtype, pin_memory=pin)
             self.device = (
                 self.host if on_host else torch.full((size,), fill, dtype=dtype, device=device)
             )
@@ -51,12 +62,19 @@ class BlockTable:
     the table. ``np`` mirrors the device table on the host (slot mappings are computed from it).
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_blocks: int,
+        device: torch.device,
+        separate: bool | None = None,
+    ) -> None:
         self.max_blocks = max_blocks
-        on_host = device.type == "cpu"
+        self._separate = separate
+        on_host = device.type == "cpu" and not separate
         self.host = torch.zeros((max_num_seqs, max_blocks), dtype=torch.int32)
         self.np = self.host.numpy()
-        self.device = self.host if on_host else self.host.to(device)
+        self.device = self.host if on_host else self.host.to(device, copy=True)
         self._owner: list[object] = [None] * max_num_seqs  # per row: (request, admission)
         self._num_written = [0] * max_num_seqs
         self._delta_index: StagedBuffer | None = None
@@ -88,8 +106,8 @@ class BlockTable:
         n = len(index)
         if self._delta_index is None or len(self._delta_index.np) < n:
             size = max(n, 4096, 2 * len(self._delta_index.np) if self._delta_index else 0)
-            self._delta_index = StagedBuffer(size, torch.int64, self._target)
-            self._delta_value = StagedBuffer(size, torch.int32, self._target)
+            self._delta_index = StagedBuffer(size, torch.int64, self._target, 0, self._separate)
+            self._delta_value = StagedBuffer(size, torch.int32, self._target, 0, self._separate)
         self._delta_index.np[:n] = index
         self._delta_value.np[:n] = value
         self.device.view(-1).index_copy_(

@@ -1,0 +1,164 @@
+"""The runner's persistent step buffers (kvik.worker.step_buffers) against the inputs built directly
+from each step's requests, the way the runner built them before its buffers were persistent;
+padding rows; and the rules that choose CUDA-graph sizes (which need no GPU to check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import ragged_prompts
+
+from kvik import LLM, SamplingParams
+from kvik.config import CompilationConfig, default_capture_sizes
+from kvik.engine.args import EngineArgs
+from kvik.worker.step_buffers import BlockTable
+
+
+def direct_inputs(scheduler_output, block_size: int) -> dict[str, list[int]]:
+    """A step's inputs from its requests, one token at a time: what the buffers must hold."""
+    ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
+    for row, s in enumerate(scheduler_output.scheduled):
+        request = s.request
+        for p in range(s.start, s.start + s.num_tokens):
+            ids.append(request.all_token_ids[p])
+            positions.append(p)
+            slots.append(s.block_ids[p // block_size] * block_size + p % block_size)
+        starts.append(starts[-1] + s.num_tokens)
+        seq_lens.append(s.start + s.num_tokens)
+        if s.samples:
+            sample_rows.append(starts[-1] - 1)
+    return {
+        "input_ids": ids,
+        "positions": positions,
+        "slot_mapping": slots,
+        "query_start_loc": starts,
+        "seq_lens": seq_lens,
+        "logits_indices": sample_rows,
+    }
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["shared", "copied"])
+def test_buffers_hold_the_direct_inputs_of_every_step(tiny_model, separate):
+    """Chunked prefill, decodes across block edges, requests finishing (rows shift) and
+    preemption (a request readmitted with new blocks): every step's buffers equal the direct
+    construction, and the block table's rows equal each request's blocks. ``copied`` keeps host
+    and device buffers apart on the CPU, so the copies and the block table's scatter run."""
+    llm = LLM(
+        str(tiny_model("llama")),
+        dtype="float32",
+        enforce_eager=True,
+        num_kv_blocks=12,
+        max_model_len=96,
+        max_num_batched_tokens=40,
+    )
+    engine, runner = llm.engine, llm.engine.runner
+    runner._allocate_buffers(separate=separate)
+    assert (runner.input_ids.device is runner.input_ids.host) is not separate
+    prompts = ragged_prompts(8, seed=5, low=20, high=60)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+        engine.add_request(llm.input_processor.make_request(str(i), prompt, params, 0, 0.0))
+    steps = 0
+    while engine.has_unfinished_requests():
+        so = engine.scheduler.schedule()
+        if so.scheduled:
+            inputs = runner.prepare_inputs(so)
+            expected = direct_inputs(so, runner.block_size)
+            r, t = len(so.scheduled), inputs.num_tokens
+            assert inputs.num_padded == t  # the eager runner never pads
+            got = {
+                "input_ids": runner.input_ids.device[:t],
+                "positions": runner.positions.device[:t],
+                "slot_mapping": runner.slot_mapping.device[:t],
+                "query_start_loc": runner.query_start_loc.device[: r + 1],
+                "seq_lens": runner.seq_lens.device[:r],
+                "logits_indices": inputs.logits_indices,
+            }
+            for name, values in expected.items():
+                assert got[name].tolist() == values, (steps, name)
+            for row, s in enumerate(so.scheduled):
+                table = runner.block_table.device[row, : len(s.block_ids)].tolist()
+                assert table == s.block_ids, (steps, row)
+        output = runner.execute_model(so)
+        engine.scheduler.update_from_output(so, output.sampled_token_ids)
+        steps += 1
+    stats = llm.stats
+    assert stats.num_preemptions > 0 and stats.num_prefill_chunks > 0, stats
+
+
+def test_block_table_sends_only_what_changed():
+    table = BlockTable(4, 8, torch.device("cpu"), separate=True)
+    sent: list[int] = []
+    scatter = table._scatter
+
+    def counting(index, value):
+        sent.append(len(index))
+        scatter(index, value)
+
+    table._scatter = counting
+    a, b = object(), object()
+    table.update([(a, [3, 4]), (b, [7])])
+    table.update([(a, [3, 4]), (b, [7, 9])])  # b grew by a block
+    table.update([(a, [3, 4])])  # b finished
+    table.update([(b, [5, 6])])  # a new owner of row 0: rewritten whole
+    assert sent == [3, 1, 2]
+    assert table.device[0, :2].tolist() == [5, 6] and table.np[0, :2].tolist() == [5, 6]
+    assert table.device[1, :2].tolist() == [7, 9]
+
+
+def test_padding_rows_of_a_uniform_decode(tiny_model):
+    """A decode step of 3 requests laid out for a graph of 8: the padding rows write no cache
+    slot (-1), attend to one key (sequence length 1), sit at position 0, and the query starts run
+    on one token per row; a mixed step is never padded."""
+    llm = LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, num_kv_blocks=64)
+    engine, runner = llm.engine, llm.engine.runner
+    runner.step_runner.padded_num_tokens = lambda n, uniform: 8 if uniform and n <= 8 else n
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for i, prompt in enumerate(ragged_prompts(3, seed=9)):
+        engine.add_request(llm.input_processor.make_request(str(i), prompt, params, 0, 0.0))
+    prefill = engine.scheduler.schedule()
+    assert not runner.prepare_inputs(prefill).uniform_decode
+    assert runner.prepare_inputs(prefill).num_padded == prefill.total_num_scheduled_tokens
+    output = runner.execute_model(prefill)
+    engine.scheduler.update_from_output(prefill, output.sampled_token_ids)
+    decode = engine.scheduler.schedule()
+    inputs = runner.prepare_inputs(decode)
+    assert inputs.uniform_decode and inputs.num_tokens == 3 and inputs.num_padded == 8
+    assert runner.slot_mapping.device[3:8].tolist() == [-1] * 5
+    assert runner.seq_lens.device[3:8].tolist() == [1] * 5
+    assert runner.query_lens.device[3:8].tolist() == [1] * 5
+    assert runner.positions.device[3:8].tolist() == [0] * 5
+    assert runner.input_ids.device[3:8].tolist() == [0] * 5
+    assert runner.query_start_loc.device[:9].tolist() == list(range(9))
+    assert len(inputs.input_ids) == 8 and inputs.logits_indices.tolist() == [0, 1, 2]
+
+
+def test_graph_sizes_pad_to_the_smallest_that_holds_the_batch():
+    from kvik_cuda.graphs import CudaGraphStepRunner
+
+    runner = object.__new__(CudaGraphStepRunner)
+    runner._sizes = []
+    assert runner.padded_num_tokens(3, True) == 3  # nothing captured yet
+    runner._sizes = [1, 2, 4, 8, 16]
+    assert [runner.padded_num_tokens(n, True) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
+    assert runner.padded_num_tokens(3, False) == 3  # prompt tokens: eager, unpadded
+
+
+def test_capture_sizes_and_modes():
+    sizes = default_capture_sizes(256)
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 256 and len(sizes) == 35
+    assert default_capture_sizes(300)[-3:] == [272, 288, 300]
+    assert default_capture_sizes(5) == [1, 2, 4, 5]
+    assert default_capture_sizes(1000)[-1] == 512  # above 512: eager
+    assert CompilationConfig("full", [8, 2, 2]).cudagraph_capture_sizes == [2, 8]
+    with pytest.raises(ValueError, match="piecewise"):
+        CompilationConfig("full_and_piecewise", [1])
+    with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
+        CompilationConfig("fast", [1])
+    with pytest.raises(ValueError, match="positive integers"):
+        CompilationConfig("full", [0])
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineArgs(enforce_eager=True, cudagraph_mode="full")._compilation_config(True)
+    assert EngineArgs()._compilation_config(True).cudagraph_mode == "full"
+    assert EngineArgs(enforce_eager=True)._compilation_config(True).cudagraph_mode == "none"
+    assert EngineArgs()._compilation_config(False).cudagraph_mode == "none"  # the CPU
