@@ -17,7 +17,7 @@ from kvik.worker.step_buffers import BlockTable
 def direct_inputs(scheduler_output, block_size: int) -> dict[str, list[int]]:
     """A step's inputs from its requests, one token at a time: what the buffers must hold."""
     ids, positions, slots, starts, seq_lens, sample_rows = [], [], [], [0], [], []
-    for row, s in enumerate(scheduler_output.scheduled):
+    for s in scheduler_output.scheduled:
         request = s.request
         for p in range(s.start, s.start + s.num_tokens):
             ids.append(request.all_token_ids[p])
