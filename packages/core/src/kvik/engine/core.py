@@ -28,6 +28,7 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
+from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
     from kvik.platforms.base import Platform
@@ -134,7 +135,7 @@ class EngineCore:
         on the first call); with nothing left to schedule, only collect.
         """
         if not self.async_scheduling:
-            scheduler_output = self.scheduler.schedule()
+            scheduler_output = self._schedule()
             runner_output = self.runner.execute_model(scheduler_output)
             return self._update(scheduler_output, runner_output)
 
@@ -144,7 +145,7 @@ class EngineCore:
             # A request to schedule reads its output history and has a token in flight.
             outputs.extend(self._collect(previous))
             previous = None
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self._schedule()
         # An empty step is still launched when it carries finished or preempted ids for the
         # runner (they are handed out once); otherwise there is nothing to launch.
         if (
@@ -157,15 +158,20 @@ class EngineCore:
             outputs.extend(self._collect(previous))
         return outputs
 
+    def _schedule(self) -> SchedulerOutput:
+        with nvtx_range("schedule", self.config.enable_nvtx):
+            return self.scheduler.schedule()
+
     def _collect(self, in_flight: _InFlight) -> list[EngineCoreOutput]:
         return self._update(in_flight.scheduler_output, in_flight.pending.collect())
 
     def _update(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids
-        )
+        with nvtx_range("update", self.config.enable_nvtx):
+            outputs = self.scheduler.update_from_output(
+                scheduler_output, runner_output.sampled_token_ids
+            )
         for out in outputs:
             out.new_logprobs = runner_output.logprobs.get(out.request_id)
             out.prompt_logprobs = runner_output.prompt_logprobs.get(out.request_id)

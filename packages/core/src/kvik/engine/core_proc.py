@@ -13,6 +13,7 @@ wakes once a second to leave if its parent has died.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -109,6 +110,12 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         from kvik.engine.core import EngineCore
 
         engine = EngineCore(config)
+        # What start-up made (the model's modules and parameters, graphs, buffers) lives as long
+        # as this process: out of the collector's sight, a full collection during serving walks
+        # only what the steps make. (The offline LLM shares its process with the caller's objects,
+        # which it must not pin, so only the engine's own process does this.)
+        gc.collect()
+        gc.freeze()
         output_socket.send(
             encode("ready", {"pid": os.getpid(), "num_kv_blocks": engine.num_kv_blocks})
         )
