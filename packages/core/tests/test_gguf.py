@@ -4,6 +4,7 @@ against transformers' own GGUF loading."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -202,12 +203,21 @@ def test_default_model_matches_transformers_gguf_loading(default_gguf: Path) -> 
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
 
 
-def test_default_model_tokenizer_and_chat_template(default_gguf: Path) -> None:
+@pytest.mark.parametrize("loader", ["converter", "public"])
+def test_default_model_tokenizer_and_chat_template(
+    default_gguf: Path, loader: str, monkeypatch
+) -> None:
+    """``public``: as with a transformers whose GGUF converter is not where kvik looks (5.24
+    moved it), the public ``from_pretrained(gguf_file=...)`` path, which must give the same."""
     from transformers import AutoTokenizer
 
+    if loader == "public":
+        monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", None)
     tokenizer = gguf_tokenizer(default_gguf)
-    # SmolLM2's GGUF: bos 1 <|im_start|>, eos 2 <|im_end|> (transformers' own GGUF path swaps them)
+    # SmolLM2's GGUF: bos 1 <|im_start|>, eos 2 <|im_end|>, pad 2 (transformers' own GGUF path
+    # swaps bos and eos in 5.17)
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|im_start|>", "<|im_end|>")
+    assert tokenizer.pad_token == "<|im_end|>" and not tokenizer.clean_up_tokenization_spaces
     assert gguf_generation_config(default_gguf) == {
         "bos_token_id": 1,
         "pad_token_id": 2,
