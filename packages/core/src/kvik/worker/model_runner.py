@@ -123,8 +123,11 @@ class ModelRunner:
         model_config = config.model
         self.dtype = model_config.dtype
         self.nvtx = config.enable_nvtx
-        ops.use_native_ops(platform.native_ops)  # before the layers are built
-        self.model: nn.Module = load_model(model_config, self.device)
+        # The layers choose their small ops' implementation as they are built (kvik.ops): this
+        # engine's choice, or its platform's, for this build only.
+        config.ops_dispatch = config.ops_dispatch or platform.ops_dispatch
+        with ops.ops_dispatch(config.ops_dispatch):
+            self.model: nn.Module = load_model(model_config, self.device)
         platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
