@@ -25,8 +25,9 @@ class LLM:
 
     ``model`` is a Hugging Face folder, a .gguf file, a hub id or an alias; None means the default
     model, SmolLM2-135M-Instruct. The other keywords are the engine's options, exactly the fields
-    of ``kvik.engine.args.EngineArgs``, where each one's help text is (``LLM(max_num_seqs=8,
-    enforce_eager=True)``); an unknown keyword is a TypeError that names the closest option.
+    of ``kvik.engine.args.EngineArgs`` (each with its help text there, and as a flag in
+    ``kvik generate --help``): ``LLM(max_num_seqs=8, enforce_eager=True)``. An unknown keyword is
+    a TypeError that names the closest option.
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
@@ -162,16 +163,16 @@ class LLM:
 
 
 def _signature_from_engine_args() -> inspect.Signature:
-    """``LLM.__init__``'s signature as help() and editors show it: ``model``, then every other
+    """``LLM.__init__``'s signature as help() and inspect show it: ``model``, then every other
     engine option as a keyword with its default."""
-    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", positional), inspect.Parameter("model", positional)]
     for spec in option_specs(EngineArgs):
-        kind = (
-            inspect.Parameter.POSITIONAL_OR_KEYWORD
-            if spec.name == "model"
-            else inspect.Parameter.KEYWORD_ONLY
-        )
-        params.append(inspect.Parameter(spec.name, kind, default=spec.default))
+        if spec.name != "model":
+            params.append(
+                inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default)
+            )
+    params[1] = params[1].replace(default=EngineArgs.model)
     return inspect.Signature(params, return_annotation=None)
 
 
