@@ -16,6 +16,7 @@ from torch import Tensor
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
+from kvik.layers.rotary import RotaryEmbedding
 from kvik_cpu.attention import TorchSdpaBackend
 from kvik_cuda.attention import TritonAttentionBackend, device_arch
 from kvik_cuda.kernels.activation import silu_and_mul
@@ -23,7 +24,6 @@ from kvik_cuda.kernels.kv_cache import reshape_and_cache
 from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
 from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kvik_cuda.kernels.rotary import rotary_and_cache, rotary_embedding
-from kvik.layers.rotary import RotaryEmbedding
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"

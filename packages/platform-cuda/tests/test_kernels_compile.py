@@ -88,8 +88,12 @@ def test_rotary(arch: str, is_neox: bool) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)])
-def test_rotary_and_cache(arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int) -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
+)
+def test_rotary_and_cache(
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int
+) -> None:
     signature = types(
         rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
         cos_sin_ptr="*fp32", half_cache="i64",
