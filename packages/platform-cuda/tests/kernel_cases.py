@@ -380,27 +380,3 @@ def test_backend_splits_long_decodes() -> None:
     """The backend's own choice for a small batch of long decodes is a split-KV launch."""
     assert num_kv_splits(len(DECODES), KV_HEADS, 5001, device_arch(DEVICE)[1]) > 1
     run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.bfloat16)
-
-
-def test_split_kv_counters_return_to_zero() -> None:
-    """The counters that find each pair's last split are zero again after a launch, so one
-    persistent buffer serves every layer and every replay; two launches in a row agree."""
-    metadata, cache = build_batch(DECODES, KV_HEADS, 128, torch.float32)
-    dev = on_device(metadata)
-    t, heads = metadata.num_actual_tokens, KV_HEADS * 4
-    q = randn(t, heads, 128)
-    new_kv = randn(2, t, KV_HEADS, 128)
-    reshape_and_cache(new_kv[0], new_kv[1], cache, dev.slot_mapping)
-    config = attention_config(device_arch(DEVICE)[0], 128, 4, 1, torch.float32)
-    counts = torch.zeros(t * KV_HEADS + 5, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        paged_attention(
-            q, cache[0], cache[1], out, dev.query_start_loc, dev.seq_lens, dev.block_table,
-            128**-0.5, None, config, 4, split_count=counts,
-        )  # fmt: skip
-        assert not counts.any()
-        assert not out.isnan().any()
-        outs.append(out.cpu())
-    assert torch.equal(outs[0], outs[1])

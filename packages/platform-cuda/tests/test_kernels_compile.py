@@ -10,9 +10,12 @@ from kvik_cuda.aot import SHARED_MEMORY_LIMIT, TARGETS, compile_kernel
 from kvik_cuda.kernels.activation import SILU_BLOCK, SILU_WARPS, silu_and_mul_kernel
 from kvik_cuda.kernels.kv_cache import reshape_and_cache_config, reshape_and_cache_kernel
 from kvik_cuda.kernels.paged_attention import (
+    REDUCE_WARPS,
     attention_config,
     attention_constexprs,
     paged_attention_kernel,
+    reduce_constexprs,
+    reduce_splits_kernel,
 )
 from kvik_cuda.kernels.rms_norm import rms_norm_config, rms_norm_kernel
 from kvik_cuda.kernels.rotary import (
@@ -110,10 +113,7 @@ def test_rotary_and_cache(
 
 def attention_types(kernel, dtype: torch.dtype) -> dict[str, str]:
     fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    index = {
-        n: "*i32"
-        for n in ("split_count_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")
-    }
+    index = {n: "*i32" for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
     return types(kernel, dtype, scale_log2="fp32", **fp32, **index)
 
 
@@ -156,3 +156,11 @@ def test_paged_attention(
     if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
         # 64-row tiles run on Hopper's warpgroup MMA; fp32 in IEEE precision cannot.
         assert "wgmma" in compiled.asm["ptx"]
+    if splits > 1:
+        compiled_ok(
+            reduce_splits_kernel,
+            arch,
+            types=attention_types(reduce_splits_kernel, dtype),
+            constexprs=reduce_constexprs(constexprs),
+            num_warps=REDUCE_WARPS,
+        )

@@ -51,8 +51,6 @@ class TritonMetadata:
     part_acc: Tensor | None
     part_max: Tensor | None
     part_sum: Tensor | None
-    #: int32 counters, one per (request, KV head), that find each pair's last split program.
-    split_count: Tensor | None
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -68,10 +66,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.part_acc = torch.empty(rows * head_pad, **f32)
         self.part_max = torch.empty(rows, **f32)
         self.part_sum = torch.empty(rows, **f32)
-        # Zero once; the kernel leaves them zero after every launch.
-        self.split_count = torch.zeros(
-            spec.max_num_seqs * spec.num_kv_heads, dtype=torch.int32, device=spec.device
-        )
         self.head_pad = head_pad
 
     def build(self, common: AttentionMetadata) -> TritonMetadata:
@@ -81,7 +75,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 common.num_reqs, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
             )
         if splits == 1:
-            return TritonMetadata(common, self.arch, 1, None, None, None, None)
+            return TritonMetadata(common, self.arch, 1, None, None, None)
         t, h = common.num_actual_tokens, self.spec.num_heads
         n = t * h * splits
         return TritonMetadata(
@@ -91,7 +85,6 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.part_acc[: n * self.head_pad].view(t, h, splits, self.head_pad),
             self.part_max[:n].view(t, h, splits),
             self.part_sum[:n].view(t, h, splits),
-            self.split_count,
         )
 
 
@@ -152,7 +145,6 @@ class TritonAttentionImpl(AttentionImpl):
             metadata.part_acc,
             metadata.part_max,
             metadata.part_sum,
-            metadata.split_count,
         )
 
 
