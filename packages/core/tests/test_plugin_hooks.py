@@ -108,6 +108,19 @@ def test_unmarked_hooks_count_too(manager: KvikPluginManager) -> None:
     assert manager.models.owners["UnmarkedForCausalLM"] == "correct"
 
 
+def test_specname_names_the_hook(manager: KvikPluginManager) -> None:
+    class Renamed:
+        KVIK_PLUGIN_API = PLUGIN_API_VERSION
+
+        @kvik.hookimpl(specname="kvik_platform")
+        def provide_platform(self):
+            return fake_platform("renamed")
+
+    assert manager.add_plugin(Renamed(), "renamed")
+    assert sorted(cls.name for _, cls in manager.platforms()) == ["cpu", "renamed"]
+    assert manager.errors == []
+
+
 def test_marked_hook_without_the_prefix_lists_the_hooks(manager: KvikPluginManager) -> None:
     class Unprefixed:
         KVIK_PLUGIN_API = PLUGIN_API_VERSION
