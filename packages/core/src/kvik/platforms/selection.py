@@ -80,4 +80,3 @@ def select_platform(
             "--device or KVIK_DEVICE"
         )
     return top[0].cls
-
