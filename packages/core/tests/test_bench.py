@@ -353,7 +353,9 @@ def test_llama_config_loads_as_dummy_weights_and_rooflines() -> None:
     run_gpu = load_run_gpu()
     config = load_model_config(str(run_gpu.DEFAULT_MODEL), dtype="bfloat16", load_format="dummy")
     assert config.architecture == "LlamaForCausalLM" and config.vocab_size == 128256
-    assert (config.num_layers, config.num_kv_heads, config.head_size) == (32, 8, 128)
+    hf_config = config.hf_config
+    shape = (hf_config.num_hidden_layers, hf_config.num_key_value_heads, hf_config.head_dim)
+    assert shape == (32, 8, 128)
     hf = json.loads((run_gpu.DEFAULT_MODEL / "config.json").read_text())
     assert run_gpu.parameter_count(hf) == 8_030_261_248  # Llama-3.1-8B's
     a, b = run_gpu.WORKLOADS["A"], run_gpu.WORKLOADS["B"]

@@ -128,8 +128,3 @@ def logprob_tensors(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> 
     else:
         top_values, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
     return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_values, top_ids, counts)
-
-
-def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """``logprob_tensors`` read at once on the host."""
-    return logprob_tensors(logprobs, token_ids, num_top).to_lists()
