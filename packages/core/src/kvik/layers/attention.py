@@ -43,8 +43,8 @@ class Attention(nn.Module):
             # Compiled code sees attention as one opaque op, the graph's split point.
             torch.ops.kvik.unified_attention(q, k, v, out, self.layer_name)
         else:
-            # Eagerly, the same work without the custom op's dispatch (tens of microseconds a
-            # layer in Python, a few percent of a batch-1 decode step on the CPU).
+            # Eagerly, the same work without the custom op's dispatch, whose Python overhead per
+            # layer is worth saving on a small model's decode step (docs/benchmarks.md).
             context = get_forward_context()
             self.impl.forward(q, k, v, self.kv_cache, context.attn_metadata, out)
         return out
