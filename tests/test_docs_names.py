@@ -26,8 +26,8 @@ example for a vendor and names things that do not exist):
 
 Other spans (single lower-case words, names rooted at a variable or another library such as
 ``torch.version.hip`` or ``impl.forward``, shapes and expressions) are not kvik names or are not
-checkable by name, and are skipped. Python's builtins (``ValueError``) pass, and
-NOT_KVIK lists the CamelCase names the document uses that belong to other libraries.
+checkable by name, and are skipped. Python's builtins (``ValueError``) pass, and NOT_KVIK lists
+the other names the document uses that kvik does not define (other libraries', hook arguments).
 """
 
 from __future__ import annotations
