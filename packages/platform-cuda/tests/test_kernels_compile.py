@@ -10,15 +10,17 @@ from kvik_cuda.aot import SHARED_MEMORY_LIMIT, TARGETS, compile_kernel
 from kvik_cuda.kernels.activation import SILU_BLOCK, SILU_WARPS, silu_and_mul_kernel
 from kvik_cuda.kernels.kv_cache import reshape_and_cache_config, reshape_and_cache_kernel
 from kvik_cuda.kernels.paged_attention import (
-    REDUCE_WARPS,
     attention_config,
     attention_constexprs,
     paged_attention_kernel,
-    reduce_constexprs,
-    reduce_splits_kernel,
 )
 from kvik_cuda.kernels.rms_norm import rms_norm_config, rms_norm_kernel
-from kvik_cuda.kernels.rotary import ROTARY_WARPS, rotary_constexprs, rotary_kernel
+from kvik_cuda.kernels.rotary import (
+    ROTARY_WARPS,
+    rotary_and_cache_kernel,
+    rotary_constexprs,
+    rotary_kernel,
+)
 
 ARCHS = list(TARGETS)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -85,9 +87,33 @@ def test_rotary(arch: str, is_neox: bool) -> None:
     )
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
+)
+def test_rotary_and_cache(
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int
+) -> None:
+    signature = types(
+        rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
+        cos_sin_ptr="*fp32", half_cache="i64",
+    )  # fmt: skip
+    constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim)
+    compiled_ok(
+        rotary_and_cache_kernel,
+        arch,
+        types=signature,
+        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True},
+        num_warps=ROTARY_WARPS,
+    )
+
+
 def attention_types(kernel, dtype: torch.dtype) -> dict[str, str]:
     fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    index = {n: "*i32" for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
+    index = {
+        n: "*i32"
+        for n in ("split_count_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")
+    }
     return types(kernel, dtype, scale_log2="fp32", **fp32, **index)
 
 
@@ -130,11 +156,3 @@ def test_paged_attention(
     if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
         # 64-row tiles run on Hopper's warpgroup MMA; fp32 in IEEE precision cannot.
         assert "wgmma" in compiled.asm["ptx"]
-    if splits > 1:
-        compiled_ok(
-            reduce_splits_kernel,
-            arch,
-            types=attention_types(reduce_splits_kernel, dtype),
-            constexprs=reduce_constexprs(constexprs),
-            num_warps=REDUCE_WARPS,
-        )

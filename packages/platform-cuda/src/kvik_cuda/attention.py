@@ -23,6 +23,7 @@ from kvik_cuda.kernels.paged_attention import (
     num_kv_splits,
     paged_attention,
 )
+from kvik_cuda.kernels.rotary import rotary_and_cache
 
 
 @functools.cache
@@ -50,6 +51,8 @@ class TritonMetadata:
     part_acc: Tensor | None
     part_max: Tensor | None
     part_sum: Tensor | None
+    #: int32 counters, one per (request, KV head), that find each pair's last split program.
+    split_count: Tensor | None
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -65,6 +68,10 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.part_acc = torch.empty(rows * head_pad, **f32)
         self.part_max = torch.empty(rows, **f32)
         self.part_sum = torch.empty(rows, **f32)
+        # Zero once; the kernel leaves them zero after every launch.
+        self.split_count = torch.zeros(
+            spec.max_num_seqs * spec.num_kv_heads, dtype=torch.int32, device=spec.device
+        )
         self.head_pad = head_pad
 
     def build(self, common: AttentionMetadata) -> TritonMetadata:
@@ -74,7 +81,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
                 common.num_reqs, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
             )
         if splits == 1:
-            return TritonMetadata(common, self.arch, 1, None, None, None)
+            return TritonMetadata(common, self.arch, 1, None, None, None, None)
         t, h = common.num_actual_tokens, self.spec.num_heads
         n = t * h * splits
         return TritonMetadata(
@@ -84,6 +91,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.part_acc[: n * self.head_pad].view(t, h, splits, self.head_pad),
             self.part_max[:n].view(t, h, splits),
             self.part_sum[:n].view(t, h, splits),
+            self.split_count,
         )
 
 
@@ -98,10 +106,37 @@ class TritonAttentionImpl(AttentionImpl):
         output: Tensor,
     ) -> None:
         c = metadata.common
-        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        t, hk, d = c.num_actual_tokens, self.num_kv_heads, self.head_size
         reshape_and_cache(
             key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
         )
+        self._attend(query, kv_cache, metadata, output)
+
+    def forward_with_rotary(
+        self,
+        positions: Tensor,
+        rotary_emb,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: TritonMetadata,
+        output: Tensor,
+    ) -> None:
+        # One launch rotates the queries and writes the rotated keys and the values to the cache.
+        t = metadata.common.num_actual_tokens
+        rotated = rotary_and_cache(
+            positions[:t], query[:t], key[:t], value[:t], kv_cache,
+            metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
+            rotary_emb.is_neox,
+        )  # fmt: skip
+        self._attend(rotated, kv_cache, metadata, output)
+
+    def _attend(
+        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+    ) -> None:
+        c = metadata.common
+        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         paged_attention(
             query[:t].view(t, h, d),
             kv_cache[0],
@@ -117,6 +152,7 @@ class TritonAttentionImpl(AttentionImpl):
             metadata.part_acc,
             metadata.part_max,
             metadata.part_sum,
+            metadata.split_count,
         )
 
 

@@ -9,8 +9,9 @@ masks come from positions: request r's query token j sits at ``seq_len - query_l
 
 Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` the grid gains a third axis and each program walks
 one segment of the key tiles, leaving its unnormalised accumulator, running max and sum in fp32
-scratch; ``reduce_splits_kernel`` merges the segments. It pays for long decode contexts, where a
-batch has too few (request, KV head) programs to fill the GPU.
+scratch. The last of a (query block, KV head)'s programs to finish, found with an atomic counter per
+pair, merges the segments, so split-KV costs no second launch. It pays for long decode contexts,
+where a batch has too few (request, KV head) programs to fill the GPU.
 
 The PyTorch reference is the CPU backend's SDPA (``kvik_cpu.attention``), which the tests compare
 against through the same ``AttentionMetadata``.
@@ -54,6 +55,7 @@ def paged_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32 (split-KV only)
     part_max_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
     part_sum_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
+    split_count_ptr,  # [grid0, Hk] int32, zero between launches (split-KV only)
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_table_ptr,  # [R, max_blocks]
@@ -177,39 +179,67 @@ def paged_attention_kernel(
             mask=row_valid[:, None] & d_valid[None, :],
         )
     else:
-        part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
+        first_part = (token * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]
+        part = first_part + split
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_valid[:, None])
+        # Every thread's stores are issued (barrier) and released to the whole GPU (acq_rel)
+        # before the count goes up; the program that brings it to NUM_SPLITS sees all segments,
+        # merges them and puts the count back to zero for the next launch (the next layer).
+        tl.debug_barrier()
+        count = split_count_ptr + q_block * tl.num_programs(1) + kv_head
+        if tl.atomic_add(count, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            tl.atomic_xchg(count, 0)
+            _merge_splits(
+                out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
+                part_acc_ptr, part_max_ptr, part_sum_ptr, first_part, row_valid, d,
+                BLOCK_M, HEAD_SIZE, HEAD_PAD, NUM_SPLITS,
+            )  # fmt: skip
 
 
 @triton.jit
-def reduce_splits_kernel(
-    out_ptr,  # [T, H, D]
-    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32
-    part_max_ptr,  # [T, H, NUM_SPLITS] fp32, log2 units
-    part_sum_ptr,  # [T, H, NUM_SPLITS] fp32
-    o_stride_t,
-    o_stride_h,
-    NUM_HEADS: tl.constexpr,
+def _merge_splits(
+    out_ptrs,  # [BLOCK_M, HEAD_PAD] pointers
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    first_part,  # [BLOCK_M]: each row's first segment
+    row_valid,
+    d,
+    BLOCK_M: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
-    seg_max = tl.load(part_max_ptr + part)
-    seg_sum = tl.load(part_sum_ptr + part)
-    d = tl.arange(0, HEAD_PAD)
-    seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :])
-    # Empty segments have max -inf and weight 0; at least one segment holds a key.
-    weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
-    out = tl.sum(seg_acc * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
+    # Other programs wrote these segments: ".cg" reads them from L2, past this SM's L1, which may
+    # still hold the previous layer's values at the same addresses.
+    s = tl.arange(0, NUM_SPLITS)[None, :]
+    seg_max = tl.load(
+        part_max_ptr + first_part[:, None] + s, mask=row_valid[:, None], other=0.0,
+        cache_modifier=".cg",
+    )  # fmt: skip
+    # Empty segments have max -inf and weight 0; each valid row has a key in some segment.
+    top = tl.max(seg_max, axis=1)
+    total = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    for i in tl.static_range(NUM_SPLITS):
+        part = first_part + i
+        weight = tl.exp2(
+            tl.load(part_max_ptr + part, mask=row_valid, other=0.0, cache_modifier=".cg") - top
+        )
+        seg_sum = tl.load(part_sum_ptr + part, mask=row_valid, other=0.0, cache_modifier=".cg")
+        seg_acc = tl.load(
+            part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=row_valid[:, None],
+            other=0.0, cache_modifier=".cg",
+        )  # fmt: skip
+        denom += weight * seg_sum
+        total += weight[:, None] * seg_acc
+    out = total / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(
-        out_ptr + token * o_stride_t + head * o_stride_h + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < HEAD_SIZE,
+        out_ptrs,
+        out.to(out_ptrs.dtype.element_ty),
+        mask=row_valid[:, None] & (d < HEAD_SIZE)[None, :],
     )
 
 
@@ -287,18 +317,6 @@ def attention_constexprs(
     }
 
 
-@functools.cache
-def _reduce_constexprs(attention: tuple) -> dict[str, int]:
-    return reduce_constexprs(dict(attention))
-
-
-def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
-    return {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
-
-
-REDUCE_WARPS = 4
-
-
 def paged_attention(
     query: Tensor,
     key_cache: Tensor,
@@ -314,12 +332,14 @@ def paged_attention(
     part_acc: Tensor | None = None,
     part_max: Tensor | None = None,
     part_sum: Tensor | None = None,
+    split_count: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
     query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32. With
     ``num_splits > 1``, the fp32 scratch ``part_acc [T, H, S, HEAD_PAD]``, ``part_max`` and
-    ``part_sum [T, H, S]`` may be given (persistent buffers, as a captured graph needs); else it
-    is allocated."""
+    ``part_sum [T, H, S]`` and the int32 counters ``split_count`` (at least grid[0] * Hk of them,
+    zero, left zero) may be given (persistent buffers, as a captured graph needs); else they are
+    allocated."""
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -342,15 +362,17 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = output  # unused
     grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        split_count = seq_lens  # unused
+    elif split_count is None:
+        split_count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=query.device)
+    else:
+        assert split_count.numel() >= grid[0] * grid[1]
     paged_attention_kernel[grid](
-        query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
+        query, key_cache, value_cache, output, part_acc, part_max, part_sum, split_count,
+        query_start_loc,
         seq_lens, block_table, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
         output.stride(0), output.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
         block_table.stride(0), **constexprs, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
-        reduce_splits_kernel[(t, num_heads)](
-            output, part_acc, part_max, part_sum, output.stride(0), output.stride(1),
-            **_reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
-        )  # fmt: skip
