@@ -354,6 +354,8 @@ def missing_names(names: Names) -> list[str]:
     missing += [f"path {p}" for p in sorted(names.paths) if not path_exists(p)]
     missing += [f"route {r}" for r in sorted(names.routes) if r not in server_routes()]
     for name, arguments in sorted(names.calls):
+        if name in NOT_KVIK:
+            continue
         objects = dotted_objects(name) if "." in name else bare_objects(name)
         if objects and not takes(objects, arguments):
             missing.append(f"parameters {name}({', '.join(arguments)})")
