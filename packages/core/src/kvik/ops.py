@@ -2,8 +2,9 @@
 
 The references run on every device. A platform registers faster kernels for its own device key when
 it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``), never on import,
-because ROCm builds of torch use the CUDA key too. Attention and the cache write always go through
-their ops; ``torch.compile`` sees each as one node.
+because ROCm builds of torch use the CUDA key too. ``torch.compile`` sees each op as one node.
+Attention goes through its op only under ``torch.compile``; eagerly the attention layer calls its
+backend, which writes the cache itself (kvik.layers.attention).
 
 How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul)
 is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
@@ -12,9 +13,10 @@ is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engin
   kernels the platform registered (CUDA's Triton kernels, the CPU's C++ ones). A platform with
   kernels of its own chooses this.
 - ``"direct"``: the references above, called as plain Python functions. A platform whose kernels
-  for these ops would be the references anyway chooses this: it skips the custom-op dispatch,
-  which costs time on every call in eager mode, and lets ``torch.compile`` fuse the ops into its
-  own loops instead of calling an opaque op.
+  for these ops would be the references anyway (the CPU when its C++ ops did not build) chooses
+  this: it skips the custom-op dispatch, a cost on every call in eager mode that
+  docs/benchmarks.md measures, and lets ``torch.compile`` fuse the ops into its own loops instead
+  of calling an opaque op.
 
 Layers resolve the choice once, when they are built: the runner builds its model inside
 ``ops_dispatch(choice)``, which holds for that build only (a context variable), so two engines in
