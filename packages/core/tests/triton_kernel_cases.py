@@ -1,13 +1,14 @@
 """Every Triton kernel against its PyTorch reference, on one device chosen by KVIK_KERNEL_DEVICE.
 
-Not collected by itself (no ``test_`` prefix): test_kernels_interpreter.py runs it in a pytest
-process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes, test_kernels_gpu.py on
-CUDA at full sizes. The launchers are called directly, since CPU tensors would dispatch
+Not collected by itself (no ``test_`` prefix): test_triton_kernels_interpreter.py runs it in a
+pytest process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes,
+kvik_cuda's test_kernels_gpu.py on CUDA at full sizes (with kvik_cuda's launch configurations). The launchers are called directly, since CPU tensors would dispatch
 ``torch.ops.kvik.*`` to the references. References run on the CPU in float64.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -16,13 +17,13 @@ from torch import Tensor
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
+from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.kv_cache import reshape_and_cache
+from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
+from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rotary import rotary_embedding
 from kvik_cpu.attention import TorchSdpaBackend
-from kvik_cuda.attention import TritonAttentionBackend, device_arch
-from kvik_cuda.kernels.activation import silu_and_mul
-from kvik_cuda.kernels.kv_cache import reshape_and_cache
-from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
-from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kvik_cuda.kernels.rotary import rotary_embedding
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
@@ -30,7 +31,12 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
         "CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True
     )
-if not ON_GPU:
+if ON_GPU:
+    # Launch configurations are the platform's choice: take those of the platform owning this GPU.
+    importlib.import_module(
+        "kvik_rocm.registration" if torch.version.hip else "kvik_cuda.registration"
+    ).register_kernels()
+else:
     from triton.runtime import interpreter
 
     _patch_lang_tensor = interpreter._patch_lang_tensor
