@@ -104,6 +104,8 @@ optional = {"triton"}  # kvik.triton_kernels needs it; only the GPU platforms in
 for top in sys.argv[1:]:
     package = importlib.import_module(top)
     for module in pkgutil.walk_packages(package.__path__, top + "."):
+        if module.name.endswith(".__main__"):
+            continue  # runs the command line
         try:
             importlib.import_module(module.name)
         except ModuleNotFoundError as e:
@@ -140,14 +142,24 @@ def run(python: Path, *args: str, env: dict[str, str] | None = None, timeout: in
     return result.stdout
 
 
-def fresh_venv(path: Path, extra: str) -> Path:
-    """A venv without this environment's site-packages, holding core with ``extra`` installed
-    from the package folders (pip resolves kvik-cpu etc. to the folders given beside it)."""
+@pytest.fixture(scope="module")
+def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv without this environment's site-packages, holding torch and hatchling only."""
+    path = tmp_path_factory.mktemp("base") / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    # torch alone first: 2.13.0 resolves to the CPU build. hatchling: the kvik packages build
+    # without isolation, from the venv.
+    run(path / "bin" / "python", "-m", "pip", "install", "--quiet", "torch==2.13.0", "hatchling")
+    return path
+
+
+def fresh_venv(base: Path, path: Path, extra: str) -> Path:
+    """A copy of the base venv (hard links: unpacking torch again would take a minute, and pip
+    only ever adds or removes files, never rewrites one in place) with core and ``extra``
+    installed from the package folders; pip resolves kvik-cpu etc. to the folders given beside
+    it, and everything else from the package index."""
+    subprocess.run(["cp", "-al", str(base), str(path)], check=True, timeout=300)
     python = path / "bin" / "python"
-    # torch first, alone: 2.13.0 resolves to the CPU build. hatchling: the packages build
-    # without isolation, from this venv.
-    run(python, "-m", "pip", "install", "--quiet", "torch==2.13.0", "hatchling")
     folders, _ = EXTRAS[extra]
     run(
         python,
@@ -173,8 +185,10 @@ def clean_env(python: Path, fake_dir: Path | None) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("extra", list(EXTRAS))
-def test_platform_installed_alone_with_its_extra(extra: str, tmp_path: Path) -> None:
-    python = fresh_venv(tmp_path / "venv", extra)
+def test_platform_installed_alone_with_its_extra(
+    extra: str, base_venv: Path, tmp_path: Path
+) -> None:
+    python = fresh_venv(base_venv, tmp_path / "venv", extra)
     _, modules = EXTRAS[extra]
 
     # Every module of every installed package imports: nothing undeclared is missing.
