@@ -155,6 +155,7 @@ def test_plugin_that_raises_on_import_is_named(tmp_path: Path) -> None:
         {
             "name": "broken",
             "dist": "kvik-broken-plugin",
+            "hook": None,
             "error": "RuntimeError: vendor driver bindings are missing",
         }
     ]

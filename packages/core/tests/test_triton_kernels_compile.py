@@ -31,7 +31,12 @@ from kvik.triton_kernels.paged_attention import (  # noqa: E402
     reduce_splits_kernel,
 )
 from kvik.triton_kernels.rms_norm import rms_norm_config, rms_norm_kernel  # noqa: E402
-from kvik.triton_kernels.rotary import ROTARY_WARPS, rotary_constexprs, rotary_kernel  # noqa: E402
+from kvik.triton_kernels.rotary import (  # noqa: E402
+    ROTARY_WARPS,
+    rotary_and_cache_kernel,
+    rotary_constexprs,
+    rotary_kernel,
+)
 
 
 def platform_targets() -> dict[str, tuple[Any, int, Any]]:
@@ -111,6 +116,27 @@ def test_rotary(arch: str, is_neox: bool) -> None:
         arch,
         types=signature,
         constexprs=rotary_constexprs(9, 3, 64, 64) | {"IS_NEOX": is_neox},
+        num_warps=ROTARY_WARPS,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
+)
+def test_rotary_and_cache(
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int
+) -> None:
+    signature = types(
+        rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
+        cos_sin_ptr="*fp32", half_cache="i64",
+    )  # fmt: skip
+    constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim)
+    compiled_ok(
+        rotary_and_cache_kernel,
+        arch,
+        types=signature,
+        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True},
         num_warps=ROTARY_WARPS,
     )
 

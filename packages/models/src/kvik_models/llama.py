@@ -66,8 +66,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
         q, k, v = self.qkv(hidden)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # [T, hidden]
 
 
 class Qwen2Attention(LlamaAttention):

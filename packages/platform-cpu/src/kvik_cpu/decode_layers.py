@@ -1,10 +1,11 @@
 """Decode steps of Llama-family models in one C++ call (csrc/decode_layers.cpp): the CPU's step
 runner.
 
-At decode batch sizes a layer's kernels take tens of microseconds, and the Python around them
-(module calls, views, dispatch: about 35 calls a layer) as long again. ``DecodeLayers`` runs all
-the decoder layers of a decode-only step as one call of the same kernels in the same order, so the
-tokens are the same bits as the layer-by-layer path; the CPU's analogue of a CUDA graph for decode.
+At decode batch sizes a layer's kernels are short, and the Python around them (module calls,
+views, dispatch: about 35 calls a layer) costs about as much (docs/benchmarks.md).
+``DecodeLayers`` runs all the decoder layers of a decode-only step as one call of the same kernels
+in the same order, so the tokens are the same bits as the layer-by-layer path; the CPU's analogue
+of a CUDA graph for decode.
 ``CpuStepRunner`` (the CPU platform's implementation of kvik.worker.step_runner's seam) uses it for
 the steps it covers and runs the model's layers otherwise.
 

@@ -41,7 +41,7 @@ def _open(path: Path, stamp: tuple[int, int]) -> GGUFReader:
 
 
 def _reader(path: str | Path) -> GGUFReader:
-    # GGUFReader parses every metadata field up front (seconds for a 49k-token vocabulary), and a
+    # GGUFReader parses every metadata field up front (slow for a large vocabulary), and a
     # model load asks for the config, tokenizer, generation config and weights one after another.
     path = Path(path).resolve()
     stat = path.stat()
@@ -132,8 +132,8 @@ def gguf_tokenizer(path: str | Path) -> Any:  # -> a transformers fast tokenizer
     """The tokenizer and chat template stored in the GGUF.
 
     Through transformers' GGUF converter where this transformers has it where kvik looks
-    (``transformers.integrations.ggml``, up to 5.17 at least: a private module, but 4x faster than
-    the public loader here), else through the public loader (``from_pretrained(...,
+    (``transformers.integrations.ggml``, up to 5.17 at least: a private module, but faster than
+    the public loader here, docs/benchmarks.md), else through the public loader (``from_pretrained(...,
     gguf_file=...)``; newer releases moved the converter). Either way the special tokens come from
     the GGUF's own ids.
     """

@@ -31,6 +31,7 @@ from kvik.triton_kernels.paged_attention import (
     num_kv_splits,
     paged_attention,
 )
+from kvik.triton_kernels.rotary import rotary_and_cache
 
 #: (arch, head_size, group, max_query_len, dtype) -> the launch configuration on ``arch``.
 ConfigChooser = Callable[[str, int, int, int, torch.dtype], AttentionConfig]
@@ -139,10 +140,37 @@ class TritonAttentionImpl(AttentionImpl):
         output: Tensor,
     ) -> None:
         c = metadata.common
-        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        t, hk, d = c.num_actual_tokens, self.num_kv_heads, self.head_size
         reshape_and_cache(
             key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
         )
+        self._attend(query, kv_cache, metadata, output)
+
+    def forward_with_rotary(
+        self,
+        positions: Tensor,
+        rotary_emb,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: TritonMetadata,
+        output: Tensor,
+    ) -> None:
+        # One launch rotates the queries and writes the rotated keys and the values to the cache.
+        t = metadata.common.num_actual_tokens
+        rotated = rotary_and_cache(
+            positions[:t], query[:t], key[:t], value[:t], kv_cache,
+            metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
+            rotary_emb.is_neox,
+        )  # fmt: skip
+        self._attend(rotated, kv_cache, metadata, output)
+
+    def _attend(
+        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+    ) -> None:
+        c = metadata.common
+        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         paged_attention(
             query[:t].view(t, h, d),
             kv_cache[0],
