@@ -163,6 +163,7 @@ def run_stack(stack: DecoderStack, input_ids: Tensor, positions: Tensor) -> Tens
         q, k, v = layer.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
         q, k = stack.rotary(positions, q, k)
         h, residual = layer.post_attention_norm(layer.o_proj(layer.attention(q, k, v)), residual)
+        # (The layers hand the rotary to the attention, which may fuse it: the same numbers.)
         gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
         x = layer.down_proj(nn.functional.silu(gate) * up)
     return stack.final_norm(x, residual)[0]

@@ -12,8 +12,8 @@ first layer), each layer computes, as ``kvik_models.llama.LlamaDecoderLayer`` do
 
     h, residual = input_norm(x, residual)                 # fused add + RMSNorm (plain before layer 0)
     q, k, v = qkv_proj(h).split([H*D, Hk*D, Hk*D])        # one packed projection: q, then k, then v
-    q, k = rotary(positions, q, k)                        # the stack's one rotary embedding
-    h = o_proj(attention(q, k, v))                        # paged attention over the layer's KV cache
+    h = o_proj(attention(q, k, v, positions, rotary))     # paged attention over the layer's KV cache
+                                                          # of q and k rotated by the stack's rotary
     h, residual = post_attention_norm(h, residual)
     x = down_proj(silu_and_mul(gate_up_proj(h)))          # gate_up packed: gate rows, then up rows
 
