@@ -19,6 +19,7 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     silu_and_mul_kernel,
 )
 from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
     reshape_and_cache_config,
     reshape_and_cache_kernel,
@@ -103,6 +104,27 @@ def test_reshape_and_cache(arch: str, heads: int, head_size: int) -> None:
     signature = types(reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64")
     compiled_ok(
         reshape_and_cache_kernel, arch, types=signature, constexprs=constexprs, num_warps=num_warps
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "config", [GemvConfig(8, 512, 4, 3), GemvConfig(32, 256, 4, 4)], ids=["narrow", "wide"]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(arch: str, config: GemvConfig, bias: bool) -> None:
+    compiled_ok(
+        gemv_kernel,
+        arch,
+        types=types(gemv_kernel, torch.bfloat16),
+        constexprs={
+            "K": 4096,
+            "HAS_BIAS": bias,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
 
 

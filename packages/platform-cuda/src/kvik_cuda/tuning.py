@@ -12,6 +12,7 @@ import functools
 import torch
 import triton
 
+from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
 
@@ -27,3 +28,22 @@ def attention_config(
     wide = triton.next_power_of_2(head_size) * dtype.itemsize > 256
     block_m = block_rows(group, max_query_len)
     return AttentionConfig(block_m, 32 if wide else 64, 4, 2 if wide else 3)
+
+
+#: The longest inner dimension the one-row GEMV takes: past it, a program's loop over K is long and
+#: the programs few (N / block_n), and cuBLAS's split-K product wins (Llama-3.1-8B's down_proj,
+#: K = 14336, on the H200: docs/benchmarks.md).
+GEMV_MAX_K = 8192
+
+
+def gemv_config(arch: str, out_features: int, in_features: int) -> GemvConfig | None:
+    """The one-row GEMV's configuration for a layer on ``arch``, or None to leave it to cuBLAS.
+
+    Measured on Hopper only (the H200, Llama-3.1-8B's projections in a batch-1 decode step), so
+    other architectures keep cuBLAS until they are measured. Wide layers (gate_up) take wider
+    programs with a shorter K step."""
+    if arch != "sm90" or in_features > GEMV_MAX_K:
+        return None
+    if out_features >= 16384:
+        return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
