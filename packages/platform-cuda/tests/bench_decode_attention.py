@@ -12,8 +12,9 @@ import sys
 import torch
 import triton
 
-from kvik_cuda.attention import device_arch
-from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
+from kvik.triton_kernels.attention import device_arch
+from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
+from kvik_cuda.tuning import attention_config
 
 BATCH, HEADS, KV_HEADS, HEAD_SIZE, CONTEXT, BLOCK = 64, 32, 8, 128, 4096, 16
 PEAK_BYTES_PER_S = 4.28e12

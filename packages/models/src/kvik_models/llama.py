@@ -7,7 +7,7 @@ requests concatenated, ``input_ids [T]``, ``positions [T]``, hidden ``[T, hidden
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -18,6 +18,9 @@ from kvik.layers.embedding import LMHead, VocabEmbedding
 from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+if TYPE_CHECKING:
+    from kvik.models.decoder_stack import DecoderStack
 
 
 def head_size(config: Any) -> int:
@@ -156,6 +159,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)  # [N, vocab]
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The layers as ``kvik.models.decoder_stack`` declares them, for a platform's own decode."""
+        from kvik_models.llama_stack import llama_decoder_stack
+
+        return llama_decoder_stack(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -58,7 +58,7 @@ def kvik_platform() -> type[Platform] | None:
 @hookspec
 def kvik_register_attention_backends(register: Callable[[str, Target], None]) -> None:
     """Register attention backends, e.g.
-    ``register("TRITON_ATTN", "kvik_cuda.attention:TritonBackend")``.
+    ``register("TRITON_ATTN", "kvik.triton_kernels.attention:TritonAttentionBackend")``.
 
     The target resolves to a ``kvik.attention.backend.AttentionBackend`` subclass. A platform lists
     backend names in its order of preference; the first registered one that supports the model's

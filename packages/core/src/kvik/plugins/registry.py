@@ -23,6 +23,8 @@ class Registry:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{self.kind} names must be non-empty strings, got {name!r}")
             if name in self.targets and self.owners[name] != plugin:
+                if self.targets[name] == target:
+                    return  # several plugins share one implementation (TRITON_ATTN): the first owns it
                 raise ValueError(
                     f"{self.kind} {name!r} is registered by both {self.owners[name]!r} "
                     f"and {plugin!r}"

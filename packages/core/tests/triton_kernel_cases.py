@@ -1,13 +1,14 @@
 """Every Triton kernel against its PyTorch reference, on one device chosen by KVIK_KERNEL_DEVICE.
 
-Not collected by itself (no ``test_`` prefix): test_kernels_interpreter.py runs it in a pytest
-process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes, test_kernels_gpu.py on
-CUDA at full sizes. The launchers are called directly, since CPU tensors would dispatch
+Not collected by itself (no ``test_`` prefix): test_triton_kernels_interpreter.py runs it in a
+pytest process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes,
+kvik_cuda's test_kernels_gpu.py on CUDA at full sizes (with kvik_cuda's launch configurations). The launchers are called directly, since CPU tensors would dispatch
 ``torch.ops.kvik.*`` to the references. References run on the CPU in float64.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -17,13 +18,14 @@ from torch import Tensor
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.layers.rotary import RotaryEmbedding
+from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
+from kvik.triton_kernels.kv_cache import reshape_and_cache
+from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
+from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rotary import rotary_and_cache, rotary_embedding
 from kvik_cpu.attention import TorchSdpaBackend
-from kvik_cuda.attention import TritonAttentionBackend, device_arch
-from kvik_cuda.kernels.activation import silu_and_mul
-from kvik_cuda.kernels.kv_cache import reshape_and_cache
-from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
-from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kvik_cuda.kernels.rotary import rotary_and_cache, rotary_embedding
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
@@ -31,7 +33,12 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
         "CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True
     )
-if not ON_GPU:
+if ON_GPU:
+    # Launch configurations are the platform's choice: take those of the platform owning this GPU.
+    importlib.import_module(
+        "kvik_rocm.registration" if torch.version.hip else "kvik_cuda.registration"
+    ).register_kernels()
+else:
     from triton.runtime import interpreter
 
     _patch_lang_tensor = interpreter._patch_lang_tensor
@@ -138,6 +145,47 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = randn(*((130, 2 * 11008) if ON_GPU else (4, 2 * 1500)), dtype=dtype)
     poison_allocator()
     check(silu_and_mul(x), ops.silu_and_mul(cpu64(x)), dtype)
+
+
+# (N, K, config): Llama-3.1-8B's qkv and gate_up with the H200's configurations on the GPU; sizes
+# that are no multiple of the blocks everywhere.
+GEMV_CASES = (
+    [
+        (6144, 4096, GemvConfig(8, 512, 4, 3)),
+        (28672, 4096, GemvConfig(32, 256, 4, 4)),
+        (1000, 1500, GemvConfig(8, 512, 4, 3)),
+    ]
+    if ON_GPU
+    else [(37, 300, GemvConfig(8, 128, 1, 1)), (20, 64, GemvConfig(32, 256, 1, 1))]
+)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(dtype: torch.dtype, n: int, k: int, config: GemvConfig, bias: bool) -> None:
+    x, weight = randn(1, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = gemv(x, weight, b, config)
+    ref = torch.nn.functional.linear(cpu64(x), cpu64(weight), None if b is None else cpu64(b))
+    check(out, ref, dtype)
+
+
+def test_one_row_linear_takes_the_gemv_for_one_row_only() -> None:
+    """One row: the GEMV's result; any other shape: F.linear's, bit for bit."""
+    weight, bias = randn(24, 40), randn(24)
+    kernel = OneRowLinear(weight, bias, GemvConfig(8, 16, 1, 1))
+    one = randn(1, 40)
+    check(
+        kernel(one),
+        torch.nn.functional.linear(cpu64(one), cpu64(weight), cpu64(bias)),
+        torch.float32,
+    )
+    assert torch.equal(kernel(one), gemv(one, weight, bias, kernel.config))
+    for rows in (0, 3):
+        x = randn(rows, 40)
+        assert torch.equal(kernel(x), torch.nn.functional.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
