@@ -103,12 +103,14 @@ def test_the_kernel_refuses_a_path_its_build_lacks():
         pytest.skip(f"kvik_cpu's C++ ops did not build: {failure}")
     built = torch.ops.kvik_cpu.built_isa()
     cache = torch.zeros(2, 4, BLOCK, 1, 32, dtype=torch.bfloat16)
-    q = torch.zeros(1, 32, dtype=torch.bfloat16)
-    args = (torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32))
-    positions = (torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32))
+    q, k, v, out = (torch.zeros(1, 32, dtype=torch.bfloat16) for _ in range(4))
+    slots, table = torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32)
+    request, position = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     for bad in (built + 1, -1):
         with pytest.raises(RuntimeError, match="is not in this build"):
-            torch.ops.kvik_cpu.paged_attention(q, q, q, cache, *args, *positions, 1.0, 0, bad, q)
+            torch.ops.kvik_cpu.paged_attention(
+                q, k, v, cache, slots, table, request, position, 1.0, 0, bad, out
+            )
 
 
 def check_against_dense(

@@ -14,8 +14,8 @@ The paths, each needing what the one before needs and more:
 ``KVIK_CPU_ISA=plain|avx512bf16|amx`` (``auto`` or unset: the best) forces one, so that the tests
 run every path the CPU can run, not only its best: a path that only a CPU without AMX takes is
 otherwise never run on a machine with it. A path the CPU cannot run is an error that says what it
-lacks. ``selected_isa()`` is the one place the variable is read; an engine reads it once, when it
-is built, and keeps its answer.
+lacks. ``selected_isa()`` is the one place the variable is read; an engine reads it while it is
+built (its default dtype, its weights' packing, its attention layers) and keeps what it read.
 
 A forced path below the CPU's best also caps oneDNN, which chooses its own kernels by the CPU
 (``ONEDNN_MAX_CPU_ISA``, unless already set), so that PyTorch's own bf16 matrix products (prompt

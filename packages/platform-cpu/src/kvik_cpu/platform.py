@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from kvik.platforms.base import Platform
+from kvik_cpu import isa
 
 if TYPE_CHECKING:
     from torch import nn
@@ -22,8 +23,6 @@ DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 
 def has_native_bf16() -> bool:
     """AVX512-BF16 (and AMX with it): matrix products in bf16 run at full speed."""
-    from kvik_cpu import isa
-
     return isa.cpu_isa() >= isa.CpuIsa.AVX512BF16
 
 
@@ -55,8 +54,6 @@ class CpuPlatform(Platform):
 
     @classmethod
     def details(cls) -> dict[str, Any]:
-        from kvik_cpu import isa
-
         try:
             selected = isa.selected_isa().label
         except ValueError as e:  # a bad KVIK_CPU_ISA: shown, not raised, by `kvik env`
@@ -74,7 +71,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def on_selected(cls) -> None:
-        from kvik_cpu import extension, isa
+        from kvik_cpu import extension
 
         # Loading the C++ ops registers their CPU kernels for torch.ops.kvik.* (csrc/small_ops.cpp);
         # models then call the ops rather than the references. If they did not build, the
@@ -93,8 +90,6 @@ class CpuPlatform(Platform):
 
     @classmethod
     def default_dtype(cls) -> str:
-        from kvik_cpu import isa
-
         return "bfloat16" if isa.selected_isa() >= isa.CpuIsa.AVX512BF16 else "float32"
 
     @classmethod
@@ -103,7 +98,6 @@ class CpuPlatform(Platform):
 
     @classmethod
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
-        from kvik_cpu import isa
         from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
 
         path = isa.engine_isa()
