@@ -248,11 +248,10 @@ def test_bf16_fidelity_is_at_least_transformers(cpu_path, steps, fidelity_ids, f
 
     The margin is two standard errors of the mean of the per-token differences (kvik's |delta|
     minus transformers'), computed from the tokens themselves. Two equally exact bf16
-    implementations land on either side of each other token by token: on a 190-token version of
-    this text transformers' own sdpa and eager attention differed by 5% in mean error, and the
-    paged decode kernel (which rounds each output once, exactly) against SDPA by 16% with each
-    ahead on about half the tokens, both within two standard errors. A path worse by more than
-    the noise, as a kernel that rounds wrongly is, fails."""
+    implementations land on either side of each other token by token, and their means differ by
+    noise of about that size: transformers' own sdpa and eager attention do, and so do the paged
+    decode kernel (which rounds each output exactly once) and SDPA, each ahead on about half the
+    tokens. A path worse by more than that noise, as a kernel that rounds wrongly is, fails."""
     fp32, transformers_errors = fidelity_reference
     llm = LLM(
         dtype="bfloat16",
