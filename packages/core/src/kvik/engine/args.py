@@ -113,6 +113,11 @@ class EngineArgs:
         "plain calls); default: the platform's choice",
     )
     enable_nvtx: bool = option(False, "NVTX ranges around each step's phases (for nsys)")
+    generation_config: str = option(
+        "auto",
+        "where requests' unset sampling options come from: auto (the model's generation "
+        "config), vllm or none (kvik's defaults), or a folder holding a generation_config.json",
+    )
 
     def __post_init__(self) -> None:
         for spec in option_specs(type(self)):
@@ -160,6 +165,7 @@ class EngineArgs:
             platform_default_dtype=platform.default_dtype(),
             seed=self.seed,
             tokenizer=self.tokenizer,
+            generation_config=self.generation_config,
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

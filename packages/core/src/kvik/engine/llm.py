@@ -48,8 +48,9 @@ class LLM:
         return self.input_processor.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
-        return SamplingParams.from_generation_config(self.config.model.generation_config)
+        """SamplingParams with the model's generation_config.json defaults, as vLLM does (those
+        the ``generation_config`` option chose)."""
+        return SamplingParams.from_generation_config(self.config.model.sampling_defaults)
 
     def generate(
         self,
