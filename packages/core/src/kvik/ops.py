@@ -6,8 +6,8 @@ because ROCm builds of torch use the CUDA key too. ``torch.compile`` sees each o
 Attention goes through its op only under ``torch.compile``; eagerly the attention layer calls its
 backend, which writes the cache itself (kvik.layers.attention).
 
-How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul,
-and the sampler's argmax) is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
+How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul)
+is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
 
 - ``"torch_ops"``: through ``torch.ops.kvik.*``, so dispatch follows the tensors' device to the
   kernels the platform registered (CUDA's Triton kernels, the CPU's C++ ones). A platform with
@@ -195,25 +195,10 @@ def _(query, key, value, output, layer_name) -> None:
     return None
 
 
-def _argmax(x: Tensor) -> Tensor:
-    # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU over a
-    # batch of large-vocabulary rows (docs/benchmarks.md).
-    return x.max(dim=-1).indices
-
-
-argmax = torch.library.custom_op("kvik::argmax", _argmax, mutates_args=())
-
-
-@argmax.register_fake
-def _(x: Tensor) -> Tensor:
-    return x.new_empty(x.shape[:-1], dtype=torch.int64)
-
-
 #: Each small op's reference, for ``small_op`` under the "direct" dispatch.
 _REFERENCES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
-    "argmax": _argmax,
 }

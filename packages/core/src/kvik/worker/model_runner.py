@@ -165,8 +165,7 @@ class ModelRunner:
         )
         self._allocate_buffers()
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
-        with ops.ops_dispatch(config.ops_dispatch):
-            self.sampler = Sampler(generator)
+        self.sampler = Sampler(generator)
         self.eos_token_ids = sorted(model_config.eos_token_ids())
         self.requests: dict[str, _RequestState] = {}
         # The last launched step's sampled tokens on the device, and each request's row in them:
