@@ -120,6 +120,7 @@ def test_gemv(arch: str, config: GemvConfig, bias: bool) -> None:
         constexprs={
             "K": 4096,
             "HAS_BIAS": bias,
+            "M_PAD": 1,
             "BLOCK_N": config.block_n,
             "BLOCK_K": config.block_k,
         },
