@@ -17,24 +17,23 @@ from kvik.model_loader.gguf_tokenizer import PRE_TOKENIZERS
 TEXT = "I've 12345 apples\n\n  and Ünïcode!"
 
 
-@pytest.mark.parametrize(
-    "name, pieces",
-    [
-        # GPT-2: digits in one run, "'ve" apart, a space joins the next word, and a run of
-        # whitespace all but its last space.
-        ("gpt-2", ["I", "'ve", " 12345", " apples", "\n\n ", " and", " Ünïcode", "!"]),
-        # SmolLM2: every digit alone, else GPT-2's pattern
-        ("smollm", ["I", "'ve", " ", "1", "2", "3", "4", "5", " apples", "\n\n ", " and",
-                    " Ünïcode", "!"]),  # fmt: skip
-        # Llama 3: digits in threes, newlines apart from the spaces after them
-        ("llama-bpe", ["I", "'ve", " ", "123", "45", " apples", "\n\n", " ", " and", " Ünïcode",
-                       "!"]),  # fmt: skip
-        # Qwen2: every digit alone, else Llama 3's pattern
-        ("qwen2", ["I", "'ve", " ", "1", "2", "3", "4", "5", " apples", "\n\n", " ", " and",
-                   " Ünïcode", "!"]),  # fmt: skip
-    ],
-)
-def test_pre_tokenizer_splits_as_llama_cpp(name: str, pieces: list[str]) -> None:
+#: How each pre-tokenizer splits TEXT, the pieces between "|".
+SPLITS = {
+    # GPT-2: digits in one run, "'ve" apart, a space joins the next word, and a run of whitespace
+    # all but its last space
+    "gpt-2": "I|'ve| 12345| apples|\n\n | and| Ünïcode|!",
+    # SmolLM2: every digit alone, else GPT-2's pattern
+    "smollm": "I|'ve| |1|2|3|4|5| apples|\n\n | and| Ünïcode|!",
+    # Llama 3: digits in threes, newlines apart from the spaces after them
+    "llama-bpe": "I|'ve| |123|45| apples|\n\n| | and| Ünïcode|!",
+    # Qwen2: every digit alone, else Llama 3's pattern
+    "qwen2": "I|'ve| |1|2|3|4|5| apples|\n\n| | and| Ünïcode|!",
+}
+
+
+@pytest.mark.parametrize("name", SPLITS)
+def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
+    pieces = SPLITS[name].split("|")
     assert "".join(pieces) == TEXT
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     # each piece alone through the byte mapping gives the same characters as the whole text
@@ -59,7 +58,9 @@ def _write_vocab(path: Path, pre: str, add_bos: bool) -> list[str]:
     writer.add_bos_token_id(tokens.index("<|begin|>"))
     writer.add_eos_token_id(tokens.index("<|end|>"))
     writer.add_add_bos_token(add_bos)
-    writer.add_chat_template("{% for m in messages %}<|begin|>{{ m['content'] }}<|end|>{% endfor %}")
+    writer.add_chat_template(
+        "{% for m in messages %}<|begin|>{{ m['content'] }}<|end|>{% endfor %}"
+    )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -97,6 +98,10 @@ def test_unknown_pre_tokenizer_goes_through_transformers(tmp_path: Path, monkeyp
     tokenizer = gguf_tokenizer(path)
     assert asked == [path]
     assert (tokenizer.bos_token, tokenizer.eos_token) == ("<|begin|>", "<|end|>")
-    assert tokenizer("the<|end|>")["input_ids"] == [tokens.index("t"), tokens.index("he"), tokens.index("<|end|>")]
+    assert tokenizer("the<|end|>")["input_ids"] == [
+        tokens.index("t"),
+        tokens.index("he"),
+        tokens.index("<|end|>"),
+    ]
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert prompt == "<|begin|>hi<|end|>"
