@@ -89,6 +89,9 @@ def build(session: nox.Session) -> None:
     session.log("built: " + ", ".join(sorted(f.name for f in dist.iterdir())))
 
 
+DEFAULT_MODEL = "smollm2-135m-instruct"  # its folder in the kvik cache
+
+
 @nox.session
 def wheels(session: nox.Session) -> None:
     """The README's install, from the built wheels: a fresh venv gets torch 2.13.0 (the CPU build)
@@ -101,9 +104,19 @@ def wheels(session: nox.Session) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     session.run(*pip, "torch==2.13.0", external=True)
     session.run(*pip, "--find-links", str(dist), "kvik[cpu,server]", external=True)
+    # A cache of its own, so that the C++ ops are compiled from the installed sources rather than
+    # loaded from an earlier build; the model file is linked in from the user's cache, where it is.
+    cache = tmp / "kvik-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    user_cache = os.environ.get("KVIK_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "kvik"
+    )
+    if (model := Path(user_cache, DEFAULT_MODEL)).is_dir():
+        (cache / DEFAULT_MODEL).symlink_to(model)
     smoke = Path("tests/packaging/installed_smoke.py").resolve()
     session.chdir(tmp)  # nothing of the source tree on sys.path
-    session.run(str(venv / "bin" / "python"), str(smoke), external=True)
+    session.run(str(venv / "bin" / "python"), str(smoke), env={"KVIK_CACHE": str(cache)}, external=True)  # fmt: skip
 
 
 @nox.session

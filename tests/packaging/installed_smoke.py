@@ -38,8 +38,10 @@ def check_installed_not_source_tree() -> None:
 def check_cpp_ops_build() -> None:
     from kvik_cpu import extension
 
+    start = time.monotonic()
     reason = extension.load()
     assert reason is None, f"kvik_cpu's C++ ops did not build from the wheel: {reason}"
+    print(f"kvik_cpu's C++ ops built or loaded in {time.monotonic() - start:.0f} s")
 
 
 def check_generate() -> None:
