@@ -42,7 +42,7 @@ def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
     assert got == want
 
 
-def _write_vocab(path: Path, pre: str, add_bos: bool) -> list[str]:
+def _write_vocab(path: Path, pre: str | None, add_bos: bool) -> list[str]:
     """A byte-level BPE vocabulary: the 256 byte characters, two merges, two control tokens and a
     user-defined one, in a GGUF with no tensors."""
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -51,7 +51,8 @@ def _write_vocab(path: Path, pre: str, add_bos: bool) -> list[str]:
     types.append(TokenType.USER_DEFINED)
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
@@ -85,13 +86,16 @@ def test_written_vocabulary_encodes_and_decodes(tmp_path: Path, add_bos: bool) -
     assert prompt == "<|begin|>hi<|end|>"
 
 
-def test_unknown_pre_tokenizer_goes_through_transformers(tmp_path: Path, monkeypatch) -> None:
-    """A pre-tokenizer kvik has no table entry for is left to transformers' public GGUF loading,
-    not split with a guess; the GGUF's special tokens and chat template still apply."""
+@pytest.mark.parametrize("pre", ["some-future-vocab", None], ids=["unknown", "absent"])
+def test_unknown_pre_tokenizer_goes_through_transformers(
+    tmp_path: Path, monkeypatch, pre: str | None
+) -> None:
+    """A pre-tokenizer kvik has no table entry for (or none named) is left to transformers' public
+    GGUF loading, not split with a guess; the GGUF's special tokens and chat template still apply."""
     from kvik.model_loader import gguf_tokenizer as module
 
     path = tmp_path / "vocab.gguf"
-    tokens = _write_vocab(path, "some-future-vocab", add_bos=False)
+    tokens = _write_vocab(path, pre, add_bos=False)
     asked = []
     real = module.transformers_gguf_tokenizer
     monkeypatch.setattr(module, "transformers_gguf_tokenizer", lambda p: asked.append(p) or real(p))

@@ -3,7 +3,7 @@
 Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen2) whose
 pre-tokenizer kvik knows are built directly with the ``tokenizers`` package from the metadata that
 kvik's ``GGUFReader`` has already parsed, splitting text the way llama.cpp does for that vocabulary.
-Every other vocabulary (SentencePiece ones such as Llama 2's, unknown pre-tokenizers) goes through
+Every other vocabulary (SentencePiece ones such as Llama 2's, other or no pre-tokenizer) goes through
 transformers' public GGUF loading, ``AutoTokenizer.from_pretrained(..., gguf_file=...)``, which
 parses the file a second time.
 """
@@ -93,7 +93,8 @@ def gguf_tokenizer_from_reader(reader: GGUFReader, path: Path) -> Any:
     tokens = _metadata(reader, "ggml.tokens")
     if tokens is None:
         raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens metadata)")
-    make_pre = PRE_TOKENIZERS.get(_metadata(reader, "ggml.pre", "gpt-2"))
+    # No tokenizer.ggml.pre: llama.cpp then splits its own "default" way, which kvik does not copy
+    make_pre = PRE_TOKENIZERS.get(_metadata(reader, "ggml.pre"))
     if _metadata(reader, "ggml.model") == "gpt2" and make_pre is not None:
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_object=_byte_level_bpe(reader, make_pre()),
