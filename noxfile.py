@@ -42,6 +42,7 @@ SMOKE_TESTS = [
     "tests/test_default_model.py::test_kvik_generate_and_chat_commands",
     "tests/test_server_openai.py::test_chat_equals_offline[False]",
     "packages/core/tests/test_plugins.py",
+    "packages/core/tests/test_plugin_hooks.py",
     "tests/test_engine_vs_transformers.py::test_logits_match_every_position[llama]",
     "packages/core/tests/test_gguf.py::test_default_model_tokenizer_and_chat_template",
     "packages/core/tests/test_gguf_tokenizer.py",

@@ -20,8 +20,9 @@ Every run's JSON (the fields of ``kvik bench throughput --output-json``: system,
 input_len, output_len, output_tok_s, total_tok_s, device, date, commit, engine_args, ...) goes into
 --out ($OUT, else ./gpu-results) and --results-dir (benchmarks/results), named
 ``<date>_<workload>_<system>.json``; then a markdown table for docs/benchmarks.md is printed. The
-limit column is the roofline of the workload on an H200: prefill at 790 TFLOP/s, then each decode
-step reading every weight and each request's KV cache at 4.3 TB/s (or its FLOPs, if more).
+limit column is the roofline of the workload on an H200: prefill at H200_FLOP_PER_S, then each
+decode step reading every weight and each request's KV cache at H200_BYTES_PER_S (or its FLOPs, if
+more).
 
 Engine options run_gpu does not know (``--enforce-eager``, ``--no-async-scheduling``, ...) go to
 kvik; its JSON then lists them in engine_args and its system is named after them
@@ -51,8 +52,8 @@ PEERS = ROOT / "bench" / "peers"
 DEFAULT_MODEL = ROOT / "bench" / "models" / "llama-3.1-8b"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
-#: The H200's figures the rooflines use (BENCHMARKS.md: 4.28 TB/s measured device to device,
-#: 796 TFLOP/s measured for a bf16 8192^3 matmul).
+#: The H200's figures the rooflines use, rounded down from what was measured on the GPU machine
+#: (docs/benchmarks.md: a device-to-device copy, and a bf16 8192^3 matmul).
 H200_BYTES_PER_S = 4.3e12
 H200_FLOP_PER_S = 790e12
 
@@ -423,7 +424,7 @@ def roofline_output_tok_s(
     token) at ``flop_per_s``, then ``output_len - 1`` decode steps, each reading every weight and
     each request's KV cache at ``bytes_per_s`` or doing its FLOPs, whichever takes longer. Attention
     FLOPs and activations are left out, so the true limit is a little lower. Weights count whole,
-    the embedding table too (as BENCHMARKS.md's 268 tok/s at batch 1: 16.06 GB per step)."""
+    the embedding table too (as docs/benchmarks.md's limit column does)."""
     params = parameter_count(config)
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads

@@ -25,7 +25,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         command = [sys.executable, "-m", "kvik_server.cli", str(model), "--port", str(self.port)]
-        # Eager: compiling the forward would add a minute to every server's start on the CPU.
+        # Eager: no CUDA graph capture at start-up where a platform has graphs (these tests check
+        # behaviour, not speed; on the CPU it changes nothing).
         command += ["--enforce-eager"]
         command += ["--api-key", api_key] if api_key else []
         self.log = open(

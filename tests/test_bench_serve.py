@@ -24,8 +24,8 @@ from kvik.model_loader.default_model import default_model_path
 
 NUM_PROMPTS = 16
 # Prompts long enough that their prefill makes up the time to first token, not what only the
-# client's clock includes: the HTTP round trip and the server's response path (tens of
-# milliseconds on a busy 2-core machine, about 5% of TTFT here).
+# client's clock includes: the HTTP round trip and the server's response path (a small share of
+# TTFT at this prompt length).
 INPUT_LEN = 1024
 OUTPUT_LEN = 16
 # Eager: what is compared does not depend on how the forward pass runs, and compiling it would

@@ -80,22 +80,27 @@ def test_example_platform_is_listed_present_and_selected(tmp_path: Path, tiny_mo
     platforms = {p["name"]: p for p in report["platforms"]}
     assert platforms["example"]["present"] and platforms["example"]["selected"]
     assert platforms["example"]["priority"] == 50
-    assert platforms["example"]["attention_backends"] == ["TORCH_SDPA"]
+    assert platforms["example"]["attention_backends"] == ["EXAMPLE_SDPA"]
+    registered = {b["name"]: b["plugin"] for b in report["attention_backends"]}
+    assert registered["EXAMPLE_SDPA"] == "example"
     assert not platforms["cpu"]["selected"]
 
     # Present, it outranks the CPU (50 > 0) without being named.
     _, report = kvik_env(python, KVIK_EXAMPLE_PLATFORM="1")
     assert report["selected_platform"] == "example"
 
-    # Selected, it runs the engine: the same greedy tokens as the CPU platform gives.
+    # Selected, it runs the engine with its own attention backend: the same greedy tokens as the
+    # CPU platform gives, for a batch of prompts of different lengths.
     script = textwrap.dedent(
         f"""
         import json
         from kvik import LLM, SamplingParams
         llm = LLM({str(tiny_model("llama"))!r}, dtype="float32", num_kv_blocks=64, enforce_eager=True)
-        out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=8,
-                           ignore_eos=True), use_tqdm=False)
-        print(json.dumps([llm.engine.platform.name, out[0].outputs[0].token_ids]))
+        prompts = [[5, 6, 7, 8, 9], list(range(1, 40)), [7, 3]]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+        print(json.dumps([llm.engine.platform.name, llm.engine.runner.backend.name,
+                          [o.outputs[0].token_ids for o in out]]))
         """
     )
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVIK_")}
@@ -109,8 +114,9 @@ def test_example_platform_is_listed_present_and_selected(tmp_path: Path, tiny_mo
             timeout=300,
         )
         assert result.returncode == 0, result.stderr
-        name, tokens = json.loads(result.stdout.strip().splitlines()[-1])
-        assert name == device and len(tokens) == 8
+        name, backend, tokens = json.loads(result.stdout.strip().splitlines()[-1])
+        assert name == device and all(len(t) == 8 for t in tokens)
+        assert (backend == "EXAMPLE_SDPA") == (device == "example")
         runs[device] = tokens
     assert runs["example"] == runs["cpu"]
 
@@ -149,6 +155,7 @@ def test_plugin_that_raises_on_import_is_named(tmp_path: Path) -> None:
         {
             "name": "broken",
             "dist": "kvik-broken-plugin",
+            "hook": None,
             "error": "RuntimeError: vendor driver bindings are missing",
         }
     ]

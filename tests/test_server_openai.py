@@ -270,9 +270,9 @@ def test_64_concurrent_streams_are_batched(server, offline, model):
 
 @pytest.fixture(scope="module")
 def default_model_server():
-    """The default model (tens of milliseconds a step on these CPUs): a 200-token request is still
-    running when the client has read two chunks, which the tiny model's sub-millisecond steps do
-    not promise on a busy machine."""
+    """The default model, whose steps are far longer than the tiny model's: a 200-token request
+    is still running when the client has read two chunks, which the tiny model's steps do not
+    promise on a busy machine."""
     server = ServerProcess("smollm2-135m-instruct", "--max-model-len", "512", api_key=KEY)
     server.wait_ready()
     yield server

@@ -62,7 +62,7 @@ def test_allow_list_applies_to_built_ins(
     monkeypatch.setenv("KVIK_PLUGINS", "cpu, rocm")
     manager.load_entry_points()
     assert sorted(p.name for p in manager.plugins) == ["cpu", "rocm"]
-    assert [cls.name for _, cls in manager.platforms()] == ["cpu", "rocm"]
+    assert sorted(cls.name for _, cls in manager.platforms()) == ["cpu", "rocm"]
     assert manager.models.names() == []
 
 
@@ -134,10 +134,19 @@ def test_platform_hook_that_raises_is_reported(manager: KvikPluginManager) -> No
     assert "ImportError: no driver bindings" in manager.errors[0].error
 
 
-def test_same_name_from_two_plugins_is_an_error(manager: KvikPluginManager) -> None:
+def test_same_name_for_two_targets_is_an_error(manager: KvikPluginManager) -> None:
     assert manager.add_plugin(Registering(), "first")
-    assert not manager.add_plugin(Registering(), "second")
+    assert not manager.add_plugin(Registering("tests_fake:OtherModel"), "second")
     assert "'first'" in manager.errors[0].error and "'second'" in manager.errors[0].error
+
+
+def test_same_name_for_the_same_target_is_shared(manager: KvikPluginManager) -> None:
+    """Two plugins may register one implementation under one name (kvik-cuda and kvik-rocm both
+    register TRITON_ATTN); the first keeps it."""
+    assert manager.add_plugin(Registering(), "first")
+    assert manager.add_plugin(Registering(), "second")
+    assert manager.errors == []
+    assert manager.models.owners["FakeForCausalLM"] == "first"
 
 
 def test_import_path_target_resolves_lazily(

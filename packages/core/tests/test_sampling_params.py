@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvik.sampling_params import SamplingParams, SamplingType
+from kvik.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm() -> None:
@@ -10,7 +10,7 @@ def test_defaults_match_vllm() -> None:
     assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (sp.max_tokens, sp.min_tokens, sp.stop, sp.stop_token_ids) == (16, 0, [], [])
     assert sp.repetition_penalty == 1.0 and sp.skip_special_tokens and not sp.ignore_eos
-    assert sp.sampling_type == SamplingType.RANDOM and not sp.is_greedy
+    assert sp.seed is None and not sp.is_greedy
 
 
 def test_normalisation() -> None:
@@ -21,10 +21,10 @@ def test_normalisation() -> None:
     assert SamplingParams(max_tokens=None).max_tokens is None
 
 
-def test_sampling_type() -> None:
+def test_greedy_below_vllms_temperature_threshold() -> None:
     assert SamplingParams(temperature=0.0).is_greedy
-    assert SamplingParams(temperature=1e-6).sampling_type == SamplingType.GREEDY
-    assert SamplingParams(temperature=0.7, seed=3).sampling_type == SamplingType.RANDOM_SEED
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=0.7, seed=3).is_greedy
 
 
 @pytest.mark.parametrize(

@@ -212,7 +212,7 @@ def test_abort_waiting_and_running() -> None:
         ("wait", "abort"),
     ]
     assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
-    assert not scheduler.has_unfinished_requests() and scheduler.get_num_unfinished() == 0
+    assert not scheduler.has_unfinished_requests() and not scheduler.requests
     out = scheduler.schedule()
     assert out.scheduled == [] and out.finished_req_ids == {"run", "wait"}
     assert scheduler.schedule().finished_req_ids == set()

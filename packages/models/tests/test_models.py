@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from transformers import (
 from kvik.attention.backend import AttentionMetadata
 from kvik.layers.attention import Attention
 from kvik.model_loader import load_model, load_model_config
+from kvik.models.decoder_stack import DecoderStack, decoder_stack
 from kvik.worker.forward_context import ForwardContext, forward_context
 from kvik_cpu.attention import TorchSdpaBackend
 
@@ -66,7 +68,12 @@ def save_tiny(config: PretrainedConfig, folder: Path, **save_kwargs) -> nn.Modul
 
 def prefill_logits(model: nn.Module, input_ids: Tensor) -> Tensor:
     """One request's prefill through kvik's CPU attention backend: logits [T, vocab]."""
-    t = len(input_ids)
+    with torch.inference_mode(), prefill_context(model, len(input_ids)):
+        return model.compute_logits(model(input_ids, torch.arange(len(input_ids))))
+
+
+def prefill_context(model: nn.Module, t: int) -> AbstractContextManager:
+    """The forward context of one request's t-token prefill, through the CPU's SDPA backend."""
     num_blocks = -(-t // BLOCK_SIZE)
     common = AttentionMetadata(
         num_actual_tokens=t,
@@ -90,8 +97,7 @@ def prefill_logits(model: nn.Module, input_ids: Tensor) -> Tensor:
         )
         layer.kv_cache = torch.zeros(shape)
     metadata = TorchSdpaBackend.build_metadata(common)
-    with torch.inference_mode(), forward_context(ForwardContext(metadata, layers)):
-        return model.compute_logits(model(input_ids, torch.arange(t)))
+    return forward_context(ForwardContext(metadata, layers))
 
 
 @pytest.mark.parametrize("kind", CONFIGS)
@@ -142,3 +148,58 @@ def test_checkpoint_that_lacks_a_weight_is_an_error(tmp_path: Path) -> None:
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.norm.weight"):
         load_model(load_model_config(str(tmp_path)), torch.device("cpu"))
+
+
+def run_stack(stack: DecoderStack, input_ids: Tensor, positions: Tensor) -> Tensor:
+    """The pre-norm decoder as kvik.models.decoder_stack declares it, from the stack's parts."""
+    x, residual = stack.embed_tokens(input_ids), None
+    for layer in stack.layers:
+        if residual is None:
+            h, residual = layer.input_norm(x), x
+        else:
+            h, residual = layer.input_norm(x, residual)
+        q_size = layer.attention.num_heads * layer.attention.head_size
+        kv_size = layer.attention.num_kv_heads * layer.attention.head_size
+        q, k, v = layer.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
+        q, k = stack.rotary(positions, q, k)
+        h, residual = layer.post_attention_norm(layer.o_proj(layer.attention(q, k, v)), residual)
+        # (The layers hand the rotary to the attention, which may fuse it: the same numbers.)
+        gate, up = layer.gate_up_proj(h).chunk(2, dim=-1)
+        x = layer.down_proj(nn.functional.silu(gate) * up)
+    return stack.final_norm(x, residual)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "llama_tied", "mistral", "qwen2", "qwen2_sliding"])
+def test_decoder_stack_declares_what_the_model_computes(kind: str, tmp_path: Path) -> None:
+    """The Llama family offers its layers through kvik.models.decoder_stack, and the declared
+    decoder, run from those parts, gives the model's own hidden states."""
+    save_tiny(CONFIGS[kind], tmp_path)
+    model = load_model(load_model_config(str(tmp_path)), torch.device("cpu"))
+    stack = decoder_stack(model)
+    assert stack is not None and len(stack.layers) == CONFIGS[kind].num_hidden_layers
+    input_ids = torch.randint(0, 256, (21,), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(len(input_ids))
+    with torch.inference_mode(), prefill_context(model, len(input_ids)):
+        expected = model(input_ids, positions)
+        got = run_stack(stack, input_ids, positions)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_models_that_compute_anything_else_offer_no_stack(tmp_path: Path) -> None:
+    """Qwen3's query and key norms are not in the declared decoder, nor is a layer whose forward
+    a subclass replaced: a platform then runs the model's own forward."""
+    save_tiny(CONFIGS["qwen3"], tmp_path / "qwen3")
+    assert decoder_stack(load_model(load_model_config(str(tmp_path / "qwen3")), "cpu")) is None
+
+    save_tiny(CONFIGS["llama3"], tmp_path / "llama")
+    model = load_model(load_model_config(str(tmp_path / "llama")), torch.device("cpu"))
+    assert decoder_stack(model) is not None
+    mlp = model.model.layers[1].mlp
+
+    class ScaledMLP(type(mlp)):
+        def forward(self, x: Tensor) -> Tensor:
+            return 2 * super().forward(x)
+
+    mlp.__class__ = ScaledMLP
+    assert decoder_stack(model) is None
+    assert decoder_stack(nn.Linear(2, 2)) is None  # a model without the protocol

@@ -1,8 +1,8 @@
 """Decode attention bandwidth on the GPU (run by hand there; not a test): batch 64, 32 query
 heads over 8 KV heads of 128, 4096-token contexts in 16-token blocks, a permuted block table, bf16.
 
-Floor: every request's K and V read once, 64 * 4096 * 8 * 128 * 2 B * 2 = 1.07 GB; at the 4.28 TB/s
-copy bandwidth measured on the H200 that is 251 us.
+Floor: every request's K and V read once, 64 * 4096 * 8 * 128 * 2 B * 2 = 1.07 GB, at
+PEAK_BYTES_PER_S (the H200's device-to-device copy bandwidth, as docs/benchmarks.md records it).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import sys
 import torch
 import triton
 
-from kvik_cuda.attention import device_arch
-from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
+from kvik.triton_kernels.attention import device_arch
+from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
+from kvik_cuda.tuning import attention_config
 
 BATCH, HEADS, KV_HEADS, HEAD_SIZE, CONTEXT, BLOCK = 64, 32, 8, 128, 4096, 16
 PEAK_BYTES_PER_S = 4.28e12

@@ -13,13 +13,9 @@ import itertools
 import torch
 import triton
 
-from kvik_cuda.attention import device_arch
-from kvik_cuda.kernels.paged_attention import (
-    AttentionConfig,
-    attention_config,
-    num_kv_splits,
-    paged_attention,
-)
+from kvik.triton_kernels.attention import device_arch
+from kvik.triton_kernels.paged_attention import AttentionConfig, num_kv_splits, paged_attention
+from kvik_cuda.tuning import attention_config
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 CASES = [(256, 640), (256, 1152), (1, 640)]  # (batch, context)

@@ -176,3 +176,20 @@ def test_platform_comes_through_its_entry_point(monkeypatch: pytest.MonkeyPatch)
     assert CudaPlatform.name == "cuda" and CudaPlatform.priority == 100
     assert CudaPlatform.dist_backend == "nccl" and CudaPlatform.graph_support == "cuda_graphs"
     assert CudaPlatform.default_dtype() == "bfloat16"
+
+
+def test_selected_cuda_registers_its_launch_configurations() -> None:
+    """on_selected() hands the shared attention kernel Hopper's and Blackwell's configurations
+    for "sm*", and TRITON_ATTN is core's shared backend."""
+    from kvik.triton_kernels import TRITON_ATTENTION_BACKEND
+    from kvik.triton_kernels.attention import attention_config
+    from kvik_cuda import tuning
+
+    CudaPlatform.on_selected()
+    for arch in ("sm90", "sm100"):
+        for args in [(128, 4, 1, torch.bfloat16), (256, 8, 512, torch.float32)]:
+            assert attention_config(arch, *args) == tuning.attention_config(arch, *args)
+    assert attention_config("sm90", 128, 4, 1, torch.bfloat16).num_stages == 3
+    with pytest.raises(ValueError, match="NVIDIA architectures"):
+        tuning.attention_config("gfx942", 128, 4, 1, torch.bfloat16)
+    assert TRITON_ATTENTION_BACKEND.startswith("kvik.triton_kernels.attention:")

@@ -1,4 +1,5 @@
-"""The kernel tests of kernel_cases.py on the GPU at full sizes; skipped without CUDA."""
+"""The shared Triton kernels' tests (core's tests/triton_kernel_cases.py) on the GPU at full sizes,
+with this platform's launch configurations; skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
+CASES = HERE.parents[1] / "core" / "tests" / "triton_kernel_cases.py"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,7 +27,7 @@ def test_kernels_on_the_gpu() -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            str(HERE / "kernel_cases.py"),
+            str(CASES),
         ],
         env=env,
         cwd=HERE.parents[2],

@@ -81,3 +81,33 @@ def test_platform_comes_through_its_entry_point(monkeypatch: pytest.MonkeyPatch)
     assert manager.platforms() == [("rocm", RocmPlatform)]
     assert RocmPlatform.device_type == "cuda"  # torch's device type on ROCm
     assert (RocmPlatform.dist_backend, RocmPlatform.priority) == ("nccl", 100)
+
+
+def test_triton_attention_is_registered_without_kvik_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvik-rocm alone registers TRITON_ATTN (core's shared backend); beside kvik-cuda, both
+    register the same target and neither is refused."""
+    monkeypatch.setenv("KVIK_PLUGINS", "rocm")
+    manager = KvikPluginManager()
+    manager.load_entry_points()
+    assert manager.errors == []
+    assert manager.attention_backends.owners == {"TRITON_ATTN": "rocm"}
+    backend = manager.attention_backends.resolve("TRITON_ATTN")
+    assert backend.name == "TRITON_ATTN" and backend.__module__ == "kvik.triton_kernels.attention"
+
+    monkeypatch.setenv("KVIK_PLUGINS", "cuda,rocm")
+    both = KvikPluginManager()
+    both.load_entry_points()
+    assert both.errors == [] and both.attention_backends.names() == ["TRITON_ATTN"]
+
+
+def test_selected_rocm_registers_its_launch_configurations() -> None:
+    """on_selected() hands the shared attention kernel MI300X's configurations for "gfx*"."""
+    from kvik.triton_kernels.attention import attention_config
+    from kvik_rocm import tuning
+
+    RocmPlatform.on_selected()
+    for args in [(128, 4, 1, torch.bfloat16), (256, 8, 512, torch.float32)]:
+        assert attention_config("gfx942", *args) == tuning.attention_config("gfx942", *args)
+    assert attention_config("gfx942", 128, 4, 1, torch.bfloat16).tile_n == 32
+    with pytest.raises(ValueError, match="AMD architectures"):
+        tuning.attention_config("sm90", 128, 4, 1, torch.bfloat16)

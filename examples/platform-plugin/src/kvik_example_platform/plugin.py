@@ -1,7 +1,9 @@
 """How to add a hardware platform to kvik from your own package.
 
-This package is a complete platform plugin. It runs on the CPU by reusing ``kvik_cpu``'s pieces
-under its own name, "example", so that everything below can be tried on any machine.
+This package is a complete platform plugin that depends on nothing but kvik (and torch). It
+implements the plain ``kvik.platforms.Platform`` contract and its own attention backend, and stands
+in for an accelerator on the host CPU under the name "example", so that everything below can be
+tried on any machine.
 
 1. **Announce the plugin.** In your ``pyproject.toml``, name your plugin module in the ``kvik``
    entry-point group. The entry-point name ("example") is what ``KVIK_PLUGINS=a,b`` allow-lists
@@ -22,9 +24,11 @@ under its own name, "example", so that everything below can be tried on any mach
 4. **Write the Platform** (``kvik_example_platform.platform``): a subclass of
    ``kvik.platforms.Platform`` with a ``name``, ``device_type``, ``dist_backend``, a ``priority``
    (the CPU has 0, the GPU platforms 100; here 50), the dtypes you support, your attention
-   backends in order of preference, and a cheap ``is_present()`` that loads no kernels and creates
-   no device context. Register your kernels in ``on_selected()``, which kvik calls once your
-   platform is chosen, never on import.
+   backends in order of preference, a cheap ``is_present()`` that loads no kernels and creates
+   no device context, and your device's ``total_memory_bytes()`` and ``free_memory_bytes()`` (the
+   KV cache is sized from them). Register your kernels in ``on_selected()``, which kvik calls once
+   your platform is chosen, never on import; ops you register no kernel for run kvik's PyTorch
+   references. Everything else has a default in ``Platform``; override only what differs.
 
 5. **Register what you implement** through the ``kvik_register_*`` hooks. Each receives a
    ``register(name, target)`` callable; the target is an import path ("pkg.module:Attr") or a
@@ -34,8 +38,8 @@ under its own name, "example", so that everything below can be tried on any mach
        def kvik_register_attention_backends(register):
            register("MY_ATTN", "kvik_myaccel.attention:MyAttentionBackend")
 
-   This example registers nothing of its own: it uses the CPU's "TORCH_SDPA" backend, which the
-   ``cpu`` plugin registers.
+   This example registers "EXAMPLE_SDPA" (``kvik_example_platform.attention``): the paged cache
+   read back request by request and attended with PyTorch's SDPA, the plainest correct backend.
 
 6. **Try it.** The platform is present when ``KVIK_EXAMPLE_PLATFORM=1``::
 
@@ -59,3 +63,8 @@ def kvik_platform():
     from kvik_example_platform.platform import ExamplePlatform
 
     return ExamplePlatform
+
+
+@kvik.hookimpl
+def kvik_register_attention_backends(register):
+    register("EXAMPLE_SDPA", "kvik_example_platform.attention:ExampleAttentionBackend")

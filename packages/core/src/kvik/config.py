@@ -59,20 +59,6 @@ class ModelConfig:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
-    @property
-    def num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
-
-    @property
-    def num_kv_heads(self) -> int:
-        c = self.hf_config
-        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-
-    @property
-    def head_size(self) -> int:
-        c = self.hf_config
-        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-
     def eos_token_ids(self) -> frozenset[int]:
         """Every EOS id of generation_config.json and config.json."""
         ids: set[int] = set()

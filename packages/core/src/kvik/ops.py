@@ -5,11 +5,12 @@ it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``)
 because ROCm builds of torch use the CUDA key too. Models call ``torch.ops.kvik.*`` and dispatch
 follows the tensors' device; ``torch.compile`` sees each op as one node.
 
-A platform whose kernels for the small ops are these references themselves (the CPU) asks for
-``use_native_ops(True)`` before the model is built: the layers then call the references directly
-(``native``), which skips the
-custom-op dispatch in eager mode (about 15 us a call) and lets ``torch.compile`` fuse them into its
-own loops instead of calling an opaque op. Attention and the cache write always go through their ops.
+A platform whose kernels for the small ops are these references themselves (the CPU when its C++
+ops did not build) asks for ``use_native_ops(True)`` before the model is built: the layers then
+call the references directly (``native``), which skips the custom-op dispatch in eager mode (a
+per-call cost docs/benchmarks.md measures) and lets ``torch.compile`` fuse them into its own loops
+instead of calling an opaque op. Attention goes through its op only under ``torch.compile``; eagerly
+the attention layer calls its backend, which writes the cache itself (kvik.layers.attention).
 """
 
 from __future__ import annotations

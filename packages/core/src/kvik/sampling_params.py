@@ -2,18 +2,11 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 # vLLM treats a temperature this small as greedy: dividing logits by it would overflow.
 _GREEDY_EPS = 1e-5
-
-
-class SamplingType(enum.IntEnum):
-    GREEDY = 0
-    RANDOM = 1
-    RANDOM_SEED = 2
 
 
 def _is_int(value: object) -> bool:
@@ -149,12 +142,6 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def sampling_type(self) -> SamplingType:
-        if self.is_greedy:
-            return SamplingType.GREEDY
-        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
 
     @classmethod
     def from_generation_config(cls, gen_config: dict[str, Any], **overrides: Any) -> SamplingParams:

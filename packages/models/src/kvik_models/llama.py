@@ -7,7 +7,7 @@ requests concatenated, ``input_ids [T]``, ``positions [T]``, hidden ``[T, hidden
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor, nn
 
@@ -18,6 +18,9 @@ from kvik.layers.embedding import LMHead, VocabEmbedding
 from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+
+if TYPE_CHECKING:
+    from kvik.models.decoder_stack import DecoderStack
 
 
 def head_size(config: Any) -> int:
@@ -63,8 +66,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: Tensor, hidden: Tensor) -> Tensor:
         q, k, v = self.qkv(hidden)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))  # [T, hidden]
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # [T, hidden]
 
 
 class Qwen2Attention(LlamaAttention):
@@ -157,6 +159,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(hidden)  # [N, vocab]
+
+    def decoder_stack(self) -> DecoderStack | None:
+        """The layers as ``kvik.models.decoder_stack`` declares them, for a platform's own decode."""
+        from kvik_models.llama_stack import llama_decoder_stack
+
+        return llama_decoder_stack(self)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -3,8 +3,8 @@
 The sources are built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja, the same
 toolchain TorchInductor needs on the CPU) into ``$KVIK_CACHE/torch_extensions`` (default
 ``~/.cache/kvik``), under a name that includes a hash of the sources, the torch version and the
-CPU's flags: ``-march=native`` code must not run on another CPU. The first build takes about half a
-minute; later processes load the cached library. Where building fails, ``load()`` says why and the
+CPU's flags: ``-march=native`` code must not run on another CPU. The first build is slow (a C++
+compile); later processes load the cached library. Where building fails, ``load()`` says why and the
 platform falls back to PyTorch's SDPA (kvik_cpu.attention).
 """
 

@@ -4,9 +4,9 @@ At decode batch sizes (1 to a few dozen rows) a step's matrix products are bound
 weights once. Two packings:
 
 - ``AmxLinear`` (csrc/amx_linear.cpp): Intel AMX tiles over weights in AMX's own layout, one
-  contiguous run per 32 output columns. It reads the weights at about 85% of the memory's speed, 1.5x
-  faster than oneDNN at batch 1 and 32 on this project's machine (docs/benchmarks.md), and a row's
-  result does not depend on the other rows of the call.
+  contiguous run per 32 output columns. It reads the weights close to the memory's speed, faster
+  than oneDNN at decode batch sizes (docs/benchmarks.md), and a row's result does not depend on the
+  other rows of the call.
 - ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
   for CPUs with bf16 but no AMX, or where the C++ ops did not build. Same bits as ``F.linear``.
 """
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from kvik.layers.embedding import LMHead
 from kvik.layers.linear import Linear
 
-#: The batch size oneDNN chooses its weight layout for. Layouts for 1, 32 and 512 rows differ by
-#: under 5% at batch 1 and 32; 32 is the middle of a decode batch's range.
+#: The batch size oneDNN chooses its weight layout for. Layouts for 1, 32 and 512 rows differ
+#: little at decode batch sizes (docs/benchmarks.md); 32 is the middle of a decode batch's range.
 BATCH_SIZE_HINT = 32
 
 

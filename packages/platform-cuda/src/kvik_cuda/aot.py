@@ -1,40 +1,13 @@
-"""Ahead-of-time compilation of kvik's Triton kernels for GPUs that need not be present.
-
-``triton.compile`` with a ``GPUTarget`` builds for Hopper, Blackwell or MI300X on a machine with
-no GPU, so CI catches a kernel that would not build (or would not fit in shared memory) on hardware
-it cannot run.
-"""
+"""The NVIDIA targets kvik's Triton kernels are compiled for ahead of time (in CI, without a GPU),
+through ``kvik.triton_kernels.aot.compile_kernel``."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 TARGETS = {
     "sm90": GPUTarget("cuda", 90, 32),
     "sm100": GPUTarget("cuda", 100, 32),
-    "gfx942": GPUTarget("hip", "gfx942", 64),
 }
-#: Shared memory (LDS) a program may use, in bytes.
-SHARED_MEMORY_LIMIT = {"sm90": 227 * 1024, "sm100": 227 * 1024, "gfx942": 64 * 1024}
-
-
-def compile_kernel(
-    kernel: Any,
-    arch: str,
-    types: dict[str, str],
-    constexprs: dict[str, Any],
-    num_warps: int,
-    num_stages: int = 1,
-) -> Any:
-    """Compile ``kernel`` for ``arch``. ``types`` maps each run-time argument to a Triton type
-    ("*bf16", "i32", "fp32"); ``constexprs`` gives every constexpr argument its value."""
-    signature = {
-        name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
-    }
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(source, target=TARGETS[arch], options=options)
+#: Shared memory a program may use, in bytes.
+SHARED_MEMORY_LIMIT = {"sm90": 227 * 1024, "sm100": 227 * 1024}

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 from kvik.platforms.base import Platform
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from kvik.config import EngineConfig
     from kvik.worker.model_runner import ModelRunner
 
@@ -184,6 +186,16 @@ class CudaPlatform(Platform):
         from kvik_cuda.registration import register_kernels
 
         register_kernels()
+
+    @classmethod
+    def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
+        # Batch-1 decode products on the one-row GEMV where it beats cuBLAS (kvik_cuda.linear).
+        from kvik.triton_kernels.attention import device_arch
+        from kvik_cuda.linear import use_one_row_gemv
+
+        arch, _ = device_arch(next(model.parameters()).device)
+        count = use_one_row_gemv(model, arch)
+        logger.info("one-row GEMV for %d linear layers (batch-1 decode steps)", count)
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:

@@ -1,4 +1,5 @@
-"""Registering kvik_cuda's Triton kernels as the CUDA implementations of ``torch.ops.kvik.*``.
+"""Registering kvik's shared Triton kernels as the CUDA implementations of ``torch.ops.kvik.*``,
+with this platform's launch configurations for NVIDIA architectures.
 
 Called when the CUDA platform is selected, never on import: ROCm builds of torch use the same key.
 """
@@ -10,10 +11,12 @@ import functools
 import torch
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
-from kvik_cuda.kernels.activation import silu_and_mul
-from kvik_cuda.kernels.kv_cache import reshape_and_cache
-from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kvik_cuda.kernels.rotary import rotary_embedding
+from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.attention import register_attention_configs
+from kvik.triton_kernels.kv_cache import reshape_and_cache
+from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rotary import rotary_embedding
+from kvik_cuda.tuning import attention_config
 
 KERNELS = {
     "kvik::rms_norm": rms_norm,
@@ -29,3 +32,4 @@ def register_kernels() -> None:
     """Idempotent: torch keeps one registration per (op, device) and this runs once per process."""
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op, "cuda", kernel)
+    register_attention_configs("sm", attention_config)

@@ -37,7 +37,7 @@ class RocmPlatform(Platform):
     """AMD Instinct GPUs through a ROCm build of torch.
 
     torch's ROCm builds expose the GPU as device type "cuda" and use the CUDA dispatch key, so
-    kernels are registered in ``on_selected()`` once they exist, never on import.
+    kvik's shared Triton kernels are registered in ``on_selected()``, never on import.
     """
 
     name = "rocm"
@@ -87,6 +87,12 @@ class RocmPlatform(Platform):
         import torch
 
         return torch.cuda.mem_get_info(0)[0]
+
+    @classmethod
+    def on_selected(cls) -> None:
+        from kvik_rocm.registration import register_kernels
+
+        register_kernels()
 
     @classmethod
     def synchronize(cls) -> None:

@@ -91,6 +91,23 @@ class AttentionImpl(ABC):
     ) -> None:
         """query [T, H*D], key/value [T, Hk*D], kv_cache as ``kv_cache_shape``; fills output [T, H*D]."""
 
+    def forward_with_rotary(
+        self,
+        positions: Tensor,
+        rotary_emb: Any,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: Any,
+        output: Tensor,
+    ) -> None:
+        """``forward`` after rotating query and key with ``rotary_emb`` (a
+        ``kvik.layers.rotary.RotaryEmbedding``) at ``positions [T]``. A backend that can rotate
+        while it writes the cache overrides this to save a pass over the keys and a launch."""
+        query, key = rotary_emb(positions, query, key)
+        self.forward(query, key, value, kv_cache, metadata, output)
+
 
 class AttentionBackend(ABC):
     """A paged-attention implementation, registered by a platform plugin under ``name``."""

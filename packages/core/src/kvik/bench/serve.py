@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import httpx  # noqa: F401
     except ImportError:
-        print("kvik bench serve needs httpx: pip install httpx", file=sys.stderr)
+        print("kvik bench serve needs httpx: pip install 'kvik[bench]'", file=sys.stderr)
         return 2
     try:
         result = asyncio.run(benchmark(args))

@@ -15,7 +15,8 @@ from typing import Any
 
 import kvik
 from kvik.platforms.selection import PlatformError, select_platform, survey
-from kvik.plugins.manager import KvikPluginManager, Registry, get_plugin_manager
+from kvik.plugins.manager import KvikPluginManager, get_plugin_manager
+from kvik.plugins.registry import Registry
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +85,10 @@ def collect(device: str | None = None, manager: KvikPluginManager | None = None)
         "attention_backends": _registered(manager.attention_backends),
         "quantization_methods": _registered(manager.quantization_methods),
         "models": _registered(manager.models),
-        "errors": [{"name": e.name, "dist": e.dist, "error": e.error} for e in manager.errors],
+        "errors": [
+            {"name": e.name, "dist": e.dist, "hook": e.hook, "error": e.error}
+            for e in manager.errors
+        ],
     }
 
 

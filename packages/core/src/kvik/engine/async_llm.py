@@ -85,7 +85,6 @@ class AsyncLLM:
         self.client = EngineCoreClient(config)
         self.client.on_death = self._fail_all
         self.stat_loggers = list(stat_loggers or [])
-        self.scheduler_stats: SchedulerStats | None = None
         self._streams: dict[str, _Stream] = {}
         self._parent_of: dict[str, str] = {}  # child (engine) request id -> user request id
         self._timings: dict[str, _Timing] = {}
@@ -108,20 +107,12 @@ class AsyncLLM:
         self._accepting = True
 
     @property
-    def engine_pid(self) -> int | None:
-        return self.client.pid
-
-    @property
     def is_healthy(self) -> bool:
         return self.client.error is None and self._accepting
 
     @property
     def tokenizer(self) -> Any:
         return self.input_processor.tokenizer
-
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._streams)
 
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults under ``overrides``."""
@@ -251,7 +242,6 @@ class AsyncLLM:
                 self._parent_of.pop(state.request_id)
                 timing = self._timings.pop(state.request_id)
                 iteration.finished.append(_finished_stats(state, timing, now))
-        self.scheduler_stats = batch.stats
         for stat_logger in self.stat_loggers:
             stat_logger.record(batch.stats, iteration)
 

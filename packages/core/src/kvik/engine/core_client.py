@@ -48,10 +48,6 @@ class EngineCoreClient:
         self._output = self._async_context.socket(zmq.PULL)
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
     async def start(self, ready_timeout_s: float = 600.0) -> dict:
         """Start the process and wait until its engine is built; returns its ``ready`` info."""
         input_address = f"ipc://{self._folder / 'input'}"

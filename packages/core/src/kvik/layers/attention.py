@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.attention.backend import AttentionImpl
+from kvik.layers.rotary import RotaryEmbedding
 from kvik.worker.forward_context import get_forward_context
 
 
@@ -36,15 +37,30 @@ class Attention(nn.Module):
         self.impl: AttentionImpl | None = None
         self.kv_cache: Tensor | None = None
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # q: [T, H*D]; k, v: [T, Hk*D]
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        positions: Tensor | None = None,
+        rotary_emb: RotaryEmbedding | None = None,
+    ) -> Tensor:
+        """q: [T, H*D]; k, v: [T, Hk*D]. With ``rotary_emb``, q and k are rotated at ``positions``
+        first: the backend may fuse the rotation into its cache write (one launch instead of two)."""
         out = torch.empty_like(q)
         if torch.compiler.is_compiling():
             # Compiled code sees attention as one opaque op, the graph's split point.
+            if rotary_emb is not None:
+                q, k = rotary_emb(positions, q, k)
             torch.ops.kvik.unified_attention(q, k, v, out, self.layer_name)
+            return out
+        # Eagerly, the same work without the custom op's dispatch (its cost in Python is a
+        # noticeable share of a small model's decode step on the CPU).
+        metadata = get_forward_context().attn_metadata
+        if rotary_emb is None:
+            self.impl.forward(q, k, v, self.kv_cache, metadata, out)
         else:
-            # Eagerly, the same work without the custom op's dispatch (tens of microseconds a
-            # layer in Python, a few percent of a batch-1 decode step on the CPU).
-            context = get_forward_context()
-            self.impl.forward(q, k, v, self.kv_cache, context.attn_metadata, out)
+            self.impl.forward_with_rotary(
+                positions, rotary_emb, q, k, v, self.kv_cache, metadata, out
+            )
         return out

@@ -45,8 +45,8 @@ class Sampler:
         for row, processors, output_ids in batch.processors:
             for processor in processors:
                 logits[row] = processor(output_ids, logits[row])
-        # max(dim).indices, not argmax: the same first maximal index, about 3x faster on the CPU
-        # (2.5 ms for argmax over 32 x 49152 logits on one core, a tenth of a batch-32 step).
+        # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU
+        # over a batch of large-vocabulary rows (docs/benchmarks.md).
         greedy = logits.max(dim=-1).indices
         if batch.all_greedy:
             return greedy
@@ -128,8 +128,3 @@ def logprob_tensors(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> 
     else:
         top_values, top_ids = logprobs[:, :0], token_ids[:, None][:, :0]
     return LogprobTensors(token_ids, chosen.squeeze(1), ranks, top_values, top_ids, counts)
-
-
-def gather_logprobs(logprobs: Tensor, token_ids: Tensor, num_top: list[int]) -> list[TokenLogprobs]:
-    """``logprob_tensors`` read at once on the host."""
-    return logprob_tensors(logprobs, token_ids, num_top).to_lists()

@@ -41,7 +41,7 @@ def _open(path: Path, stamp: tuple[int, int]) -> GGUFReader:
 
 
 def _reader(path: str | Path) -> GGUFReader:
-    # GGUFReader parses every metadata field up front (seconds for a 49k-token vocabulary), and a
+    # GGUFReader parses every metadata field up front (slow for a large vocabulary), and a
     # model load asks for the config, tokenizer, generation config and weights one after another.
     path = Path(path).resolve()
     stat = path.stat()

@@ -7,10 +7,6 @@ from torch import nn
 from kvik.plugins import get_plugin_manager
 
 
-def supported_architectures() -> list[str]:
-    return get_plugin_manager().models.names()
-
-
 def get_model_class(architecture: str) -> type[nn.Module]:
     models = get_plugin_manager().models
     if architecture not in models:

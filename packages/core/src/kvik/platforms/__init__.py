@@ -1,4 +1,4 @@
 from kvik.platforms.base import Platform
-from kvik.platforms.selection import PlatformError, current_platform, select_platform
+from kvik.platforms.selection import PlatformError, select_platform
 
-__all__ = ["Platform", "PlatformError", "current_platform", "select_platform"]
+__all__ = ["Platform", "PlatformError", "select_platform"]

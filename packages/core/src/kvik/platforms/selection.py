@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import cache
 
 from kvik.platforms.base import Platform
 from kvik.plugins.manager import KvikPluginManager, get_plugin_manager
@@ -81,11 +80,3 @@ def select_platform(
             "--device or KVIK_DEVICE"
         )
     return top[0].cls
-
-
-@cache
-def current_platform(device: str | None = None) -> type[Platform]:
-    """Select once per process and tell the chosen platform (it registers its kernels then)."""
-    platform = select_platform(device)
-    platform.on_selected()
-    return platform

@@ -18,9 +18,15 @@ A plugin is a module (or object) that implements some of the hooks below, marked
         return MyAccelPlatform
 
 The built-in packages (``kvik_cpu``, ``kvik_cuda``, ``kvik_rocm``, ``kvik_models``) use exactly
-this door. Every ``kvik_register_*`` hook receives a ``register`` callable: hook order does not
-matter, and what is registered is an import path (``"package.module:Attr"``) or a zero-argument
-factory, so nothing heavy is imported until it is chosen.
+this door. Every ``kvik_register_*`` hook receives a ``register`` callable, and what is registered
+is an import path (``"package.module:Attr"``) or a zero-argument factory, so nothing heavy is
+imported until it is chosen.
+
+kvik calls the hooks through pluggy, so pluggy's options hold: ``tryfirst``/``trylast`` order the
+plugins, ``wrapper=True`` wraps each plugin's call, ``specname`` names the hook. A ``kvik_*``
+function is a hook even without the marker (the marker is needed for options only), and a plugin
+implementing a hook that is not below (a misspelling) is refused with the hook's name, unless it
+is marked ``optionalhook=True``.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ def kvik_platform() -> type[Platform] | None:
 @hookspec
 def kvik_register_attention_backends(register: Callable[[str, Target], None]) -> None:
     """Register attention backends, e.g.
-    ``register("TRITON_ATTN", "kvik_cuda.attention:TritonBackend")``.
+    ``register("TRITON_ATTN", "kvik.triton_kernels.attention:TritonAttentionBackend")``.
 
     The target resolves to a ``kvik.attention.backend.AttentionBackend`` subclass. A platform lists
     backend names in its order of preference; the first registered one that supports the model's

@@ -281,9 +281,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished(self) -> int:
-        return len(self.requests)
-
     @property
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

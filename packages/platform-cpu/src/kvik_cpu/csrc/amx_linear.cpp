@@ -5,8 +5,7 @@
 // of 16 column pairs [k, k+1] (64 bytes), zero-padded to N a multiple of 32 and K a multiple of 32.
 // One 32-column panel of W is then one contiguous run of memory, which the hardware prefetchers
 // stream at the memory's full speed: at batch 1 to 32 a decode step is bound by reading the weights
-// once, and oneDNN's general kernels read them at about half that speed on this project's machine
-// (docs/benchmarks.md).
+// once, and oneDNN's general kernels read them markedly more slowly (docs/benchmarks.md).
 //
 // Work is split over threads by 32-column panels. Each panel meets every row of x (in chunks of 32
 // rows: two A tiles, two B tiles, four C tiles), so a row's result does not depend on how many other

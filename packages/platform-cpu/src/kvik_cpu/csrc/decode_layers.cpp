@@ -1,10 +1,9 @@
 // A Llama-family model's decoder layers for one decode step, in one call.
 //
-// Eagerly, each layer is about 35 Python-level calls (modules, views, the kernels), which on this
-// project's CPU machine cost about 160 us a layer: 5 ms of a 30-layer model's decode step, a
-// quarter of it at batch 1 (docs/benchmarks.md). Here the same kernels run in the same order on
-// the same tensors, called as C++ functions, so the result is the same bits as the layer-by-layer
-// path (tests/test_cpu_fast_path.py checks it). kvik_cpu.decode_layers decides when it applies:
+// Eagerly, each layer is about 35 Python-level calls (modules, views, the kernels), whose cost is a
+// large share of a small model's decode step at batch 1 (docs/benchmarks.md). Here the same kernels
+// run in the same order on the same tensors, called as C++ functions, so the result is the same
+// bits as the layer-by-layer path (tests/test_cpu_fast_path.py checks it). kvik_cpu.decode_layers decides when it applies:
 // decode-only steps of Llama, Mistral, Qwen2 and SmolLM layers whose matmuls run on AMX.
 
 #include <ATen/core/Tensor.h>

@@ -153,7 +153,7 @@ inline __m512 sum_each(const __m512 v[16]) {
 // exp(x) for x <= 0 (scores minus their row's maximum): 2^(x log2 e) as 2^n times a degree-6
 // Taylor polynomial of 2^f, |f| <= 1/2; relative error about 1e-7 plus 1e-5 from rounding x log2 e
 // at large |x|, where the result is negligible beside the maximum's 1. libmvec's expf, which the
-// portable loop gets, costs a third of a decode step's attention at batch 32.
+// portable loop gets, is a large share of the kernel's time at batch 32 (docs/benchmarks.md).
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)),
                                  _mm512_set1_ps(1.4426950408889634f));

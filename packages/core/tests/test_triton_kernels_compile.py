@@ -1,25 +1,60 @@
-"""Every kernel compiles ahead of time for Hopper, Blackwell and MI300X at the configurations the
-platform picks, within the target's shared memory, with wgmma on Hopper where a dot can use it."""
+"""Every shared Triton kernel compiles ahead of time for each GPU platform's targets (kvik_cuda's
+Hopper and Blackwell, kvik_rocm's MI300X) at the configurations that platform picks, within the
+target's shared memory, with wgmma on Hopper where a dot can use it. A platform not installed
+contributes no targets."""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 import pytest
 import torch
 
-from kvik_cuda.aot import SHARED_MEMORY_LIMIT, TARGETS, compile_kernel
-from kvik_cuda.kernels.activation import SILU_BLOCK, SILU_WARPS, silu_and_mul_kernel
-from kvik_cuda.kernels.kv_cache import reshape_and_cache_config, reshape_and_cache_kernel
-from kvik_cuda.kernels.paged_attention import (
+pytest.importorskip("triton")
+
+from kvik.triton_kernels.activation import (  # noqa: E402
+    SILU_BLOCK,
+    SILU_WARPS,
+    silu_and_mul_kernel,
+)
+from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
+from kvik.triton_kernels.kv_cache import (  # noqa: E402
+    reshape_and_cache_config,
+    reshape_and_cache_kernel,
+)
+from kvik.triton_kernels.paged_attention import (  # noqa: E402
     REDUCE_WARPS,
-    attention_config,
     attention_constexprs,
     paged_attention_kernel,
     reduce_constexprs,
     reduce_splits_kernel,
 )
-from kvik_cuda.kernels.rms_norm import rms_norm_config, rms_norm_kernel
-from kvik_cuda.kernels.rotary import ROTARY_WARPS, rotary_constexprs, rotary_kernel
+from kvik.triton_kernels.rms_norm import rms_norm_config, rms_norm_kernel  # noqa: E402
+from kvik.triton_kernels.rotary import (  # noqa: E402
+    ROTARY_WARPS,
+    rotary_and_cache_kernel,
+    rotary_constexprs,
+    rotary_kernel,
+)
 
+
+def platform_targets() -> dict[str, tuple[Any, int, Any]]:
+    """arch -> (GPUTarget, shared memory limit, the platform's attention_config)."""
+    targets = {}
+    for package in ("kvik_cuda", "kvik_rocm"):
+        try:
+            aot = importlib.import_module(f"{package}.aot")
+            tuning = importlib.import_module(f"{package}.tuning")
+        except ImportError:
+            continue
+        for arch, target in aot.TARGETS.items():
+            targets[arch] = (target, aot.SHARED_MEMORY_LIMIT[arch], tuning.attention_config)
+    return targets
+
+
+TARGETS = platform_targets()
 ARCHS = list(TARGETS)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -31,8 +66,9 @@ def types(kernel, dtype: torch.dtype, **overrides: str) -> dict[str, str]:
 
 
 def compiled_ok(kernel, arch: str, **kwargs):
-    compiled = compile_kernel(kernel, arch, **kwargs)
-    assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT[arch]
+    target, shared_memory_limit, _ = TARGETS[arch]
+    compiled = compile_kernel(kernel, target, **kwargs)
+    assert compiled.metadata.shared <= shared_memory_limit
     return compiled
 
 
@@ -72,6 +108,27 @@ def test_reshape_and_cache(arch: str, heads: int, head_size: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "config", [GemvConfig(8, 512, 4, 3), GemvConfig(32, 256, 4, 4)], ids=["narrow", "wide"]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(arch: str, config: GemvConfig, bias: bool) -> None:
+    compiled_ok(
+        gemv_kernel,
+        arch,
+        types=types(gemv_kernel, torch.bfloat16),
+        constexprs={
+            "K": 4096,
+            "HAS_BIAS": bias,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": config.block_k,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("is_neox", [True, False])
 def test_rotary(arch: str, is_neox: bool) -> None:
     # SmolLM2-135M's 9 query and 3 KV heads of 64: neither a power of two.
@@ -81,6 +138,27 @@ def test_rotary(arch: str, is_neox: bool) -> None:
         arch,
         types=signature,
         constexprs=rotary_constexprs(9, 3, 64, 64) | {"IS_NEOX": is_neox},
+        num_warps=ROTARY_WARPS,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
+)
+def test_rotary_and_cache(
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int
+) -> None:
+    signature = types(
+        rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
+        cos_sin_ptr="*fp32", half_cache="i64",
+    )  # fmt: skip
+    constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim)
+    compiled_ok(
+        rotary_and_cache_kernel,
+        arch,
+        types=signature,
+        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True},
         num_warps=ROTARY_WARPS,
     )
 
@@ -115,6 +193,7 @@ def test_paged_attention(
     arch: str, dtype: torch.dtype, head_size: int, group: int, max_query_len: int, splits: int
 ) -> None:
     kv_heads = 8
+    attention_config = TARGETS[arch][2]
     config = attention_config(arch, head_size, group, max_query_len, dtype)
     constexprs = attention_constexprs(
         kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1

@@ -12,8 +12,10 @@ one segment of the key tiles, leaving its unnormalised accumulator, running max 
 scratch; ``reduce_splits_kernel`` merges the segments. It pays for long decode contexts, where a
 batch has too few (request, KV head) programs to fill the GPU.
 
-The PyTorch reference is the CPU backend's SDPA (``kvik_cpu.attention``), which the tests compare
-against through the same ``AttentionMetadata``.
+The launch configuration (tile sizes, warps, stages) is each platform's choice for its architectures
+(``kvik_cuda.tuning``, ``kvik_rocm.tuning``), passed in as an ``AttentionConfig``. The PyTorch
+reference is the CPU backend's SDPA (``kvik_cpu.attention``), which the tests compare against
+through the same ``AttentionMetadata``.
 """
 
 from __future__ import annotations
@@ -221,25 +223,21 @@ class AttentionConfig:
     num_stages: int
 
 
-@functools.cache
-def attention_config(
-    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
-) -> AttentionConfig:
-    """The launch configuration on ``arch`` ("sm90", "sm100", "gfx942", ... or "interpreter").
-
-    Decode-only batches take the smallest tile ``tl.dot`` allows (16 rows), prefills 64 rows, which
-    is what Hopper's wgmma wants per warpgroup. MI300X has 64 KB of LDS, so its tiles are narrower.
-    """
+def block_rows(group: int, max_query_len: int) -> int:
+    """BLOCK_M, the query rows of a program, as the platforms' launch configurations choose it:
+    the smallest tile ``tl.dot`` allows (16 rows) where a step's queries fit (decodes), else 64
+    (what Hopper's wgmma wants per warpgroup), and never fewer than the group's padded heads."""
     group_pad = triton.next_power_of_2(group)
     rows = 16 if max_query_len <= 16 // min(group_pad, 16) else 64
-    block_m = max(rows, group_pad)
-    head_pad = triton.next_power_of_2(head_size)
-    wide = head_pad * dtype.itemsize > 256  # fp32 at 128, or head size 256
-    if arch == "interpreter":
-        return AttentionConfig(block_m, 16, 1, 1)
-    if arch.startswith("gfx"):
-        return AttentionConfig(block_m, 16 if wide else 32, 4, 1)
-    return AttentionConfig(block_m, 32 if wide else 64, 4, 2 if wide else 3)
+    return max(rows, group_pad)
+
+
+def interpreter_config(
+    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
+) -> AttentionConfig:
+    """The configuration under ``TRITON_INTERPRET=1`` on the CPU: no hardware to tune for, so the
+    narrowest key tile. The GPU platforms register theirs (``attention.register_attention_configs``)."""
+    return AttentionConfig(block_rows(group, max_query_len), 16, 1, 1)
 
 
 MAX_KV_SPLITS = 16

@@ -1,6 +1,8 @@
-"""Rotary position embedding for query and key in one launch, one program per token.
+"""Rotary position embedding for query and key in one launch, one program per token; and the same
+rotation fused with the paged KV cache write (``rotary_and_cache``), which the attention backend
+uses so that a layer's new keys are rotated on their way into the cache.
 
-Reference: ``kvik.ops.rotary_embedding``. ``cos_sin_cache`` [max_position, rot_dim] (fp32, cos then
+References: ``kvik.ops.rotary_embedding`` (then ``kvik.ops.reshape_and_cache``). ``cos_sin_cache`` [max_position, rot_dim] (fp32, cos then
 sin) already carries any frequency scaling (llama3), so the kernel only looks rows up.
 """
 
@@ -83,6 +85,58 @@ def rotary_kernel(
     )  # fmt: skip
 
 
+@triton.jit
+def rotary_and_cache_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    kv_cache_ptr,
+    slot_ptr,
+    cos_sin_ptr,
+    q_stride,
+    k_stride,
+    v_stride,
+    cos_sin_stride,
+    half_cache,
+    NUM_HEADS: tl.constexpr,
+    NUM_HEADS_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    TAIL_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    # kv_cache [2, num_blocks, block_size, Hk, D]: a slot's [Hk, D] rows are contiguous, and the
+    # values sit half_cache elements after the keys. A negative slot (padding) writes nothing.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=i < HALF, other=0.0)
+    _rotate_heads(
+        q_ptr + token * q_stride, q_out_ptr + token * NUM_HEADS * HEAD_SIZE, cos, sin,
+        NUM_HEADS, NUM_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+    )  # fmt: skip
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:
+        dst = kv_cache_ptr + slot * (NUM_KV_HEADS * HEAD_SIZE)
+        _rotate_heads(
+            k_ptr + token * k_stride, dst, cos, sin,
+            NUM_KV_HEADS, NUM_KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+        )  # fmt: skip
+        h = tl.arange(0, NUM_KV_HEADS_PAD)[:, None]
+        d = tl.arange(0, HEAD_PAD)[None, :]
+        mask = (h < NUM_KV_HEADS) & (d < HEAD_SIZE)
+        v = tl.load(v_ptr + token * v_stride + h * HEAD_SIZE + d, mask=mask)
+        ty = kv_cache_ptr.dtype.element_ty
+        tl.store(dst + half_cache + h * HEAD_SIZE + d, v.to(ty), mask=mask)
+
+
 def rotary_constexprs(num_heads: int, num_kv_heads: int, head_size: int, rot_dim: int) -> dict:
     half = rot_dim // 2
     tail = head_size - rot_dim
@@ -124,3 +178,35 @@ def rotary_embedding(
         cos_sin_cache.stride(0), **constexprs, IS_NEOX=is_neox, num_warps=ROTARY_WARPS,
     )  # fmt: skip
     return q_out, k_out
+
+
+def rotary_and_cache(
+    positions: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    head_size: int,
+    cos_sin_cache: Tensor,
+    is_neox: bool,
+) -> Tensor:
+    """Rotates query [T, H*D] into a new tensor (returned) and key [T, Hk*D] into the paged
+    ``kv_cache`` [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` [T], value beside it. Rows
+    of query, key and value may be strided (views of a fused QKV output)."""
+    t = query.shape[0]
+    assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
+    assert kv_cache.is_contiguous() and cos_sin_cache.stride(-1) == 1
+    q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if t == 0:
+        return q_out
+    constexprs = rotary_constexprs(
+        query.shape[1] // head_size, key.shape[1] // head_size, head_size, cos_sin_cache.shape[-1]
+    )
+    rotary_and_cache_kernel[(t,)](
+        positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache,
+        query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
+        kv_cache[0].numel(), **constexprs, HEAD_PAD=triton.next_power_of_2(head_size),
+        IS_NEOX=is_neox, num_warps=ROTARY_WARPS,
+    )  # fmt: skip
+    return q_out

@@ -1,9 +1,16 @@
 """The Triton attention backend ("TRITON_ATTN"): the paged KV cache write and mixed-batch paged
-attention as Triton kernels, over the same cache layout as the CPU backend."""
+attention as Triton kernels, over the same cache layout as the CPU backend.
+
+Every GPU platform that runs Triton registers this one class under the same name (kvik_cuda,
+kvik_rocm). The launch configuration is the platform's: when selected, it registers a chooser for
+the architectures it owns (``register_attention_configs("sm", ...)``), looked up by the device's
+architecture name at each launch.
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +23,48 @@ from kvik.attention.backend import (
     AttentionMetadataBuilder,
     AttentionSpec,
 )
-from kvik_cuda.kernels.kv_cache import reshape_and_cache
-from kvik_cuda.kernels.paged_attention import (
+from kvik.triton_kernels.kv_cache import reshape_and_cache
+from kvik.triton_kernels.paged_attention import (
     MAX_KV_SPLITS,
-    attention_config,
+    AttentionConfig,
+    interpreter_config,
     num_kv_splits,
     paged_attention,
 )
+from kvik.triton_kernels.rotary import rotary_and_cache
+
+#: (arch, head_size, group, max_query_len, dtype) -> the launch configuration on ``arch``.
+ConfigChooser = Callable[[str, int, int, int, torch.dtype], AttentionConfig]
+
+#: Architecture-name prefix ("sm", "gfx") -> its platform's chooser; the interpreter's is built in.
+_CHOOSERS: dict[str, ConfigChooser] = {"interpreter": interpreter_config}
+
+
+def register_attention_configs(arch_prefix: str, chooser: ConfigChooser) -> None:
+    """Make ``chooser`` pick the launch configuration on every architecture whose name starts with
+    ``arch_prefix``; a GPU platform calls this from ``on_selected()`` for the architectures it owns
+    (registering again replaces, so a platform's choice is always its latest)."""
+    if not arch_prefix:
+        raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
+    _CHOOSERS[arch_prefix] = chooser
+    attention_config.cache_clear()
+
+
+@functools.cache
+def attention_config(
+    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
+) -> AttentionConfig:
+    """The launch configuration on ``arch`` from the chooser registered for it (the longest
+    matching prefix); cached, since every layer of every step asks."""
+    prefixes = sorted((p for p in _CHOOSERS if arch.startswith(p)), key=len, reverse=True)
+    if not prefixes:
+        raise RuntimeError(
+            f"no Triton attention launch configuration is registered for architecture {arch!r} "
+            f"(registered: {', '.join(sorted(_CHOOSERS))}); the platform that owns this GPU "
+            "registers one when it is selected: run through the engine, or call its "
+            "registration (e.g. kvik_cuda.registration.register_kernels())"
+        )
+    return _CHOOSERS[prefixes[0]](arch, head_size, group, max_query_len, dtype)
 
 
 @functools.cache
@@ -98,10 +140,37 @@ class TritonAttentionImpl(AttentionImpl):
         output: Tensor,
     ) -> None:
         c = metadata.common
-        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        t, hk, d = c.num_actual_tokens, self.num_kv_heads, self.head_size
         reshape_and_cache(
             key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
         )
+        self._attend(query, kv_cache, metadata, output)
+
+    def forward_with_rotary(
+        self,
+        positions: Tensor,
+        rotary_emb,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        kv_cache: Tensor,
+        metadata: TritonMetadata,
+        output: Tensor,
+    ) -> None:
+        # One launch rotates the queries and writes the rotated keys and the values to the cache.
+        t = metadata.common.num_actual_tokens
+        rotated = rotary_and_cache(
+            positions[:t], query[:t], key[:t], value[:t], kv_cache,
+            metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
+            rotary_emb.is_neox,
+        )  # fmt: skip
+        self._attend(rotated, kv_cache, metadata, output)
+
+    def _attend(
+        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+    ) -> None:
+        c = metadata.common
+        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         paged_attention(
             query[:t].view(t, h, d),
             kv_cache[0],

@@ -1,13 +1,14 @@
 """Every Triton kernel against its PyTorch reference, on one device chosen by KVIK_KERNEL_DEVICE.
 
-Not collected by itself (no ``test_`` prefix): test_kernels_interpreter.py runs it in a pytest
-process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes, test_kernels_gpu.py on
-CUDA at full sizes. The launchers are called directly, since CPU tensors would dispatch
+Not collected by itself (no ``test_`` prefix): test_triton_kernels_interpreter.py runs it in a
+pytest process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes,
+kvik_cuda's test_kernels_gpu.py on CUDA at full sizes (with kvik_cuda's launch configurations). The launchers are called directly, since CPU tensors would dispatch
 ``torch.ops.kvik.*`` to the references. References run on the CPU in float64.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -16,13 +17,15 @@ from torch import Tensor
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
+from kvik.layers.rotary import RotaryEmbedding
+from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
+from kvik.triton_kernels.kv_cache import reshape_and_cache
+from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
+from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rotary import rotary_and_cache, rotary_embedding
 from kvik_cpu.attention import TorchSdpaBackend
-from kvik_cuda.attention import TritonAttentionBackend, device_arch
-from kvik_cuda.kernels.activation import silu_and_mul
-from kvik_cuda.kernels.kv_cache import reshape_and_cache
-from kvik_cuda.kernels.paged_attention import attention_config, num_kv_splits, paged_attention
-from kvik_cuda.kernels.rms_norm import fused_add_rms_norm, rms_norm
-from kvik_cuda.kernels.rotary import rotary_embedding
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
@@ -30,7 +33,12 @@ if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip(
         "CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True
     )
-if not ON_GPU:
+if ON_GPU:
+    # Launch configurations are the platform's choice: take those of the platform owning this GPU.
+    importlib.import_module(
+        "kvik_rocm.registration" if torch.version.hip else "kvik_cuda.registration"
+    ).register_kernels()
+else:
     from triton.runtime import interpreter
 
     _patch_lang_tensor = interpreter._patch_lang_tensor
@@ -139,6 +147,47 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     check(silu_and_mul(x), ops.silu_and_mul(cpu64(x)), dtype)
 
 
+# (N, K, config): Llama-3.1-8B's qkv and gate_up with the H200's configurations on the GPU; sizes
+# that are no multiple of the blocks everywhere.
+GEMV_CASES = (
+    [
+        (6144, 4096, GemvConfig(8, 512, 4, 3)),
+        (28672, 4096, GemvConfig(32, 256, 4, 4)),
+        (1000, 1500, GemvConfig(8, 512, 4, 3)),
+    ]
+    if ON_GPU
+    else [(37, 300, GemvConfig(8, 128, 1, 1)), (20, 64, GemvConfig(32, 256, 1, 1))]
+)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("n", "k", "config"), GEMV_CASES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv(dtype: torch.dtype, n: int, k: int, config: GemvConfig, bias: bool) -> None:
+    x, weight = randn(1, k, dtype=dtype), randn(n, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = gemv(x, weight, b, config)
+    ref = torch.nn.functional.linear(cpu64(x), cpu64(weight), None if b is None else cpu64(b))
+    check(out, ref, dtype)
+
+
+def test_one_row_linear_takes_the_gemv_for_one_row_only() -> None:
+    """One row: the GEMV's result; any other shape: F.linear's, bit for bit."""
+    weight, bias = randn(24, 40), randn(24)
+    kernel = OneRowLinear(weight, bias, GemvConfig(8, 16, 1, 1))
+    one = randn(1, 40)
+    check(
+        kernel(one),
+        torch.nn.functional.linear(cpu64(one), cpu64(weight), cpu64(bias)),
+        torch.float32,
+    )
+    assert torch.equal(kernel(one), gemv(one, weight, bias, kernel.config))
+    for rows in (0, 3):
+        x = randn(rows, 40)
+        assert torch.equal(kernel(x), torch.nn.functional.linear(x, weight, bias))
+
+
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
 def test_reshape_and_cache_skips_negative_slots(dtype: torch.dtype) -> None:
     tokens, kv_heads, head_size, num_blocks = (500, 8, 128, 64) if ON_GPU else (9, 3, 64, 4)
@@ -150,6 +199,52 @@ def test_reshape_and_cache_skips_negative_slots(dtype: torch.dtype) -> None:
     ops.reshape_and_cache(kv[:, 0].cpu(), kv[:, 1].cpu(), expected, slots)
     reshape_and_cache(kv[:, 0], kv[:, 1], cache, slots.to(DEVICE))
     assert torch.equal(cache.cpu(), expected)
+
+
+def random_cos_sin(max_pos: int, rot_dim: int) -> Tensor:
+    # A llama3-scaled table is still a plain [max_pos, rot_dim] table: random angles cover it.
+    angles = torch.rand(max_pos, rot_dim // 2, dtype=torch.float64) * 100
+    return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+def test_rotary_and_cache(dtype: torch.dtype, is_neox: bool, rot_fraction: float) -> None:
+    """The fused launch equals rotary_embedding, then reshape_and_cache: rotated queries out,
+    rotated keys and the values in the cache, nothing written at negative slots."""
+    tokens, heads, kv_heads, head_size, num_blocks = (
+        (300, 32, 8, 128, 40) if ON_GPU else (7, 3, 1, 32, 2)
+    )
+    rot_dim = int(head_size * rot_fraction)
+    max_pos = 4096 if ON_GPU else 64
+    cos_sin = random_cos_sin(max_pos, rot_dim)
+    positions = torch.randint(0, max_pos, (tokens,))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=dtype)
+    q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    cache = randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+    slots[::3] = -1
+    ref_q, ref_k = ops.rotary_embedding(
+        positions, cpu64(q), cpu64(k), head_size, cos_sin.double(), is_neox
+    )
+    expected = cache.cpu().double()
+    ops.reshape_and_cache(
+        ref_k.view(tokens, kv_heads, head_size), cpu64(v).view(tokens, kv_heads, head_size),
+        expected, slots,
+    )  # fmt: skip
+    poison_allocator()
+    q_out = rotary_and_cache(
+        positions.to(DEVICE), q, k, v, cache, slots.to(DEVICE), head_size, cos_sin.to(DEVICE),
+        is_neox,
+    )  # fmt: skip
+    check(q_out, ref_q, dtype)
+    check(cache, expected, dtype)
+    kept = cache.cpu().view(2, -1, kv_heads, head_size)
+    unwritten = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
+    unwritten[slots[slots >= 0]] = False
+    before = expected.view(2, -1, kv_heads, head_size)
+    assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
 
 
 # --- paged attention ----------------------------------------------------------------------------
@@ -209,9 +304,11 @@ def run_attention(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     splits: int | None = None,
+    rotary: bool = False,
 ) -> None:
-    """Write the new keys and attend, through the backend (splits None) or the launchers with
-    ``splits`` segments; compare output and cache with the CPU SDPA backend in float64."""
+    """Write the new keys and attend, through the backend (splits None; with ``rotary``, its
+    fused rotary-and-cache path) or the launchers with ``splits`` segments; compare output and
+    cache with the CPU SDPA backend in float64 (after the reference rotation)."""
     metadata, cache = build_batch(requests, kv_heads, head_size, dtype)
     t = metadata.num_actual_tokens
     q = randn(t, heads * head_size, dtype=dtype)
@@ -219,9 +316,16 @@ def run_attention(
     scale = head_size**-0.5
     ref_cache = cache.cpu().double().nan_to_num()
     ref_out = torch.empty(t, heads * head_size, dtype=torch.float64)
+    ref_q, ref_k = cpu64(q), cpu64(k)
+    if rotary:
+        cos_sin = random_cos_sin(max(c + n for c, n in requests), head_size)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in requests])
+        ref_q, ref_k = ops.rotary_embedding(
+            positions, ref_q, ref_k, head_size, cos_sin.double(), True
+        )
     reference = TorchSdpaBackend.impl_class()(heads, head_size, scale, kv_heads, sliding_window)
     reference.forward(
-        cpu64(q), cpu64(k), cpu64(v), ref_cache, TorchSdpaBackend.build_metadata(metadata), ref_out
+        ref_q, ref_k, cpu64(v), ref_cache, TorchSdpaBackend.build_metadata(metadata), ref_out
     )
     out = torch.full_like(q, float("nan"))
     dev = on_device(metadata)
@@ -241,7 +345,13 @@ def run_attention(
             device=torch.device(DEVICE),
         )
         builder = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec)
-        impl.forward(q, k, v, cache, builder.build(dev), out)
+        if rotary:
+            rotary_emb = RotaryEmbedding(head_size, cos_sin.to(DEVICE), is_neox=True)
+            impl.forward_with_rotary(
+                positions.to(DEVICE), rotary_emb, q, k, v, cache, builder.build(dev), out
+            )
+        else:
+            impl.forward(q, k, v, cache, builder.build(dev), out)
     else:
         reshape_and_cache(
             k.view(t, kv_heads, head_size), v.view(t, kv_heads, head_size), cache, dev.slot_mapping
@@ -256,7 +366,11 @@ def run_attention(
         )  # fmt: skip
     check(out, ref_out, dtype)
     written = cache.cpu().view(2, -1, kv_heads * head_size)[:, metadata.slot_mapping]
-    assert torch.equal(written, torch.stack((k, v)).cpu())
+    if rotary:
+        check(written[0], ref_k, dtype)
+        assert torch.equal(written[1], v.cpu())
+    else:
+        assert torch.equal(written, torch.stack((k, v)).cpu())
 
 
 # (cached context, new tokens): a prefill, a prefix-hit chunk, decodes; none a multiple of 16.
@@ -273,6 +387,11 @@ KV_HEADS = 2
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_mixed_batch(dtype: torch.dtype, head_size: int, group: int) -> None:
     run_attention(MIXED, KV_HEADS * group, KV_HEADS, head_size, dtype)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_mixed_batch_with_fused_rotary(dtype: torch.dtype) -> None:
+    run_attention(MIXED, KV_HEADS * 3, KV_HEADS, 64, dtype, rotary=True)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

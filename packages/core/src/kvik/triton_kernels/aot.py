@@ -1,0 +1,32 @@
+"""Ahead-of-time compilation of kvik's Triton kernels for GPUs that need not be present.
+
+``triton.compile`` with a ``GPUTarget`` builds for Hopper, Blackwell or MI300X on a machine with
+no GPU, so CI catches a kernel that would not build (or would not fit in shared memory) on hardware
+it cannot run. The targets are each platform's (``kvik_cuda.aot``, ``kvik_rocm.aot``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def compile_kernel(
+    kernel: Any,
+    target: GPUTarget,
+    types: dict[str, str],
+    constexprs: dict[str, Any],
+    num_warps: int,
+    num_stages: int = 1,
+) -> Any:
+    """Compile ``kernel`` for ``target``. ``types`` maps each run-time argument to a Triton type
+    ("*bf16", "i32", "fp32"); ``constexprs`` gives every constexpr argument its value."""
+    signature = {
+        name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(source, target=target, options=options)

@@ -1,0 +1,88 @@
+"""A one-row matrix product, ``out [1, N] = x [1, K] @ weight [N, K]^T (+ bias)``: a batch-1
+decode step's projections, where the time is the weight's bytes over the memory bandwidth.
+
+cuBLAS covers a narrow layer's weight with few tiles and adds split-K passes and a reduction
+kernel to fill the GPU; here each program owns ``BLOCK_N`` whole output columns and loops over all
+of K in fp32, so a product is one launch with no reduction. Long K loops with few programs hide
+memory latency badly, so a platform uses this for short K only (``kvik_cuda.tuning.gemv_config``).
+Reference: ``torch.nn.functional.linear`` (the sums' order differs: bf16 results differ by
+rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns per program
+    block_k: int  # inner-dimension elements per loop step
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def gemv_kernel(
+    x_ptr,  # [K]
+    w_ptr,  # [N, K], rows contiguous
+    bias_ptr,  # [N] or unused
+    out_ptr,  # [N]
+    N,
+    w_stride,
+    K: tl.constexpr,  # a layer's constant: the loop's trip count is known when compiling
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = n < N
+    k_base = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + k_base
+        k_valid = k < K
+        w = tl.load(
+            w_ptr + n[:, None].to(tl.int64) * w_stride + k[None, :],
+            mask=n_valid[:, None] & k_valid[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_K]
+        x = tl.load(x_ptr + k, mask=k_valid, other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
+
+
+def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> Tensor:
+    """x [1, K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] in x's dtype."""
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
+    n, k = weight.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, weight if bias is None else bias, out, n, weight.stride(0), K=k,
+        HAS_BIAS=bias is not None, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out
+
+
+class OneRowLinear:
+    """A ``Linear.kernel``: the GEMV for one-row inputs (a batch-1 decode step, eager or in its
+    CUDA graph), ``F.linear`` for every other shape."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> None:
+        self.weight = weight
+        self.bias = bias
+        self.config = config
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
+            return gemv(x, self.weight, self.bias, self.config)
+        return F.linear(x, self.weight, self.bias)
