@@ -37,7 +37,8 @@ def tests(session: nox.Session) -> None:
 
 # One test of each promise that a new release of a dependency could break: the default model
 # through the real CLI (generate and chat), one request to the server through the openai client,
-# the plugin system, fp32 equality with transformers on one random model, the GGUF tokenizer.
+# the plugin system, fp32 equality with transformers on one random model, the GGUF tokenizer, the
+# Triton kernels (under the interpreter).
 SMOKE_TESTS = [
     "tests/test_default_model.py::test_kvik_generate_and_chat_commands",
     "tests/test_server_openai.py::test_chat_equals_offline[False]",
@@ -46,6 +47,7 @@ SMOKE_TESTS = [
     "tests/test_engine_vs_transformers.py::test_logits_match_every_position[llama]",
     "packages/core/tests/test_gguf.py::test_default_model_tokenizer_and_chat_template",
     "packages/core/tests/test_gguf_tokenizer.py",
+    "packages/core/tests/test_triton_kernels_interpreter.py",  # the newest triton
 ]
 
 
