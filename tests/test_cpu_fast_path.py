@@ -1,11 +1,14 @@
 """The CPU's fast path computes what the references do: the C++ kernels of the small ops against
 kvik.ops' PyTorch references, prepacked bf16 weights against F.linear, and the engine's fallback
-when the C++ kernels cannot be built. (The engine's fp32 equality with transformers,
-test_engine_vs_transformers.py, runs on the C++ kernels; the default model's bf16 check is in
-test_default_model.py.)"""
+when the C++ kernels cannot be built. Tests of what differs between the kernel paths (plain,
+avx512bf16, amx: kvik_cpu.isa) run on each path this CPU can run (tests/cpu_paths.py), and a path
+it cannot run is skipped with the reason. (The engine's fp32 equality with transformers,
+test_engine_vs_transformers.py, runs on the C++ kernels; the default model's bf16 checks on each
+path are in test_default_model.py.)"""
 
 from __future__ import annotations
 
+import cpu_paths
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,15 +17,18 @@ from tiny_models import load_hf, ragged_prompts
 
 import kvik.ops as ops
 from kvik import LLM, SamplingParams
-from kvik_cpu import extension
-from kvik_cpu.linear import AmxLinear, OneDnnLinear, amx_supported, packed_linear_supported
-from kvik_cpu.paged_attention import CpuPagedBackend
+from kvik_cpu import extension, isa
+from kvik_cpu.isa import CpuIsa
+from kvik_cpu.linear import AmxLinear, OneDnnLinear, packed_linear_supported
+from kvik_cpu.paged_attention import CpuPagedBackend, CpuPagedImpl
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 needs_kernels = pytest.mark.skipif(
     extension.load() is not None, reason=f"kvik_cpu's C++ ops did not build: {extension.load()}"
 )
+
+cpu_path = cpu_paths.cpu_path  # the fixture: each kernel path this CPU runs
 
 
 def assert_same(got, want, dtype):
@@ -121,7 +127,18 @@ def test_onednn_linear_equals_f_linear(num_rows):
     assert OneDnnLinear(weight, None)(x[:0]).shape == (0, 96)
 
 
-needs_amx = pytest.mark.skipif(not amx_supported(), reason="no AMX on this CPU (or no C++ ops)")
+def _amx_unavailable() -> str | None:
+    """Why the amx path cannot run here (None where it can): the CPU, the build, or Linux."""
+    if isa.cpu_isa() < CpuIsa.AMX:
+        return "no AMX on this CPU"
+    if (failure := extension.load()) is not None:
+        return f"kvik_cpu's C++ ops did not build: {failure}"
+    if torch.ops.kvik_cpu.built_isa() < CpuIsa.AMX:
+        return "AMX flags, but the build or Linux does not let this process use the tiles"
+    return None
+
+
+needs_amx = pytest.mark.skipif(_amx_unavailable() is not None, reason=str(_amx_unavailable()))
 
 
 @needs_amx
@@ -159,17 +176,34 @@ def test_amx_linear_gives_a_row_the_same_bits_at_any_batch_size():
     assert linear(x.view(7, 10, 96)).shape == (7, 10, 200)  # leading dims kept
 
 
-@pytest.mark.skipif(
-    not packed_linear_supported(torch.bfloat16), reason="no oneDNN bf16 on this CPU"
-)
-def test_bf16_engine_packs_every_matmul_and_keeps_the_embedding(tiny_model):
+#: The matmul kernel each path packs the weights for (None: F.linear on the dense weight).
+PATH_KERNEL = {CpuIsa.PLAIN: None, CpuIsa.AVX512BF16: OneDnnLinear, CpuIsa.AMX: AmxLinear}
+
+
+@needs_kernels
+def test_bf16_engine_takes_the_forced_path_and_agrees_with_transformers(tiny_model, cpu_path):
+    """Each path's matmul kernels, attention kernel path and decode loop are the ones it names,
+    and its greedy tokens agree with transformers in bf16."""
+    from kvik_cpu.decode_layers import DecodeLayers
+
     folder = tiny_model("qwen2")
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine.runner.model
     kernels = [m.kernel for m in model.modules() if hasattr(m, "kernel")]
-    expected = AmxLinear if amx_supported() else OneDnnLinear
-    assert kernels and all(isinstance(k, expected) for k in kernels)
+    expected = PATH_KERNEL[cpu_path]
+    assert len(kernels) == 1 + 4 * len(model.model.layers)  # the LM head, 4 matmuls a layer
+    if expected is None:
+        assert all(k is None for k in kernels)
+    else:
+        if not packed_linear_supported(torch.bfloat16):
+            pytest.skip("oneDNN has no bf16 on this CPU")
+        assert all(isinstance(k, expected) for k in kernels)
     assert model.model.embed_tokens.weight.numel() > 0  # still looked up
+    impls = [layer.self_attn.attn.impl for layer in model.model.layers]
+    assert all(type(i) is CpuPagedImpl and i.path is cpu_path for i in impls)
+    decode_layers = llm.engine.runner.step_runner.decode_layers
+    # The one-call decode loop runs AMX matmuls only: the other paths decode layer by layer.
+    assert isinstance(decode_layers, DecodeLayers) == (cpu_path is CpuIsa.AMX)
     prompts = ragged_prompts(3, seed=2)
     hf = load_hf(folder).to(torch.bfloat16)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
@@ -231,7 +265,11 @@ def counting(kernel, results: list):
     return call
 
 
+@needs_amx
 def test_qwen3_layers_are_left_to_python(tiny_model):
-    """q and k norms are not in the C++ loop: Qwen3 runs layer by layer."""
+    """q and k norms are not in the C++ loop: Qwen3 runs layer by layer, where a Llama on the
+    same path gets the loop. (Off the amx path no model gets it: the test above checks that.)"""
     llm = LLM(str(tiny_model("qwen3")), dtype="bfloat16", num_kv_blocks=64)
     assert llm.engine.runner.step_runner.decode_layers is None
+    llama = LLM(str(tiny_model("llama")), dtype="bfloat16", num_kv_blocks=64)
+    assert llama.engine.runner.step_runner.decode_layers is not None

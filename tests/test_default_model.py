@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct from its GGUF) end to end, against transformers loading
-the same GGUF file itself."""
+the same GGUF file itself; its bf16 fidelity and the README's examples on every CPU kernel path
+this CPU runs (tests/cpu_paths.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from contextlib import contextmanager
 
+import cpu_paths
 import pytest
 import torch
 from test_engine_vs_transformers import assert_greedy_equal
@@ -16,6 +18,7 @@ from test_engine_vs_transformers import assert_greedy_equal
 from kvik import LLM, SamplingParams
 from kvik.engine.detokenizer import IncrementalDetokenizer
 from kvik.model_loader.default_model import default_model_path
+from kvik_cpu.isa import CpuIsa
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SYSTEM = (
@@ -23,6 +26,8 @@ SYSTEM = (
     "minerals, animals and the history of the museum. Answer briefly, in plain words, and say so "
     "when you do not know. Never invent opening hours or prices. "
 ) * 3
+
+cpu_path = cpu_paths.cpu_path  # the fixture: each CPU kernel path this CPU runs
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +129,10 @@ def first_divergence(hf_model, prompt: list[int], got: list[int]) -> tuple[int, 
     return i, logits[min(i, len(got) - 1)]
 
 
-def test_bfloat16_agrees_with_transformers_in_bfloat16(hf_bf16):
-    """kvik in bfloat16, on the engine's default CPU path, against transformers in bfloat16:
-    greedy outputs may part only where kvik's token is among transformers' top 5 at the first
-    differing position, and at least half of the prompts agree on their first 8 tokens."""
+def test_bfloat16_agrees_with_transformers_in_bfloat16(hf_bf16, cpu_path):
+    """kvik in bfloat16, on each CPU kernel path, against transformers in bfloat16: greedy outputs
+    may part only where kvik's token is among transformers' top 5 at the first differing
+    position, and at least half of the prompts agree on their first 8 tokens."""
     llm = LLM(device="cpu", dtype="bfloat16", max_model_len=1024, num_kv_blocks=256)
     processor = llm.input_processor
     conversations = [
@@ -172,35 +177,136 @@ def test_bfloat16_agrees_with_transformers_in_bfloat16(hf_bf16):
     assert agree_8 >= len(prompts) / 2, "\n".join(report)
 
 
-def test_capital_of_france_in_default_dtype():
-    # Eager: test_bfloat16_agrees_with_transformers_in_bfloat16 covers the compiled default path.
-    llm = LLM(max_model_len=512, enforce_eager=True)
-    (out,) = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
-    assert "Paris" in out.outputs[0].text
-    assert out.outputs[0].finish_reason == "stop"
+#: A conversation the default model is at home in, teacher-forced through each path: a reply
+#: written for it (not the model's own), so that every position's token is a real test.
+FIDELITY_TEXT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {
+        "role": "assistant",
+        "content": "The capital of France is Paris. It lies on the Seine, in the north of the "
+        "country, and has been the seat of the French government for most of the last thousand "
+        "years. Paris is known for the Eiffel Tower, the Louvre, which holds the Mona Lisa, and "
+        "the cathedral of Notre-Dame. About two million people live in the city itself and more "
+        "than twelve million in its metropolitan area.",
+    },
+    {
+        "role": "user",
+        "content": "Write a short Python function that returns the larger of two numbers.",
+    },
+    {
+        "role": "assistant",
+        "content": "Here is one:\n\n```python\ndef larger(a, b):\n    return a if a >= b else b\n```"
+        "\n\nIt compares the two numbers and returns the first when it is at least as large as "
+        "the second, otherwise the second.",
+    },
+    {"role": "user", "content": "How do plants make their food?"},
+    {
+        "role": "assistant",
+        "content": "Plants make their food by photosynthesis. Their leaves take in carbon dioxide "
+        "from the air through small pores, and their roots draw up water from the soil. Inside "
+        "the leaf cells, chlorophyll captures the energy of sunlight and uses it to turn the "
+        "water and carbon dioxide into glucose, a sugar the plant burns for energy or stores as "
+        "starch. Oxygen is released as a by-product, which is why forests and oceans full of "
+        "algae matter so much for the air we breathe. Without light, photosynthesis stops, so "
+        "most plants grow towards the sun.",
+    },
+]
 
 
-def test_kvik_generate_and_chat_commands():
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    kvik = [sys.executable, "-m", "kvik"]
+@pytest.fixture(scope="module")
+def fidelity_ids(gguf_path):
+    from kvik.engine.input_processor import InputProcessor
+    from kvik.model_loader.loader import load_model_config
+
+    processor = InputProcessor(load_model_config(str(gguf_path), dtype="float32"))
+    ids = processor.apply_chat_template(FIDELITY_TEXT, add_generation_prompt=False)
+    return ids["prompt_token_ids"]
+
+
+def teacher_forced_logprobs_hf(model, ids: list[int]) -> torch.Tensor:
+    """log p(token t | tokens before t) for t = 1.., from one forward pass of transformers."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def fidelity_reference(hf_reference, hf_bf16, fidelity_ids):
+    """The fp32 logprobs of the text, and transformers' bf16 |delta logprob| at each token."""
+    fp32 = teacher_forced_logprobs_hf(hf_reference, fidelity_ids)
+    return fp32, (teacher_forced_logprobs_hf(hf_bf16, fidelity_ids) - fp32).abs()
+
+
+@pytest.mark.parametrize("steps", ["prompt", "decode"])
+def test_bf16_fidelity_is_at_least_transformers(cpu_path, steps, fidelity_ids, fidelity_reference):
+    """Each path in bf16, teacher-forced through a fixed text: its mean |delta logprob| against the
+    fp32 reference is at most transformers' bf16 error on the same text, within the comparison's
+    own noise. ``prompt``: the text as one prompt (prompt attention, the matmuls on many rows);
+    ``decode``: one token a step (a token budget of 1), so that every position runs the decode
+    kernels (paged attention, on AMX the one-call decode loop) as generation does.
+
+    The margin is two standard errors of the mean of the per-token differences (kvik's |delta|
+    minus transformers'), computed from the tokens themselves. Two equally exact bf16
+    implementations land on either side of each other token by token, and their means differ by
+    noise of about that size: transformers' own sdpa and eager attention do, and so do the paged
+    decode kernel (which rounds each output exactly once) and SDPA, each ahead on about half the
+    tokens. A path worse by more than that noise, as a kernel that rounds wrongly is, fails."""
+    fp32, transformers_errors = fidelity_reference
+    llm = LLM(
+        dtype="bfloat16",
+        max_model_len=512,
+        num_kv_blocks=48,
+        max_num_batched_tokens=1 if steps == "decode" else None,
+    )
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    (out,) = llm.generate([{"prompt_token_ids": fidelity_ids}], params, use_tqdm=False)
+    got = torch.tensor(
+        [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], fidelity_ids[1:])]
+    )
+    errors = (got - fp32).abs()
+    excess = errors - transformers_errors
+    margin = 2 * float(excess.std()) / len(excess) ** 0.5
+    report = (
+        f"kvik's bf16 on the {cpu_path.label} path ({steps}), {len(errors)} tokens: mean |delta "
+        f"logprob| against fp32 {float(errors.mean()):.4f}, transformers' bf16 "
+        f"{float(transformers_errors.mean()):.4f}, margin (2 standard errors) {margin:.4f}"
+    )
+    print(report)
+    assert float(excess.mean()) <= margin, report
+
+
+def test_readme_llm_chat_example_answers_paris(cpu_path):
+    """README.md's Python example, as written, on each kernel path in its default dtype (bf16, or
+    float32 on the plain path)."""
+    llm = LLM()  # the default model; LLM("path/to/folder-or.gguf") for others
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+    )
+    assert llm.config.model.dtype == (torch.float32 if cpu_path is CpuIsa.PLAIN else torch.bfloat16)
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text
+    assert out[0].outputs[0].finish_reason == "stop"
+
+
+def test_readme_generate_command_answers_paris(cpu_path):
+    """README.md's ``kvik generate "What is the capital of France?"``, as written, in a process
+    started with the path forced (so oneDNN is capped as on a CPU without the path's features)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVIK_CPU_ISA": cpu_path.label}
     generated = subprocess.run(
-        [
-            *kvik,
-            "generate",
-            "What is the capital of France?",
-            "--max-model-len",
-            "512",
-            "--max-tokens",
-            "24",
-            "--enforce-eager",
-        ],
+        [sys.executable, "-m", "kvik", "generate", "What is the capital of France?"],
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
     assert generated.returncode == 0, generated.stderr
-    assert "Paris" in generated.stdout
+    assert "Paris" in generated.stdout, generated.stdout
+
+
+def test_kvik_chat_command():
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    kvik = [sys.executable, "-m", "kvik"]
     chat = subprocess.run(
         [*kvik, "chat", "--max-model-len", "512", "--max-tokens", "24", "--enforce-eager"],
         input="What is the capital of France?\n",

@@ -1,15 +1,20 @@
-"""The CPU attention backend against dense attention computed per request, on mixed batches."""
+"""The CPU attention backends against dense attention computed per request, on mixed batches; the
+paged kernel's bf16 code on each kernel path this CPU runs (kvik_cpu.isa, tests/cpu_paths.py)."""
 
 from __future__ import annotations
 
+import cpu_paths
 import pytest
 import torch
 
 from kvik.attention.backend import AttentionMetadata
+from kvik_cpu import isa
 from kvik_cpu.attention import TorchSdpaBackend
-from kvik_cpu.platform import CpuPlatform, has_native_bf16
+from kvik_cpu.isa import CpuIsa
 
 BLOCK = 16
+
+cpu_path = cpu_paths.cpu_path  # the fixture: each kernel path this CPU runs
 
 
 def dense_reference(q, k, v, scale, window):
@@ -54,18 +59,65 @@ def test_batch_matches_dense_attention(backend, dtype, requests, heads, kv_heads
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("in_order", [True, False], ids=["blocks-in-order", "shuffled"])
-def test_long_bf16_decodes_of_every_head_size_match_dense_attention(d, in_order):
-    """The bf16 decode kernel's paths: 16 keys read in place (consecutive blocks) or staged (the
-    next block elsewhere, the last partial run), 1 to 8 chunks of 32 dimensions."""
+def test_long_bf16_decodes_of_every_head_size_match_dense_attention(d, in_order, cpu_path):
+    """The bf16 decode kernel's cases on each kernel path: 16 keys read in place (consecutive
+    blocks) or staged (the next block elsewhere, the last partial run), 1 to 8 chunks of 32
+    dimensions."""
     from kvik_cpu.paged_attention import CpuPagedBackend
 
     if CpuPagedBackend.unsupported_reason(torch.bfloat16, d, BLOCK) is not None:
         pytest.skip("CPU_PAGED is not available here")
     requests = [(150, 1), (33, 1), (300, 1), (16, 1)]
-    check_against_dense(CpuPagedBackend, torch.bfloat16, requests, 12, 3, None, d, in_order)
+    impl = check_against_dense(CpuPagedBackend, torch.bfloat16, requests, 12, 3, None, d, in_order)
+    assert impl.path is cpu_path
 
 
-def check_against_dense(backend, dtype, requests, heads, kv_heads, window, d, in_order=False):
+def test_the_forced_path_reaches_the_kernel(monkeypatch):
+    """Each path the CPU runs computes its own bits (the paths sum and exponentiate differently),
+    all close to dense attention: the path forced in Python is the one the C++ code takes. (The
+    paths part only by fp32 rounding, so few bf16 outputs differ: the step holds many of them.)"""
+    from kvik_cpu.paged_attention import CpuPagedBackend
+
+    if CpuPagedBackend.unsupported_reason(torch.bfloat16, 64, BLOCK) is not None:
+        pytest.skip("CPU_PAGED is not available here")
+    outputs = {}
+    for path in isa.runnable_isas():
+        if path > CpuIsa(torch.ops.kvik_cpu.built_isa()):
+            continue  # AMX flags without the tiles' permission: test_isa.py covers the refusal
+        monkeypatch.setenv(isa.ENV_VAR, path.label)
+        impl, outputs[path] = check_against_dense(
+            CpuPagedBackend, torch.bfloat16, [(300, 1)] * 16, 16, 4, None, 128, with_output=True
+        )
+        assert impl.path is path
+    for faster in outputs:
+        if faster is not CpuIsa.PLAIN:
+            assert not torch.equal(outputs[faster], outputs[CpuIsa.PLAIN]), faster.label
+    if len(outputs) == 1:
+        pytest.skip("only the plain path runs on this CPU: nothing to tell it from")
+
+
+def test_the_kernel_refuses_a_path_its_build_lacks():
+    from kvik_cpu import extension
+
+    if (failure := extension.load()) is not None:
+        pytest.skip(f"kvik_cpu's C++ ops did not build: {failure}")
+    built = torch.ops.kvik_cpu.built_isa()
+    cache = torch.zeros(2, 4, BLOCK, 1, 32, dtype=torch.bfloat16)
+    q, k, v, out = (torch.zeros(1, 32, dtype=torch.bfloat16) for _ in range(4))
+    slots, table = torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32)
+    request, position = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    for bad in (built + 1, -1):
+        with pytest.raises(RuntimeError, match="is not in this build"):
+            torch.ops.kvik_cpu.paged_attention(
+                q, k, v, cache, slots, table, request, position, 1.0, 0, bad, out
+            )
+
+
+def check_against_dense(
+    backend, dtype, requests, heads, kv_heads, window, d, in_order=False, with_output=False
+):
+    """Runs ``backend`` on one step of ``requests`` against ``dense_reference``; returns the impl
+    (and, ``with_output``, the output)."""
     torch.manual_seed(d)
     scale = d**-0.5
     num_blocks = sum(-(-seq_len // BLOCK) for seq_len, _ in requests) + 8
@@ -121,15 +173,4 @@ def check_against_dense(backend, dtype, requests, heads, kv_heads, window, d, in
     flat = kv_cache.view(2, num_blocks * BLOCK, kv_heads, d)
     torch.testing.assert_close(flat[0, torch.tensor(slots)], torch.cat(ks))
     torch.testing.assert_close(flat[1, torch.tensor(slots)], torch.cat(vs))
-
-
-def test_cpu_platform_reports_native_bf16_from_the_flags(monkeypatch):
-    import kvik_cpu.platform as platform
-
-    platform.cpu_flags.cache_clear()
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    assert has_native_bf16() and CpuPlatform.default_dtype() == "bfloat16"
-    monkeypatch.setattr(platform, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert not has_native_bf16() and CpuPlatform.default_dtype() == "float32"
-    details = CpuPlatform.details()
-    assert details["cores"] >= 1 and details["total_memory_bytes"] > 0
+    return (impl, out) if with_output else impl

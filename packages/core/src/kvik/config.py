@@ -46,6 +46,10 @@ class ModelConfig:
     tokenizer: str | None = None
     seed: int = 0
     generation_config: dict[str, Any] = field(default_factory=dict)
+    #: The generation-config sampling keys (temperature, top_p, ..., max_new_tokens) that give the
+    #: defaults of requests leaving them unset: the model's own under the ``generation_config``
+    #: option "auto" (kvik.model_loader.generation_config).
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # what the user called it (an alias, a path or a hub id)
 
     @property

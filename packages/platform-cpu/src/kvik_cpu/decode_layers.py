@@ -58,6 +58,7 @@ class DecodeLayers:
         self.weights = weights
         self.sliding_windows = [layer.attention.sliding_window or 0 for layer in stack.layers]
         self._ready: bool | None = None  # attention impls are bound after loading: checked later
+        self._path: int | None = None  # their kernel path (kvik_cpu.isa), passed on to the kernel
 
     @staticmethod
     def supports(stack: DecoderStack) -> bool:
@@ -81,7 +82,9 @@ class DecodeLayers:
             return None
         layers = self.stack.layers
         if self._ready is None:
-            self._ready = all(type(layer.attention.impl) is CpuPagedImpl for layer in layers)
+            impls = [layer.attention.impl for layer in layers]
+            self._ready = all(type(impl) is CpuPagedImpl for impl in impls)
+            self._path = int(impls[0].path) if self._ready else None
         if not self._ready:
             return None
         return torch.ops.kvik_cpu.llama_decode_layers(
@@ -103,6 +106,7 @@ class DecodeLayers:
             metadata.block_table,
             metadata.token_request,
             metadata.token_position,
+            self._path,
         )
 
 

@@ -19,14 +19,20 @@ from pathlib import Path
 import torch
 
 import kvik.ops  # noqa: F401  (defines the torch.ops.kvik.* ops whose CPU kernels load here)
-from kvik_cpu.platform import cpu_flags
+from kvik_cpu.isa import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(
     CSRC / name
-    for name in ("paged_attention.cpp", "small_ops.cpp", "amx_linear.cpp", "decode_layers.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "small_ops.cpp",
+        "amx_linear.cpp",
+        "decode_layers.cpp",
+        "isa.cpp",
+    )
 )
 HEADERS = (CSRC / "amx.h", CSRC / "ops.h", CSRC / "vector_math.h")
 

@@ -8,7 +8,8 @@ weights once. Two packings:
   than oneDNN at decode batch sizes (docs/benchmarks.md), and a row's result does not depend on the
   other rows of the call.
 - ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
-  for CPUs with bf16 but no AMX, or where the C++ ops did not build. Same bits as ``F.linear``.
+  for the avx512bf16 path (CPUs with bf16 but no AMX, or forced there: kvik_cpu.isa). Same bits as
+  ``F.linear``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import Tensor, nn
 
 from kvik.layers.embedding import LMHead
 from kvik.layers.linear import Linear
+from kvik_cpu.isa import CpuIsa
 
 #: The batch size oneDNN chooses its weight layout for. Layouts for 1, 32 and 512 rows differ
 #: little at decode batch sizes (docs/benchmarks.md); 32 is the middle of a decode batch's range.
@@ -31,11 +33,6 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
         # private op: no public torch API says whether oneDNN runs bf16 on this CPU
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
-
-
-def amx_supported() -> bool:
-    """The C++ ops are built and this CPU (and kernel) let the process use AMX tiles."""
-    return hasattr(torch.ops.kvik_cpu, "amx_supported") and torch.ops.kvik_cpu.amx_supported()
 
 
 class AmxLinear:
@@ -70,13 +67,13 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Give each ``Linear`` and the LM head a packed kernel (AMX where it runs, else oneDNN).
+def pack_linear_weights(model: nn.Module, path: CpuIsa) -> int:
+    """Give each ``Linear`` and the LM head a packed kernel: AMX on the amx path, else oneDNN.
 
     A packed ``Linear``'s dense weight is released (only the packed copy is read). The LM head keeps
     its dense weight, which a tied embedding also looks tokens up in. Returns how many were packed.
     """
-    kernel = AmxLinear if amx_supported() else OneDnnLinear
+    kernel = AmxLinear if path >= CpuIsa.AMX else OneDnnLinear
     packed = 0
     for module in model.modules():
         if isinstance(module, (LMHead, Linear)):

@@ -8,8 +8,10 @@ context: at batch 1 it is several times faster than SDPA, mostly through the cal
 query tokens per request) SDPA's flash attention, built on matrix products, is faster: prompt chunks go through the
 SDPA backend's path (kvik_cpu.attention). A step that holds both is split by rows, so that a decode
 token is computed by the same kernel whatever else its step holds (the two round differently in
-bf16, and a request's output should not depend on its batch). The kernel runs float32 and bfloat16; the backend is unavailable, and TORCH_SDPA chosen instead, where
-it cannot be built (kvik_cpu.extension).
+bf16, and a request's output should not depend on its batch). The kernel runs float32 and
+bfloat16, in bfloat16 on the engine's kernel path (kvik_cpu.isa: portable loops, AVX512-BF16, or
+AMX scores); the backend is unavailable, and TORCH_SDPA chosen instead, where it cannot be built
+(kvik_cpu.extension).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import Tensor
 
 from kvik.attention.backend import AttentionImpl, AttentionMetadata
+from kvik_cpu import isa
 from kvik_cpu.attention import SdpaMetadata, TorchSdpaBackend, TorchSdpaImpl
 
 
@@ -51,6 +54,8 @@ class CpuPagedImpl(TorchSdpaImpl):
 
         if (failure := extension.load()) is not None:
             raise RuntimeError(f"kvik_cpu's paged attention kernel did not build: {failure}")
+        #: The highest kernel path the kernel may take (read when the engine builds its layers).
+        self.path = isa.engine_isa()
 
     def forward(
         self,
@@ -85,6 +90,7 @@ class CpuPagedImpl(TorchSdpaImpl):
             metadata.token_position,
             self.scale,
             self.sliding_window or 0,
+            int(self.path),
             output,
         )
 

@@ -1,12 +1,16 @@
-"""The CPU platform: present everywhere; bf16 by default where the CPU computes it natively."""
+"""The CPU platform: present everywhere; bf16 by default where the CPU computes it natively.
+
+Its kernels take one of three paths (plain, avx512bf16, amx: kvik_cpu.isa), the best the CPU runs
+unless ``KVIK_CPU_ISA`` forces another; the path decides the default dtype, how the weights are
+packed and which attention code runs."""
 
 from __future__ import annotations
 
 import os
-from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from kvik.platforms.base import Platform
+from kvik_cpu import isa
 
 if TYPE_CHECKING:
     from torch import nn
@@ -17,21 +21,9 @@ if TYPE_CHECKING:
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
 
 
-@cache
-def cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: matrix products in bf16 run at full speed."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    """AVX512-BF16 (and AMX with it): matrix products in bf16 run at full speed."""
+    return isa.cpu_isa() >= isa.CpuIsa.AVX512BF16
 
 
 def _meminfo(key: str) -> int:
@@ -62,13 +54,19 @@ class CpuPlatform(Platform):
 
     @classmethod
     def details(cls) -> dict[str, Any]:
+        try:
+            selected = isa.selected_isa().label
+        except ValueError as e:  # a bad KVIK_CPU_ISA: shown, not raised, by `kvik env`
+            selected = f"error: {e}"
         return {
             "cores": len(os.sched_getaffinity(0))
             if hasattr(os, "sched_getaffinity")
             else os.cpu_count(),
             "total_memory_bytes": cls.total_memory_bytes(),
             "native_bf16": has_native_bf16(),
-            "amx": "amx_bf16" in cpu_flags(),
+            "amx": isa.cpu_isa() >= isa.CpuIsa.AMX,
+            "kernel_paths": [path.label for path in isa.runnable_isas()],
+            "kernel_path": selected,
         }
 
     @classmethod
@@ -79,6 +77,8 @@ class CpuPlatform(Platform):
         # models then call the ops rather than the references. If they did not build, the
         # references run (and TORCH_SDPA replaces CPU_PAGED).
         cls.native_ops = extension.load() is not None
+        # A forced path the CPU or the build cannot run fails here, before any model is built.
+        isa.cap_onednn(isa.engine_isa())
 
     @classmethod
     def total_memory_bytes(cls) -> int:
@@ -90,7 +90,7 @@ class CpuPlatform(Platform):
 
     @classmethod
     def default_dtype(cls) -> str:
-        return "bfloat16" if has_native_bf16() else "float32"
+        return "bfloat16" if isa.selected_isa() >= isa.CpuIsa.AVX512BF16 else "float32"
 
     @classmethod
     def default_kv_cache_bytes(cls, config: EngineConfig) -> int:
@@ -100,8 +100,10 @@ class CpuPlatform(Platform):
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
         from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
 
-        if packed_linear_supported(config.model.dtype):
-            pack_linear_weights(model)
+        path = isa.engine_isa()
+        # The plain path keeps F.linear: what a CPU without native bf16 runs.
+        if path >= isa.CpuIsa.AVX512BF16 and packed_linear_supported(config.model.dtype):
+            pack_linear_weights(model, path)
 
     @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type:

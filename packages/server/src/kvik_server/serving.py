@@ -56,7 +56,7 @@ def sampling_params(
         if getattr(request, name) is not None
     }
     if max_tokens is None:
-        max_tokens = engine.config.model.generation_config.get("max_new_tokens", default_max_tokens)
+        max_tokens = engine.config.model.sampling_defaults.get("max_new_tokens", default_max_tokens)
     return engine.get_default_sampling_params(
         **overrides,
         n=request.n,

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         llm = LLM(**engine_kwargs(args))
-        params = sampling_params(args)
+        params = sampling_params(args, llm.config.model.sampling_defaults)
     except ValueError as e:
         print(f"kvik chat: {e}", file=sys.stderr)
         return 2

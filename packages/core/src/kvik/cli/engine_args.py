@@ -62,6 +62,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
         "--enable-nvtx", action="store_true", help="NVTX ranges around each step's phases"
     )
     parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
+    parser.add_argument(
+        "--generation-config",
+        default="auto",
+        help="where unset sampling options come from: auto (the model's generation config), "
+        "vllm or none (kvik's defaults), or a folder holding a generation_config.json",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,6 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cudagraph_capture_sizes=args.cudagraph_capture_sizes,
         async_scheduling=args.async_scheduling,
         enable_nvtx=args.enable_nvtx,
+        generation_config=args.generation_config,
     )
 
 
@@ -99,27 +106,38 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+#: The sampling flags a model's generation config gives defaults for -> its key there.
+_MODEL_DEFAULTED = {
+    "max_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+}
+#: The command line's own defaults, under the model's: greedy, and longer replies than the API's.
+_COMMAND_DEFAULTS = {"temperature": 0.0, "max_new_tokens": 256}
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument(
-        "--temperature", type=float, default=0.0, help="0 (the default here) is greedy"
-    )
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    model = "default: the model's generation config's"
+    parser.add_argument("--max-tokens", type=int, default=None, help=f"{model}, else 256")
+    parser.add_argument("--temperature", type=float, default=None, help=f"{model}, else 0 (greedy)")
+    parser.add_argument("--top-p", type=float, default=None, help=f"{model}, else 1")
+    parser.add_argument("--top-k", type=int, default=None, help=f"{model}, else 0 (off)")
+    parser.add_argument("--min-p", type=float, default=None, help=f"{model}, else 0")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help=f"{model}, else 1")
     parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
+def sampling_params(args: argparse.Namespace, model_defaults: dict[str, Any]) -> SamplingParams:
+    """The flags given, else the model's sampling defaults (``ModelConfig.sampling_defaults``),
+    else the command line's own."""
+    given = {name: getattr(args, name) for name in _MODEL_DEFAULTED}
+    return SamplingParams.from_generation_config(
+        {**_COMMAND_DEFAULTS, **model_defaults},
+        **{name: value for name, value in given.items() if value is not None},
         seed=args.sampling_seed,
         stop=args.stop,
     )

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         llm = LLM(**engine_kwargs(args))
-        params = sampling_params(args)
+        params = sampling_params(args, llm.config.model.sampling_defaults)
         if args.raw or llm.get_tokenizer() is None or not _has_chat_template(llm):
             outputs = llm.generate([args.prompt], params, use_tqdm=False)
         else:

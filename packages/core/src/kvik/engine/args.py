@@ -42,6 +42,9 @@ class EngineArgs:
     #: None: on where the platform's device runs asynchronously to the host (GPUs).
     async_scheduling: bool | None = None
     enable_nvtx: bool = False
+    #: Where requests' unset sampling options come from: "auto" (the model's generation config),
+    #: "vllm" or "none" (kvik's defaults), or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def create_engine_config(self) -> EngineConfig:
         from kvik.model_loader.loader import load_model_config
@@ -78,6 +81,7 @@ class EngineArgs:
             platform_default_dtype=platform.default_dtype(),
             seed=self.seed,
             tokenizer=self.tokenizer,
+            generation_config=self.generation_config,
         )
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:

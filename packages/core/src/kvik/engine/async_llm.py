@@ -117,7 +117,7 @@ class AsyncLLM:
     def get_default_sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults under ``overrides``."""
         return SamplingParams.from_generation_config(
-            self.config.model.generation_config, **overrides
+            self.config.model.sampling_defaults, **overrides
         )
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], **kwargs: Any) -> dict:

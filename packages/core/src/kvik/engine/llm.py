@@ -30,6 +30,8 @@ class LLM:
     ``enforce_eager`` turns CUDA graphs off; ``cudagraph_mode`` ("none" or "full") and
     ``cudagraph_capture_sizes`` choose them where the platform has them. ``async_scheduling``
     (None: the platform decides, on for GPUs) overlaps scheduling with the device's step.
+    ``generation_config`` ("auto": the model's; "vllm" or "none": kvik's own; or a folder) gives
+    the sampling defaults of ``generate``/``chat`` called without ``SamplingParams``.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class LLM:
         cudagraph_capture_sizes: list[int] | None = None,
         async_scheduling: bool | None = None,
         enable_nvtx: bool = False,
+        generation_config: str = "auto",
     ) -> None:
         self.config = EngineArgs(
             model=model,
@@ -78,6 +81,7 @@ class LLM:
             cudagraph_capture_sizes=cudagraph_capture_sizes,
             async_scheduling=async_scheduling,
             enable_nvtx=enable_nvtx,
+            generation_config=generation_config,
         ).create_engine_config()
         self.input_processor = InputProcessor(self.config.model)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
@@ -93,8 +97,9 @@ class LLM:
         return self.input_processor.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults, as vLLM does."""
-        return SamplingParams.from_generation_config(self.config.model.generation_config)
+        """SamplingParams with the model's generation_config.json defaults, as vLLM does (those
+        the ``generation_config`` option chose)."""
+        return SamplingParams.from_generation_config(self.config.model.sampling_defaults)
 
     def generate(
         self,

@@ -99,11 +99,26 @@ def gguf_hf_config(path: str | Path) -> Any:  # -> transformers.PretrainedConfig
     )
 
 
+#: llama.cpp's recommended-sampling metadata -> the generation_config.json key it stands for.
+_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
 def gguf_generation_config(path: str | Path) -> dict[str, Any]:
-    """generation_config.json's content as far as the GGUF says it: bos, pad and every token that
-    ends generation (llama.cpp's eos plus its end-of-turn and end-of-message tokens)."""
+    """generation_config.json's content as far as the GGUF says it: bos, pad, every token that
+    ends generation (llama.cpp's eos plus its end-of-turn and end-of-message tokens), and the
+    sampling its author recommends (``general.sampling.*``) where it says."""
     reader = _reader(path)
-    config: dict[str, Any] = {}
+    config: dict[str, Any] = {
+        ours: _metadata(reader, key)
+        for key, ours in _SAMPLING_KEYS.items()
+        if _metadata(reader, key) is not None
+    }
     for key in ("bos", "pad"):
         token = _metadata(reader, f"tokenizer.ggml.{'padding' if key == 'pad' else key}_token_id")
         if token is not None:

@@ -10,6 +10,7 @@ from torch import nn
 
 from kvik.config import ModelConfig, parse_dtype, read_generation_config
 from kvik.model_loader.dummy import load_dummy_weights
+from kvik.model_loader.generation_config import sampling_defaults
 from kvik.model_loader.gguf_loader import (
     gguf_generation_config,
     gguf_hf_config,
@@ -30,9 +31,11 @@ def load_model_config(
     platform_default_dtype: str | torch.dtype = "float32",
     seed: int = 0,
     tokenizer: str | None = None,
+    generation_config: str = "auto",
 ) -> ModelConfig:
     """Resolve ``model`` (None: the default model) and read its config, checked against what was
-    asked for. ``dtype="auto"`` means the platform's default."""
+    asked for. ``dtype="auto"`` means the platform's default; ``generation_config`` chooses where
+    sampling defaults come from (kvik.model_loader.generation_config)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
@@ -43,14 +46,14 @@ def load_model_config(
         if load_format == "safetensors":
             raise ValueError(f"{path} is a GGUF file: load_format 'safetensors' cannot read it")
         hf_config = gguf_hf_config(path)
-        generation_config = gguf_generation_config(path)
+        model_generation_config = gguf_generation_config(path)
     else:
         if load_format == "gguf":
             raise ValueError(f"{path} is a folder: load_format 'gguf' needs a .gguf file")
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
-        generation_config = read_generation_config(path)
+        model_generation_config = read_generation_config(path)
     if load_format == "auto":
         load_format = "gguf" if resolved.kind == "gguf" else "safetensors"
     max_position = hf_config.max_position_embeddings
@@ -69,7 +72,8 @@ def load_model_config(
         load_format=load_format,
         tokenizer=tokenizer,
         seed=seed,
-        generation_config=generation_config,
+        generation_config=model_generation_config,
+        sampling_defaults=sampling_defaults(generation_config, model_generation_config),
         name=resolved.display_name,
     )
     # Fail here, before an engine is built, on an unsupported architecture or missing weights.

@@ -11,8 +11,8 @@
 // rows: two A tiles, two B tiles, four C tiles), so a row's result does not depend on how many other
 // rows share the call: the same token gets the same bits at batch 1, 32 or in a prefill.
 //
-// Built at run time by kvik_cpu.extension for the host's CPU; compiled to a stub that reports
-// "unsupported" where the compiler does not target AMX.
+// Built at run time by kvik_cpu.extension for the host's CPU. Where the compiler does not target
+// AMX, amx_linear only raises (built_isa(), csrc/isa.cpp, then says the amx path cannot run).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -195,7 +195,6 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 }  // namespace kvik_cpu::ops
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
-  m.def("amx_supported() -> bool", &amx_supported);
   m.def("amx_pack(Tensor weight) -> Tensor", &amx_pack);
   m.def("amx_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor",
         &amx_linear);

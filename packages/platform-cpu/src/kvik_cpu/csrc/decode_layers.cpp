@@ -32,7 +32,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embedded, const at::Tensor& pos
                                at::TensorList kv_caches, at::IntArrayRef sliding_windows,
                                double scale, const at::Tensor& slot_mapping,
                                const at::Tensor& block_table, const at::Tensor& token_request,
-                               const at::Tensor& token_position) {
+                               const at::Tensor& token_position, int64_t max_isa) {
   namespace ops = kvik_cpu::ops;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
@@ -58,7 +58,7 @@ at::Tensor llama_decode_layers(const at::Tensor& embedded, const at::Tensor& pos
     at::Tensor attention = at::empty_like(q);
     at::Tensor cache = kv_caches[l];
     ops::paged_attention(q, k, parts[2], cache, slot_mapping, block_table, token_request,
-                         token_position, scale, sliding_windows[l], attention);
+                         token_position, scale, sliding_windows[l], max_isa, attention);
     hidden = ops::amx_linear(attention, w[3], hidden_size, bias_of(w[4]));
     std::tie(x, residual) = ops::fused_add_rms_norm(hidden, residual, w[5], eps);
     const at::Tensor gate_up = ops::amx_linear(x, w[6], 2 * intermediate_size, bias_of(w[7]));
@@ -75,6 +75,6 @@ TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
       "float eps, Tensor cos_sin_cache, bool is_neox, int num_heads, int num_kv_heads, "
       "int head_size, int intermediate_size, Tensor[] kv_caches, int[] sliding_windows, "
       "float scale, Tensor slot_mapping, Tensor block_table, Tensor token_request, "
-      "Tensor token_position) -> Tensor",
+      "Tensor token_position, int max_isa) -> Tensor",
       &llama_decode_layers);
 }

@@ -9,6 +9,15 @@
 
 namespace kvik_cpu::ops {
 
+// The kernel paths (kvik_cpu.isa.CpuIsa), each allowing the ones below it. A kernel whose result
+// depends on the path takes the highest one it may use as an argument, so that a path forced from
+// Python (KVIK_CPU_ISA) reaches the code that would otherwise choose by what it was built for.
+enum Isa : int64_t { kPlain = 0, kAvx512Bf16 = 1, kAmx = 2 };
+
+// isa.cpp: the highest path this build can run in this process (AMX also needs the kernel's
+// permission to use the tiles).
+int64_t built_isa();
+
 // small_ops.cpp (torch.ops.kvik.*'s CPU kernels)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x,
@@ -29,6 +38,6 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     at::Tensor& output);
+                     int64_t max_isa, at::Tensor& output);
 
 }  // namespace kvik_cpu::ops

@@ -5,6 +5,10 @@
 // item is a (token, KV head) pair: the query heads sharing that KV head (GQA) are handled together,
 // so each cached key and value row is read once per token. Scores and sums are fp32.
 //
+// Three paths for bf16 (ops.h's Isa; the caller passes the highest it may take): portable loops
+// (plain, and every float32 call), AVX512-BF16 dot products and exp (avx512bf16), and the same
+// with the query-key scores on AMX tiles (amx).
+//
 // Built at run time by kvik_cpu.extension (torch.utils.cpp_extension), for the host's CPU.
 
 #include <ATen/Parallel.h>
@@ -344,7 +348,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
                           at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                           const at::Tensor& block_table, const at::Tensor& token_request,
                           const at::Tensor& token_position, double scale_d,
-                          int64_t sliding_window, at::Tensor& output) {
+                          int64_t sliding_window, int64_t max_isa, at::Tensor& output) {
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3);
@@ -378,14 +382,17 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   }
 
   // 2. Attention, one (token, KV head) item at a time.
+  using kvik_cpu::ops::kAmx;
+  using kvik_cpu::ops::kAvx512Bf16;
   bool fast_bf16 = false;
 #if defined(__AVX512BF16__)
-  fast_bf16 = std::is_same_v<T, c10::BFloat16> && head_size % 32 == 0 &&
+  fast_bf16 = max_isa >= kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> && head_size % 32 == 0 &&
               head_size <= 32 * kMaxChunks && group <= kMaxGroup;
 #endif
   bool amx_scores = false;
 #ifdef KVIK_HAVE_AMX
-  amx_scores = fast_bf16 && head_size <= 32 * kMaxAmxChunks && kvik_cpu::request_amx();
+  amx_scores = max_isa >= kAmx && fast_bf16 && head_size <= 32 * kMaxAmxChunks &&
+               kvik_cpu::request_amx();
 #endif
   at::parallel_for(0, num_tokens * kv_heads, 1, [&](int64_t begin, int64_t end) {
 #ifdef KVIK_HAVE_AMX
@@ -452,7 +459,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     at::Tensor& output) {
+                     int64_t max_isa, at::Tensor& output) {
+  TORCH_CHECK(max_isa >= kvik_cpu::ops::kPlain && max_isa <= kvik_cpu::ops::built_isa(),
+              "paged_attention: kernel path ", max_isa, " is not in this build (0 plain, ",
+              "1 avx512bf16, 2 amx; this build and CPU run up to ", kvik_cpu::ops::built_isa(), ")");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_size]");
   const int64_t head_size = kv_cache.size(4), kv_heads = kv_cache.size(3);
@@ -472,11 +482,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   }
   if (kv_cache.scalar_type() == at::kFloat) {
     paged_attention_impl<float>(query, key, value, kv_cache, slot_mapping, block_table,
-                                token_request, token_position, scale, sliding_window, output);
+                                token_request, token_position, scale, sliding_window, max_isa,
+                                output);
   } else if (kv_cache.scalar_type() == at::kBFloat16) {
     paged_attention_impl<c10::BFloat16>(query, key, value, kv_cache, slot_mapping, block_table,
                                         token_request, token_position, scale, sliding_window,
-                                        output);
+                                        max_isa, output);
   } else {
     TORCH_CHECK(false, "kvik_cpu::paged_attention supports float32 and bfloat16, not ",
                 kv_cache.scalar_type());
@@ -490,9 +501,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     at::Tensor& output) {
+                     int64_t max_isa, at::Tensor& output) {
   ::paged_attention(query, key, value, kv_cache, slot_mapping, block_table, token_request,
-                    token_position, scale, sliding_window, output);
+                    token_position, scale, sliding_window, max_isa, output);
 }
 }  // namespace kvik_cpu::ops
 
@@ -500,7 +511,7 @@ TORCH_LIBRARY(kvik_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor token_request, Tensor token_position, "
-      "float scale, int sliding_window, Tensor(b!) output) -> ()");
+      "float scale, int sliding_window, int max_isa, Tensor(b!) output) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvik_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
