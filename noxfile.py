@@ -1,11 +1,12 @@
 """Sessions: ``tests`` (the test suite), ``deps_latest`` (a smoke subset on the newest release of
-every dependency), ``build`` (wheels and sdists into dist/), ``wheels`` (build, install from dist/
+every dependency), ``deps_lowest`` (the same on the lower bounds the packages declare), ``build`` (wheels and sdists into dist/), ``wheels`` (build, install from dist/
 into a fresh venv, use it), ``lint`` (ruff), ``env`` (kvik env), ``serve`` (the server)."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -68,6 +69,37 @@ def deps_latest(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "list", "--outdated", "--exclude", "torch")
     session.run("python", "-c", VERSIONS)
     session.run("pytest", *SMOKE_TESTS, *session.posargs)
+
+
+#: The dependencies whose lower bounds (in the packages' pyproject.toml) deps_lowest runs.
+FLOORED = ("transformers", "tokenizers", "pluggy", "gguf", "triton")
+
+
+def declared_floors() -> dict[str, str]:
+    """FLOORED's ``>=`` versions as the six pyproject.toml files declare them."""
+    floors: dict[str, str] = {}
+    for p in PACKAGES:
+        text = Path(f"packages/{p}/pyproject.toml").read_text()
+        for name, version in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)"', text):
+            if name in FLOORED and floors.setdefault(name, version) != version:
+                raise ValueError(f"{name}: lower bounds {floors[name]} and {version} differ")
+    if missing := set(FLOORED) - set(floors):
+        raise ValueError(f"no lower bound declared for {', '.join(sorted(missing))}")
+    return floors
+
+
+@nox.session
+def deps_lowest(session: nox.Session) -> None:
+    """SMOKE_TESTS and the GGUF tests with FLOORED at exactly their declared lower bounds (the
+    rest as pip resolves them, torch 2.13.0): how those bounds were run. Not in CI's command."""
+    pins = ["torch==2.13.0", *(f"{name}=={v}" for name, v in declared_floors().items())]
+    constraints = Path(session.create_tmp()) / "floors.txt"
+    constraints.write_text("\n".join(pins) + "\n")
+    session.install("torch==2.13.0")
+    editables = (arg for p in PACKAGES for arg in ("-e", f"packages/{p}[test]"))
+    session.install("-c", str(constraints), "hatchling", "hypothesis", "pytest", *editables)
+    session.run("python", "-c", VERSIONS)
+    session.run("pytest", *SMOKE_TESTS, "packages/core/tests/test_gguf.py", *session.posargs)
 
 
 VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'triton', 'pluggy', 'gguf', 'fastapi', 'openai')), sep=', ')"  # fmt: skip
