@@ -223,7 +223,7 @@ def test_engine_without_the_cpp_kernels_falls_back_to_the_references(tiny_model,
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=256)
     assert llm.engine.runner.backend is not CpuPagedBackend
     assert llm.engine.runner.backend.name == "TORCH_SDPA"
-    assert llm.engine.platform.native_ops
+    assert llm.engine.platform.ops_dispatch == "direct" == llm.config.ops_dispatch
     prompts = ragged_prompts(4, seed=5)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     assert_greedy_equal(prompts, outputs, load_hf(folder), GREEDY.max_tokens)

@@ -4,14 +4,14 @@ What is checked, and how a name is recognised (only backticked spans, plus paths
 fenced blocks, which are the document's file listings; a fenced block with a language tag is an
 example for a vendor and names things that do not exist):
 
-- dotted names rooted at a kvik package (``kvik.ops.use_native_ops``, ``kvik_server.app.create_app``):
+- dotted names rooted at a kvik package (``kvik.ops.small_op``, ``kvik_server.app.create_app``):
   the longest importable module prefix is imported and the rest looked up as attributes;
 - names qualified by a kvik class (``ModelRunner.launch``, ``Linear.kernel``): the class has the
   member, as a class attribute, an annotation or an attribute its methods assign (``self.kernel =``);
 - the arguments of a call (``create_app(engine_args, settings=None)``): some callable of that name
   takes parameters of those names (arguments that are not plain names are not checked);
 - bare CamelCase names (``StepRunner``, ``LLM``), calls (``select_platform(device=None)``) and
-  snake_case names (``native_ops``): a class, function, member or field of that name is defined
+  snake_case names (``ops_dispatch``): a class, function, member or field of that name is defined
   somewhere in kvik's packages, or, for snake_case, it is a key of ``kvik env --json``'s report (a
   single lower-case word such as ``name`` is too common to check and is skipped);
 - ``kvik::op`` names: the custom op is registered under ``torch.ops.kvik``;
@@ -370,7 +370,7 @@ def missing_names(names: Names) -> list[str]:
 def test_every_name_in_architecture_md_exists():
     names = extract(DOC.read_text())
     # The extraction finds the document's names at all (a broken pattern would pass vacuously).
-    assert {"kvik.ops.use_native_ops", "ModelRunner.launch"} <= names.dotted
+    assert {"kvik.ops.small_op", "ModelRunner.launch"} <= names.dotted
     assert {"StepRunner", "select_platform"} <= names.bare
     assert "kvik/plugins/hookspecs.py" in names.paths and "CPU_PAGED" in names.upper
     assert "--enforce-eager" in names.commands and "unified_attention" in names.ops
@@ -387,7 +387,7 @@ A `kvik.ops.no_such_op`, a `kvik_nothing.module` (not a kvik package: skipped), 
 `kvik no-such-command`, a flag of the wrong command `kvik env --enforce-eager`, and real ones:
 `kvik.ops`, `kvik_models`, `Linear.kernel`, `kvik bench throughput | latency --output-json`,
 `--device`, `TORCH_SDPA`, `KVIK_DEVICE`, `KVIK_PLUGINS=a,b`, `noxfile.py`, `/v1/models`,
-`is_present()`, `LLM`, `LMHead.kernel`, `native_ops`, `selection_error`, and what is not checked:
+`is_present()`, `LLM`, `LMHead.kernel`, `ops_dispatch`, `selection_error`, and what is not checked:
 `torch.compile`, `ValueError`, `len(x)`, `FastAPI`, `name`. Wrong ones again: a field `no_such_field`,
 a stale signature `kvik_server.app.create_app(async_llm)`, a class `NOSUCHCLASS`, a variable `$KVIK_NO_SUCH_CACHE/x`, a member `Platform.no_such_member`, a
 command that wraps onto the next line `kvik env

@@ -19,6 +19,7 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     silu_and_mul_kernel,
 )
 from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.argmax import ARGMAX_BLOCK, ARGMAX_WARPS, argmax_kernel  # noqa: E402
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
     reshape_and_cache_config,
@@ -104,6 +105,17 @@ def test_reshape_and_cache(arch: str, heads: int, head_size: int) -> None:
     signature = types(reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64")
     compiled_ok(
         reshape_and_cache_kernel, arch, types=signature, constexprs=constexprs, num_warps=num_warps
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_argmax(arch: str) -> None:
+    compiled_ok(
+        argmax_kernel,
+        arch,
+        types=types(argmax_kernel, torch.float32, out_ptr="*i64"),
+        constexprs={"BLOCK": ARGMAX_BLOCK},
+        num_warps=ARGMAX_WARPS,
     )
 
 

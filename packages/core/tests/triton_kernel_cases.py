@@ -19,6 +19,7 @@ from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.argmax import argmax
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
@@ -186,6 +187,23 @@ def test_one_row_linear_takes_the_gemv_for_one_row_only() -> None:
     for rows in (0, 3):
         x = randn(rows, 40)
         assert torch.equal(kernel(x), torch.nn.functional.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+def test_argmax(dtype: torch.dtype) -> None:
+    """The first maximal index of each row as torch's max(dim).indices gives it: ties, rows of
+    -inf, NaN (the largest), a row shorter than the block and one spanning several."""
+    rows, vocab = (6, 128256) if ON_GPU else (6, 9000)
+    x = torch.randn(rows, vocab).to(dtype)
+    x[1, 5] = x[1, vocab - 3] = x[1].max() + 1  # a tie: the first wins
+    x[2] = float("-inf")
+    x[3, 17] = x[3, 4000] = float("nan")
+    x[4, vocab - 1] = 1e4
+    x[5, :] = 0.0
+    expected = x.max(dim=-1).indices
+    assert torch.equal(argmax(x.to(DEVICE)).cpu(), expected)
+    short = x[:, :37].contiguous()
+    assert torch.equal(argmax(short.to(DEVICE)).cpu(), short.max(dim=-1).indices)
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -19,6 +19,22 @@ _DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
+
+
+#: What ``dtype`` accepts by name: "auto" (the platform's default) and the names above.
+DTYPE_NAMES = ("auto", *_DTYPES)
+
+#: How the weights are read: "auto" by what the model path holds, or random ("dummy").
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
+
+#: The order waiting requests are admitted in: arrival, or (priority, arrival).
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
+
+#: How layers call the small ops (norms, rotary, activation); see kvik.ops.
+OpsDispatch = Literal["torch_ops", "direct"]
+OPS_DISPATCHES: tuple[str, ...] = get_args(OpsDispatch)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -98,7 +114,8 @@ class CacheConfig:
 
 #: vLLM's CUDA graph modes. kvik builds "none" and "full" (FULL graphs for uniform decode steps,
 #: eager for the others); the piecewise modes come with the torch.compile path.
-CUDAGRAPH_MODES = ("none", "full", "piecewise", "full_and_piecewise")
+CudagraphMode = Literal["none", "full", "piecewise", "full_and_piecewise"]
+CUDAGRAPH_MODES: tuple[str, ...] = get_args(CudagraphMode)
 BUILT_CUDAGRAPH_MODES = ("none", "full")
 
 
@@ -157,3 +174,6 @@ class EngineConfig:
     async_scheduling: bool | None = None
     #: NVTX ranges around schedule, prepare, forward, sample and update (for nsys).
     enable_nvtx: bool = False
+    #: How the layers call the small ops; None lets the platform decide (the runner then records
+    #: its choice here).
+    ops_dispatch: OpsDispatch | None = None

@@ -2,39 +2,59 @@
 
 The references run on every device. A platform registers faster kernels for its own device key when
 it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``), never on import,
-because ROCm builds of torch use the CUDA key too. Models call ``torch.ops.kvik.*`` and dispatch
-follows the tensors' device; ``torch.compile`` sees each op as one node.
+because ROCm builds of torch use the CUDA key too. ``torch.compile`` sees each op as one node.
+Attention goes through its op only under ``torch.compile``; eagerly the attention layer calls its
+backend, which writes the cache itself (kvik.layers.attention).
 
-A platform whose kernels for the small ops are these references themselves (the CPU when its C++
-ops did not build) asks for ``use_native_ops(True)`` before the model is built: the layers then
-call the references directly (``native``), which skips the custom-op dispatch in eager mode (a
-per-call cost docs/benchmarks.md measures) and lets ``torch.compile`` fuse them into its own loops
-instead of calling an opaque op. Attention goes through its op only under ``torch.compile``; eagerly
-the attention layer calls its backend, which writes the cache itself (kvik.layers.attention).
+How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul,
+and the sampler's argmax) is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
+
+- ``"torch_ops"``: through ``torch.ops.kvik.*``, so dispatch follows the tensors' device to the
+  kernels the platform registered (CUDA's Triton kernels, the CPU's C++ ones). A platform with
+  kernels of its own chooses this.
+- ``"direct"``: the references above, called as plain Python functions. A platform whose kernels
+  for these ops would be the references anyway (the CPU when its C++ ops did not build) chooses
+  this: it skips the custom-op dispatch, a cost on every call in eager mode that
+  docs/benchmarks.md measures, and lets ``torch.compile`` fuse the ops into its own loops instead
+  of calling an opaque op.
+
+Layers resolve the choice once, when they are built: the runner builds its model inside
+``ops_dispatch(choice)``, which holds for that build only (a context variable), so two engines in
+one process each get their own, and a layer built outside any engine calls ``torch.ops.kvik``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
-_use_native = False
+from kvik.config import OPS_DISPATCHES, OpsDispatch
+
+_dispatch: ContextVar[OpsDispatch] = ContextVar("kvik_ops_dispatch", default="torch_ops")
 
 
-def use_native_ops(enabled: bool) -> None:
-    """Call the references of rms_norm, fused_add_rms_norm, rotary_embedding and silu_and_mul
-    directly instead of through ``torch.ops.kvik`` (set once per process by the runner from its
-    platform's ``native_ops``)."""
-    global _use_native
-    _use_native = enabled
+@contextmanager
+def ops_dispatch(choice: OpsDispatch) -> Iterator[None]:
+    """Layers built inside call the small ops as ``choice`` says ("torch_ops" or "direct")."""
+    if choice not in OPS_DISPATCHES:
+        raise ValueError(f"ops_dispatch must be one of {OPS_DISPATCHES}, got {choice!r}")
+    token = _dispatch.set(choice)
+    try:
+        yield
+    finally:
+        _dispatch.reset(token)
 
 
-def native(name: str) -> Callable:
-    """What a layer calls for the small op ``name`` (say "rms_norm"): the custom op, or its
-    reference where native ops are on. Layers resolve it once, when they are built."""
-    return _REFERENCES[name] if _use_native else getattr(torch.ops.kvik, name)
+def small_op(name: str) -> Callable:
+    """What a layer being built calls for the small op ``name`` (say "rms_norm"): the custom op
+    ``torch.ops.kvik.<name>``, or its reference where the build's dispatch is "direct"."""
+    if _dispatch.get() == "direct":
+        return _REFERENCES[name]
+    return getattr(torch.ops.kvik, name)
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -175,10 +195,25 @@ def _(query, key, value, output, layer_name) -> None:
     return None
 
 
-#: Each small op's reference, for ``native``.
+def _argmax(x: Tensor) -> Tensor:
+    # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU over a
+    # batch of large-vocabulary rows (docs/benchmarks.md).
+    return x.max(dim=-1).indices
+
+
+argmax = torch.library.custom_op("kvik::argmax", _argmax, mutates_args=())
+
+
+@argmax.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.int64)
+
+
+#: Each small op's reference, for ``small_op`` under the "direct" dispatch.
 _REFERENCES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "argmax": _argmax,
 }

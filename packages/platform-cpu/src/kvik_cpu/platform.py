@@ -45,8 +45,9 @@ class CpuPlatform(Platform):
     supported_dtypes = ("float32", "bfloat16", "float16")
     attention_backends = ("CPU_PAGED", "TORCH_SDPA")
     graph_support = "none"
-    # Until on_selected() has built the C++ kernels of the small ops, the references are them.
-    native_ops = True
+    # Until on_selected() has built the C++ kernels of the small ops, the references are the CPU's
+    # kernels, so the layers call them directly.
+    ops_dispatch = "direct"
 
     @classmethod
     def is_present(cls) -> bool:
@@ -74,9 +75,9 @@ class CpuPlatform(Platform):
         from kvik_cpu import extension
 
         # Loading the C++ ops registers their CPU kernels for torch.ops.kvik.* (csrc/small_ops.cpp);
-        # models then call the ops rather than the references. If they did not build, the
-        # references run (and TORCH_SDPA replaces CPU_PAGED).
-        cls.native_ops = extension.load() is not None
+        # models then call the ops rather than the references. If they did not build (load()
+        # returns why), the references run directly (and TORCH_SDPA replaces CPU_PAGED).
+        cls.ops_dispatch = "torch_ops" if extension.load() is None else "direct"
         # A forced path the CPU or the build cannot run fails here, before any model is built.
         isa.cap_onednn(isa.engine_isa())
 

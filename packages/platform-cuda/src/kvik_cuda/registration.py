@@ -12,6 +12,7 @@ import torch
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.argmax import argmax
 from kvik.triton_kernels.attention import register_attention_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -24,6 +25,7 @@ KERNELS = {
     "kvik::rotary_embedding": rotary_embedding,
     "kvik::silu_and_mul": silu_and_mul,
     "kvik::reshape_and_cache": reshape_and_cache,
+    "kvik::argmax": argmax,
 }
 
 

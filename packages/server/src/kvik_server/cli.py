@@ -9,38 +9,39 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvik.cli.engine_args import add_engine_arguments, engine_kwargs
+from kvik.cli.engine_args import add_engine_arguments, engine_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser, positional_model=True)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
+    """The server's own options, then every engine option (kvik.cli.engine_args)."""
+    server = parser.add_argument_group("server options")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument(
         "--api-key",
         action="append",
         default=None,
         help="a key clients must send as 'Authorization: Bearer KEY' (repeatable; "
         "default: $KVIK_API_KEY; none means no auth)",
     )
-    parser.add_argument(
+    server.add_argument(
         "--served-model-name", action="append", default=None, help="name(s) clients use"
     )
-    parser.add_argument("--chat-template", default=None, help="a Jinja template, or a file of one")
-    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
-    parser.add_argument(
+    server.add_argument("--chat-template", default=None, help="a Jinja template, or a file of one")
+    server.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    server.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
-    parser.add_argument("--log-level", default="info")
+    server.add_argument("--log-level", default="info")
+    add_engine_arguments(parser, positional_model=True)
 
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvik.engine.args import EngineArgs
     from kvik_server.app import ServerSettings, create_app
 
     logging.basicConfig(
@@ -52,7 +53,11 @@ def run(args: argparse.Namespace) -> int:
     chat_template = args.chat_template
     if chat_template is not None and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    engine_args = EngineArgs(**engine_kwargs(args))
+    try:
+        options = engine_args(args)
+    except ValueError as e:
+        print(f"kvik serve: {e}", file=sys.stderr)
+        return 2
     settings = ServerSettings(
         served_model_names=args.served_model_name or [],
         api_keys=api_keys,
@@ -61,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         url=f"http://{args.host}:{args.port}",
     )
-    app = create_app(engine_args, settings)
+    app = create_app(options, settings)
     uvicorn.run(
         app,
         host=args.host,
@@ -73,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvik serve", description=__doc__)
+    from kvik.cli.main import parse_args
+
+    parser = argparse.ArgumentParser(prog="kvik serve", description=__doc__, allow_abbrev=False)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parse_args(parser, sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subparsers = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, (module_path, help_text) in BENCHMARKS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         importlib.import_module(module_path).add_arguments(sub)
 
 

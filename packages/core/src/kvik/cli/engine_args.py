@@ -1,109 +1,88 @@
-"""The engine's command-line options, shared by ``kvik generate``, ``kvik chat`` and ``kvik serve``."""
+"""The engine's command-line flags, made from the fields of ``EngineArgs``.
+
+Shared by ``kvik generate``, ``kvik chat``, ``kvik bench throughput|latency`` and ``kvik serve``:
+each field becomes ``--field-name`` with its type, choices, default and help text; a bool becomes
+``--x`` / ``--no-x`` (as vLLM's flags), a list takes several values. A new field of EngineArgs is
+a new flag of every command without an edit here.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from kvik.engine.args import EngineArgs
+from kvik.engine.options import OptionSpec, option_specs
 from kvik.sampling_params import SamplingParams
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+    """Add a flag for every engine option; ``positional_model`` also takes the model as the first
+    positional argument (``kvik serve MODEL``)."""
+    group = parser.add_argument_group("engine options")
     if positional_model:
-        parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="a model folder, a .gguf file, a hub id or an alias "
-        "(default: smollm2-135m-instruct, SmolLM2-135M-Instruct)",
-    )
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
-    parser.add_argument("--device", default=None, help="platform name (default: automatic)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    parser.add_argument("--seed", type=int, default=0, help="the engine's random seed")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="share of an accelerator's memory the engine may use (weights, activations, KV cache)",
-    )
-    parser.add_argument("--no-enable-prefix-caching", action="store_true")
-    parser.add_argument(
-        "--enforce-eager", action="store_true", help="run the model eagerly: no CUDA graphs"
-    )
-    parser.add_argument(
-        "--cudagraph-mode",
-        default=None,
-        choices=("none", "full", "piecewise", "full_and_piecewise"),
-        help="none, or full: one CUDA graph per padded decode batch size (default where the "
-        "platform has graphs); the piecewise modes are not built yet",
-    )
-    parser.add_argument(
-        "--cudagraph-capture-sizes",
-        type=_int_list,
-        default=None,
-        metavar="N,N,...",
-        help="padded decode batch sizes to capture (default: 1, 2, 4, 8..256 by 8, 272..512 by "
-        "16, up to --max-num-seqs)",
-    )
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="schedule step N+1 while the device runs step N (default: on for GPUs)",
-    )
-    parser.add_argument(
-        "--enable-nvtx", action="store_true", help="NVTX ranges around each step's phases"
-    )
-    parser.add_argument("--load-format", default="auto", help="auto, safetensors, gguf or dummy")
-    parser.add_argument(
-        "--generation-config",
-        default="auto",
-        help="where unset sampling options come from: auto (the model's generation config), "
-        "vllm or none (kvik's defaults), or a folder holding a generation_config.json",
-    )
+        group.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
+    for spec in option_specs(EngineArgs):
+        group.add_argument(spec.flag, dest=spec.name, **_argparse_kwargs(spec))
+
+
+def _argparse_kwargs(spec: OptionSpec) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"default": spec.default, "help": spec.help}
+    if spec.kind is bool:
+        # argparse adds the default to a BooleanOptionalAction's help itself.
+        kwargs["action"] = argparse.BooleanOptionalAction
+        return kwargs
+    if spec.default is not None and "default" not in spec.help:
+        kwargs["help"] = f"{spec.help} (default: {spec.default})"
+    if spec.kind is list:
+        kwargs.update(nargs="+", type=_item_parser(spec.item), action=_Flatten)
+    else:
+        kwargs["type"] = spec.kind
+    if spec.choices:
+        kwargs["choices"] = spec.choices
+    if spec.metavar:
+        kwargs["metavar"] = spec.metavar
+    return kwargs
+
+
+def _item_parser(item: type):
+    """A list flag's item parser: ``--sizes 1 2 4`` and ``--sizes 1,2,4`` are the same."""
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [item(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected {item.__name__} values, got {text!r}"
+            ) from None
+
+    parse.__name__ = item.__name__  # argparse names the type in its error messages
+    return parse
+
+
+class _Flatten(argparse.Action):
+    """Store a list flag's values as one list (each value may hold several, comma-separated)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [item for value in values for item in value])
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``kvik.LLM`` keyword arguments the options ask for."""
-    model = getattr(args, "model_positional", None) or args.model
-    return dict(
-        model=model,
-        tokenizer=args.tokenizer,
-        device=args.device,
-        dtype=args.dtype,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        num_kv_blocks=args.num_kv_blocks,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        enable_prefix_caching=not args.no_enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
-        load_format=args.load_format,
-        cudagraph_mode=args.cudagraph_mode,
-        cudagraph_capture_sizes=args.cudagraph_capture_sizes,
-        async_scheduling=args.async_scheduling,
-        enable_nvtx=args.enable_nvtx,
-        generation_config=args.generation_config,
-    )
+    """The ``kvik.LLM`` keyword arguments (EngineArgs' fields) the parsed flags ask for."""
+    kwargs = {spec.name: getattr(args, spec.name) for spec in option_specs(EngineArgs)}
+    positional = getattr(args, "model_positional", None)
+    if positional is not None:
+        if kwargs["model"] is not None and kwargs["model"] != positional:
+            raise ValueError(
+                f"the model is given twice, as {positional!r} and --model {kwargs['model']!r}"
+            )
+        kwargs["model"] = positional
+    return kwargs
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs the parsed flags ask for."""
+    return EngineArgs(**engine_kwargs(args))
 
 
 #: The sampling flags a model's generation config gives defaults for -> its key there.

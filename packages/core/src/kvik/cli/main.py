@@ -8,6 +8,7 @@ other subcommands import, and a subcommand whose package is missing breaks only 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 from collections.abc import Sequence
@@ -38,13 +39,15 @@ def all_commands() -> dict[str, tuple[str, str]]:
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported to add its arguments."""
+    # No abbreviated flags: with the engine's flags made from EngineArgs, an abbreviation that works
+    # today could become ambiguous, or mean another option, when a field is added.
     parser = argparse.ArgumentParser(
-        prog="kvik", description="kvik: an LLM inference and serving engine."
+        prog="kvik", description="kvik: an LLM inference and serving engine.", allow_abbrev=False
     )
     parser.add_argument("--version", action="version", version=f"kvik {kvik.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_path, help_text) in all_commands().items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if name == command:
             module = importlib.import_module(module_path)
             module.add_arguments(sub)
@@ -55,5 +58,38 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    args = build_parser(command).parse_args(argv)
+    args = parse_args(build_parser(command), argv)
     return args.run(args)
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, but an unknown flag's error suggests the closest known flag."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(unknown_arguments_message(parser, unknown))
+    return args
+
+
+def unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    known = sorted(_option_strings(parser))
+    hints = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--"):
+            close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{flag}: did you mean {close[0]}?")
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    return f"{message} ({'; '.join(hints)})" if hints else message
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
+    """The long flags of ``parser`` and of its subcommands' parsers, recursively. (argparse lists
+    a parser's actions only in ``_actions``; Python 3.14's ``suggest_on_error`` covers choices,
+    not flags.)"""
+    flags = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _option_strings(sub)
+    return flags

@@ -1,7 +1,10 @@
-"""The engine's user-facing options, and their resolution into an EngineConfig.
+"""The engine's options, and their resolution into an EngineConfig.
 
-Shared by the offline ``LLM``, the server's ``AsyncLLM`` and the command line, so that an option
-means the same thing, with the same checks, wherever it is given.
+``EngineArgs`` is the one list of them: ``LLM(**kwargs)`` takes exactly its fields, the server's
+``AsyncLLM`` takes an instance, and the flags of ``kvik generate/chat/serve/bench`` are made from
+its fields (kvik.cli.engine_args), so an option means the same thing, with the same checks,
+wherever it is given. A field's type, default and ``option(..., help)`` are all a new option needs;
+where vLLM has the same option, the field has vLLM's name.
 """
 
 from __future__ import annotations
@@ -9,48 +12,129 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvik.config import CacheConfig, CompilationConfig, EngineConfig, default_capture_sizes
+import torch
+
+from kvik.config import (
+    DTYPE_NAMES,
+    CacheConfig,
+    CompilationConfig,
+    CudagraphMode,
+    EngineConfig,
+    LoadFormat,
+    OpsDispatch,
+    SchedulingPolicy,
+    default_capture_sizes,
+)
+from kvik.engine.options import check_value, option, option_specs, unknown_option_message
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 @dataclass
 class EngineArgs:
-    """The options of ``LLM(...)``; ``num_kv_blocks`` sets the KV cache's block count exactly,
-    otherwise ``kv_cache_memory_bytes`` or the platform's default decides it."""
+    """The engine's options; ``kvik <command> --help`` shows each one's help text."""
 
-    model: str | None = None
-    device: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    load_format: str = "auto"
-    tokenizer: str | None = None
-    enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
-    #: "none", "full" (FULL graphs for decode steps); None: "full" where the platform has graphs.
-    cudagraph_mode: str | None = None
-    cudagraph_capture_sizes: list[int] | None = None
-    #: None: on where the platform's device runs asynchronously to the host (GPUs).
-    async_scheduling: bool | None = None
-    enable_nvtx: bool = False
-    #: Where requests' unset sampling options come from: "auto" (the model's generation config),
-    #: "vllm" or "none" (kvik's defaults), or a folder holding a generation_config.json.
-    generation_config: str = "auto"
+    model: str | None = option(
+        None,
+        "a model folder, a .gguf file, a hub id or an alias "
+        "(default: smollm2-135m-instruct, SmolLM2-135M-Instruct)",
+    )
+    tokenizer: str | None = option(None, "a tokenizer folder or hub id (default: the model's)")
+    device: str | None = option(
+        None,
+        "the platform to run on, by name (default: $KVIK_DEVICE, else the present platform of "
+        "highest priority)",
+    )
+    dtype: str | torch.dtype = option(
+        "auto",
+        "the dtype of weights and activations; auto: the platform's default",
+        choices=DTYPE_NAMES,
+    )
+    seed: int = option(0, "the engine's random seed (sampling without a per-request seed)")
+    load_format: LoadFormat = option(
+        "auto",
+        "how to read the weights: auto (by what the model path holds), safetensors, gguf, or "
+        "dummy (random weights of the model's shapes)",
+    )
+    max_model_len: int | None = option(
+        None, "the longest sequence, prompt and output, in tokens (default: the model's context)"
+    )
+    max_num_seqs: int = option(256, "the most requests in one step")
+    max_num_batched_tokens: int | None = option(
+        None,
+        f"the most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and at least "
+        "max_model_len when chunked prefill is off)",
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        "split a long prompt over several steps, so that decoding requests keep running beside "
+        "it (off: a prompt runs whole, so max_num_batched_tokens must hold max_model_len)",
+    )
+    scheduling_policy: SchedulingPolicy = option(
+        "fcfs",
+        "the order waiting requests are admitted and running ones preempted in: fcfs (arrival), "
+        "or priority (each request's priority, lower first, then arrival)",
+    )
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV cache of prompt prefixes that earlier requests computed"
+    )
+    block_size: int = option(16, "tokens per KV cache block")
+    num_kv_blocks: int | None = option(
+        None, "the KV cache's block count, exactly (overrides kv_cache_memory_bytes)"
+    )
+    kv_cache_memory_bytes: int | None = option(
+        None,
+        "bytes for the KV cache (default: the platform's; on a GPU, what a profiling forward "
+        "pass leaves of gpu_memory_utilization)",
+    )
+    gpu_memory_utilization: float = option(
+        0.9,
+        "share of an accelerator's memory the engine may use (weights, activations, KV cache)",
+    )
+    enforce_eager: bool = option(False, "run the model eagerly: no CUDA graphs")
+    cudagraph_mode: CudagraphMode | None = option(
+        None,
+        "none, or full: one CUDA graph per padded decode batch size (default where the "
+        "platform has graphs); the piecewise modes are not built yet",
+    )
+    cudagraph_capture_sizes: list[int] | None = option(
+        None,
+        "padded decode batch sizes to capture (default: 1, 2, 4, 8..256 by 8, 272..512 by 16, "
+        "up to max_num_seqs)",
+        metavar="N",
+    )
+    async_scheduling: bool | None = option(
+        None, "schedule step N+1 while the device runs step N (default: on for GPUs)"
+    )
+    ops_dispatch: OpsDispatch | None = option(
+        None,
+        "how layers call the small ops (norms, rotary, activation): torch_ops (through "
+        "torch.ops.kvik, reaching the platform's kernels) or direct (the PyTorch references as "
+        "plain calls); default: the platform's choice",
+    )
+    enable_nvtx: bool = option(False, "NVTX ranges around each step's phases (for nsys)")
+    generation_config: str = option(
+        "auto",
+        "where requests' unset sampling options come from: auto (the model's generation "
+        "config), vllm or none (kvik's defaults), or a folder holding a generation_config.json",
+    )
 
-    def create_engine_config(self) -> EngineConfig:
-        from kvik.model_loader.loader import load_model_config
-        from kvik.platforms.selection import select_platform
-        from kvik.scheduler.scheduler import SchedulerConfig
+    def __post_init__(self) -> None:
+        for spec in option_specs(type(self)):
+            setattr(self, spec.name, check_value(spec, getattr(self, spec.name)))
+        self._check_ranges()
 
+    @classmethod
+    def from_options(cls, caller: str = "EngineArgs()", **options: Any) -> EngineArgs:
+        """``EngineArgs(**options)``, but an unknown keyword is a TypeError naming it and the
+        closest option, said as from ``caller``."""
+        known = [spec.name for spec in option_specs(cls)]
+        for name in options:
+            if name not in known:
+                raise TypeError(unknown_option_message(caller, name, known))
+        return cls(**options)
+
+    def _check_ranges(self) -> None:
         _check_positive(max_num_seqs=self.max_num_seqs, block_size=self.block_size)
         _check_positive(
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -59,18 +143,18 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             optional=True,
         )
-        if not (
-            isinstance(self.gpu_memory_utilization, int | float)
-            and not isinstance(self.gpu_memory_utilization, bool)
-            and 0 < self.gpu_memory_utilization <= 1
-        ):
+        if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
-            )
+
+    def create_engine_config(self) -> EngineConfig:
+        from kvik.model_loader.loader import load_model_config
+        from kvik.platforms.selection import select_platform
+        from kvik.scheduler.scheduler import SchedulerConfig
+
+        # Fields may have been set after construction: check them again.
+        self.__post_init__()
         platform = select_platform(self.device)
         compilation = self._compilation_config(platform.graph_support != "none")
         model_config = load_model_config(
@@ -115,7 +199,8 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             compilation=compilation,
             async_scheduling=self.async_scheduling,
-            enable_nvtx=bool(self.enable_nvtx),
+            enable_nvtx=self.enable_nvtx,
+            ops_dispatch=self.ops_dispatch,
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
@@ -129,10 +214,6 @@ class EngineArgs:
         sizes = self.cudagraph_capture_sizes
         if sizes is None:
             sizes = default_capture_sizes(self.max_num_seqs) if mode != "none" else []
-        elif not isinstance(sizes, list | tuple):
-            raise ValueError(f"cudagraph_capture_sizes must be a list of integers, got {sizes!r}")
-        if self.async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         return CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes))
 
 

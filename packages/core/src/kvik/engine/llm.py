@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from kvik.engine.args import EngineArgs
 from kvik.engine.core import EngineCore
 from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
+from kvik.engine.options import option_specs
 from kvik.engine.output_processor import OutputProcessor
 from kvik.outputs import RequestOutput
 from kvik.sampling_params import SamplingParams
@@ -22,66 +24,15 @@ class LLM:
     """An engine in this process, for offline batches of prompts.
 
     ``model`` is a Hugging Face folder, a .gguf file, a hub id or an alias; None means the default
-    model, SmolLM2-135M-Instruct.
-
-    ``num_kv_blocks`` sets the KV cache's block count exactly; otherwise ``kv_cache_memory_bytes``
-    or the platform's default (4 GiB on the CPU) decides it. On a GPU the default is what a
-    profiling forward pass leaves of ``gpu_memory_utilization`` (0.9) of the device's memory.
-    ``enforce_eager`` turns CUDA graphs off; ``cudagraph_mode`` ("none" or "full") and
-    ``cudagraph_capture_sizes`` choose them where the platform has them. ``async_scheduling``
-    (None: the platform decides, on for GPUs) overlaps scheduling with the device's step.
-    ``generation_config`` ("auto": the model's; "vllm" or "none": kvik's own; or a folder) gives
-    the sampling defaults of ``generate``/``chat`` called without ``SamplingParams``.
+    model, SmolLM2-135M-Instruct. The other keywords are the engine's options, exactly the fields
+    of ``kvik.engine.args.EngineArgs`` (each with its help text there, and as a flag in
+    ``kvik generate --help``): ``LLM(max_num_seqs=8, enforce_eager=True)``. An unknown keyword is
+    a TypeError that names the closest option.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        device: str | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = True,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enforce_eager: bool = False,
-        load_format: str = "auto",
-        tokenizer: str | None = None,
-        enable_chunked_prefill: bool = True,
-        scheduling_policy: str = "fcfs",
-        cudagraph_mode: str | None = None,
-        cudagraph_capture_sizes: list[int] | None = None,
-        async_scheduling: bool | None = None,
-        enable_nvtx: bool = False,
-        generation_config: str = "auto",
-    ) -> None:
-        self.config = EngineArgs(
-            model=model,
-            device=device,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching,
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager,
-            load_format=load_format,
-            tokenizer=tokenizer,
-            enable_chunked_prefill=enable_chunked_prefill,
-            scheduling_policy=scheduling_policy,
-            cudagraph_mode=cudagraph_mode,
-            cudagraph_capture_sizes=cudagraph_capture_sizes,
-            async_scheduling=async_scheduling,
-            enable_nvtx=enable_nvtx,
-            generation_config=generation_config,
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineArgs.from_options(
+            caller="LLM()", model=model, **options
         ).create_engine_config()
         self.input_processor = InputProcessor(self.config.model)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
@@ -210,3 +161,20 @@ class LLM:
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 bar.update(sum(state.finished for state in changed))
+
+
+def _signature_from_engine_args() -> inspect.Signature:
+    """``LLM.__init__``'s signature as help() and inspect show it: ``model``, then every other
+    engine option as a keyword with its default."""
+    positional = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", positional), inspect.Parameter("model", positional)]
+    for spec in option_specs(EngineArgs):
+        if spec.name != "model":
+            params.append(
+                inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=spec.default)
+            )
+    params[1] = params[1].replace(default=EngineArgs.model)
+    return inspect.Signature(params, return_annotation=None)
+
+
+LLM.__init__.__signature__ = _signature_from_engine_args()

@@ -10,7 +10,7 @@ from kvik import ops
 class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self._silu_and_mul = ops.native("silu_and_mul")
+        self._silu_and_mul = ops.small_op("silu_and_mul")
 
     def forward(self, x: Tensor) -> Tensor:
         # [T, 2*I] (gate, up) -> [T, I]

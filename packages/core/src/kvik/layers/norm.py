@@ -13,8 +13,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self._rms_norm = ops.native("rms_norm")
-        self._fused_add_rms_norm = ops.native("fused_add_rms_norm")
+        self._rms_norm = ops.small_op("rms_norm")
+        self._fused_add_rms_norm = ops.small_op("fused_add_rms_norm")
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """norm(x), or with a residual (norm(x + residual), x + residual)."""

@@ -56,7 +56,7 @@ class RotaryEmbedding(nn.Module):
         self.head_size = head_size
         self.is_neox = is_neox
         self.register_buffer("cos_sin_cache", cos_sin_cache, persistent=False)
-        self._rotary_embedding = ops.native("rotary_embedding")
+        self._rotary_embedding = ops.small_op("rotary_embedding")
 
     def forward(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         # positions [T]; q [T, H*D]; k [T, Hk*D]

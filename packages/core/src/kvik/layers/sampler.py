@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvik import ops
 from kvik.layers.logits_processors import LogitsProcessor
 from kvik.scheduler.output import TokenLogprobs
 
@@ -39,15 +40,15 @@ class SamplingBatch:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed of their own
+        # The first maximal index of each row, as the engine's ops dispatch says (kvik.ops).
+        self._argmax = ops.small_op("argmax")
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """logits [N, V] fp32 -> sampled token ids [N] int64."""
         for row, processors, output_ids in batch.processors:
             for processor in processors:
                 logits[row] = processor(output_ids, logits[row])
-        # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU
-        # over a batch of large-vocabulary rows (docs/benchmarks.md).
-        greedy = logits.max(dim=-1).indices
+        greedy = self._argmax(logits)
         if batch.all_greedy:
             return greedy
         greedy_rows = batch.temperature < _GREEDY_EPS
@@ -65,7 +66,7 @@ class Sampler:
         q = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, generator in batch.generators.items():
             q[row].exponential_(generator=generator)
-        sampled = probs.div(q).max(dim=-1).indices
+        sampled = self._argmax(probs.div(q))
         return torch.where(greedy_rows, greedy, sampled)
 
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from kvik.config import ModelConfig, parse_dtype, read_generation_config
+from kvik.config import LOAD_FORMATS, ModelConfig, parse_dtype, read_generation_config
 from kvik.model_loader.dummy import load_dummy_weights
 from kvik.model_loader.generation_config import sampling_defaults
 from kvik.model_loader.gguf_loader import (
@@ -19,8 +19,6 @@ from kvik.model_loader.gguf_loader import (
 from kvik.model_loader.resolve import resolve_model
 from kvik.model_loader.safetensors_loader import iterate_safetensors, safetensors_files
 from kvik.models.registry import get_model_class
-
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 def load_model_config(

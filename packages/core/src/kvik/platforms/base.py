@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from kvik.config import EngineConfig
+    from kvik.config import EngineConfig, OpsDispatch
     from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_runner import StepRunner
 
@@ -37,9 +37,12 @@ class Platform:
     attention_backends: ClassVar[tuple[str, ...]] = ()
     #: The graph runner this platform offers: "cuda_graphs" or "none".
     graph_support: ClassVar[str] = "none"
-    #: The platform's kernels for the small ops (norms, rotary, activation) are kvik.ops'
-    #: references themselves: models call them directly (see kvik.ops.use_native_ops).
-    native_ops: ClassVar[bool] = False
+    #: How layers call the small ops (norms, rotary, activation), unless the engine's
+    #: ``ops_dispatch`` option says otherwise: "torch_ops" through ``torch.ops.kvik``, reaching
+    #: the kernels this platform registers; "direct" for a platform whose kernels would be
+    #: kvik.ops' references anyway, which then run as plain calls (no dispatch cost, fusable by
+    #: torch.compile). See kvik.ops.
+    ops_dispatch: ClassVar[OpsDispatch] = "torch_ops"
 
     @classmethod
     def is_present(cls) -> bool:

@@ -123,8 +123,11 @@ class ModelRunner:
         model_config = config.model
         self.dtype = model_config.dtype
         self.nvtx = config.enable_nvtx
-        ops.use_native_ops(platform.native_ops)  # before the layers are built
-        self.model: nn.Module = load_model(model_config, self.device)
+        # The layers choose their small ops' implementation as they are built (kvik.ops): this
+        # engine's choice, or its platform's, for this build only.
+        config.ops_dispatch = config.ops_dispatch or platform.ops_dispatch
+        with ops.ops_dispatch(config.ops_dispatch):
+            self.model: nn.Module = load_model(model_config, self.device)
         platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
@@ -162,7 +165,8 @@ class ModelRunner:
         )
         self._allocate_buffers()
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
-        self.sampler = Sampler(generator)
+        with ops.ops_dispatch(config.ops_dispatch):
+            self.sampler = Sampler(generator)
         self.eos_token_ids = sorted(model_config.eos_token_ids())
         self.requests: dict[str, _RequestState] = {}
         # The last launched step's sampled tokens on the device, and each request's row in them:
