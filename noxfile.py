@@ -1,10 +1,14 @@
-"""Sessions: ``tests`` (the test suite), ``lint`` (ruff), ``env`` (kvik env), ``serve`` (the server)."""
+"""Sessions: ``tests`` (the test suite), ``deps_latest`` (a smoke subset on the newest release of
+every dependency), ``deps_lowest`` (the same on the lower bounds the packages declare), ``build`` (wheels and sdists into dist/), ``wheels`` (build, install from dist/
+into a fresh venv, use it), ``lint`` (ruff), ``env`` (kvik env), ``serve`` (the server)."""
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+from pathlib import Path
 
 import nox
 
@@ -30,6 +34,125 @@ def tests(session: nox.Session) -> None:
     # hatchling: tests/test_example_plugin.py builds plugin packages without build isolation.
     session.install("hatchling", "hypothesis", "pytest")
     session.run("pytest", *sorted(glob.glob("packages/*/tests")), "tests", *session.posargs)
+
+
+# One test of each promise that a new release of a dependency could break: the default model
+# through the real CLI (generate and chat), one request to the server through the openai client,
+# the plugin system, fp32 equality with transformers on one random model, the GGUF tokenizer, the
+# Triton kernels (under the interpreter).
+SMOKE_TESTS = [
+    "tests/test_default_model.py::test_readme_generate_command_answers_paris",  # every CPU path
+    "tests/test_default_model.py::test_kvik_chat_command",
+    "tests/test_server_openai.py::test_chat_equals_offline[False]",
+    "packages/core/tests/test_plugins.py",
+    "packages/core/tests/test_plugin_hooks.py",
+    "tests/test_engine_vs_transformers.py::test_logits_match_every_position[llama]",
+    "packages/core/tests/test_gguf.py::test_default_model_tokenizer_and_chat_template",
+    "packages/core/tests/test_gguf_tokenizer.py",
+    "packages/core/tests/test_triton_kernels_interpreter.py",  # the newest triton
+]
+
+
+@nox.session
+def deps_latest(session: nox.Session) -> None:
+    """SMOKE_TESTS on the newest release of every dependency (direct or not) that pip can
+    resolve, as a new user's ``pip install`` gets them; only torch stays at 2.13.0 (the CPU build
+    on these machines). ``tests`` runs everything on PINS."""
+    constraints = Path(session.create_tmp()) / "torch-only.txt"
+    constraints.write_text("torch==2.13.0\n")
+    session.install("torch==2.13.0")
+    editables = (arg for p in PACKAGES for arg in ("-e", f"packages/{p}[test]"))
+    upgrade = ["--upgrade", "--upgrade-strategy", "eager", "-c", str(constraints)]
+    session.install(*upgrade, "hatchling", "hypothesis", "pytest", *editables)
+    # What this run was on, and what pip could not take to its newest release (and why not is
+    # then in pip's resolver: an upper bound somewhere).
+    session.run("python", "-m", "pip", "list", "--outdated", "--exclude", "torch")
+    session.run("python", "-c", VERSIONS)
+    session.run("pytest", *SMOKE_TESTS, *session.posargs)
+
+
+#: The dependencies whose lower bounds (in the packages' pyproject.toml) deps_lowest runs.
+FLOORED = ("transformers", "tokenizers", "pluggy", "gguf", "triton")
+
+
+def declared_floors() -> dict[str, str]:
+    """FLOORED's ``>=`` versions as the six pyproject.toml files declare them."""
+    floors: dict[str, str] = {}
+    for p in PACKAGES:
+        text = Path(f"packages/{p}/pyproject.toml").read_text()
+        for name, version in re.findall(r'"([A-Za-z0-9_.-]+)>=([0-9][0-9.]*)"', text):
+            if name in FLOORED and floors.setdefault(name, version) != version:
+                raise ValueError(f"{name}: lower bounds {floors[name]} and {version} differ")
+    if missing := set(FLOORED) - set(floors):
+        raise ValueError(f"no lower bound declared for {', '.join(sorted(missing))}")
+    return floors
+
+
+@nox.session
+def deps_lowest(session: nox.Session) -> None:
+    """SMOKE_TESTS and the GGUF tests with FLOORED at exactly their declared lower bounds (the
+    rest as pip resolves them, torch 2.13.0): how those bounds were run. Not in CI's command."""
+    pins = ["torch==2.13.0", *(f"{name}=={v}" for name, v in declared_floors().items())]
+    constraints = Path(session.create_tmp()) / "floors.txt"
+    constraints.write_text("\n".join(pins) + "\n")
+    session.install("torch==2.13.0")
+    editables = (arg for p in PACKAGES for arg in ("-e", f"packages/{p}[test]"))
+    session.install("-c", str(constraints), "hatchling", "hypothesis", "pytest", *editables)
+    session.run("python", "-c", VERSIONS)
+    session.run("pytest", *SMOKE_TESTS, "packages/core/tests/test_gguf.py", *session.posargs)
+
+
+VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'triton', 'pluggy', 'gguf', 'fastapi', 'openai')), sep=', ')"  # fmt: skip
+
+
+def build_dists(session: nox.Session) -> Path:
+    """Each package's sdist, then its wheel built from that sdist (so the sdist is proven
+    complete), into dist/; then every file under each package's src/ checked to be in both."""
+    dist = Path("dist").resolve()
+    shutil.rmtree(dist, ignore_errors=True)
+    session.install("build", "hatchling")
+    for p in PACKAGES:
+        # No isolation: hatchling, the only build requirement, is in this venv already.
+        session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), f"packages/{p}", silent=True)  # fmt: skip
+    session.run("python", "tests/packaging/check_dists.py", str(dist), *(f"packages/{p}" for p in PACKAGES))  # fmt: skip
+    return dist
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Wheels and sdists of the six packages into dist/ (``pip install --find-links dist ...``)."""
+    dist = build_dists(session)
+    session.log("built: " + ", ".join(sorted(f.name for f in dist.iterdir())))
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # its folder in the kvik cache
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """The README's install, from the built wheels: a fresh venv gets torch 2.13.0 (the CPU build)
+    and then ``pip install --find-links dist "kvik[cpu,server]"``, the rest from the package index;
+    tests/packaging/installed_smoke.py then runs ``kvik generate`` and one ``kvik serve`` request."""
+    dist = build_dists(session)
+    tmp = Path(session.create_tmp()).resolve()
+    venv = tmp / "fresh-venv"
+    session.run("python", "-m", "venv", "--clear", str(venv))
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    session.run(*pip, "torch==2.13.0", external=True)
+    session.run(*pip, "--find-links", str(dist), "kvik[cpu,server]", external=True)
+    # A cache of its own, so that the C++ ops are compiled from the installed sources rather than
+    # loaded from an earlier build; the model file is linked in from the user's cache, where it is.
+    cache = tmp / "kvik-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir()
+    user_cache = os.environ.get("KVIK_CACHE") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "kvik"
+    )
+    if (model := Path(user_cache, DEFAULT_MODEL)).is_dir():
+        (cache / DEFAULT_MODEL).symlink_to(model)
+    smoke = Path("tests/packaging/installed_smoke.py").resolve()
+    session.chdir(tmp)  # nothing of the source tree on sys.path
+    session.run(str(venv / "bin" / "python"), str(smoke), env={"KVIK_CACHE": str(cache)}, external=True)  # fmt: skip
 
 
 @nox.session

@@ -4,7 +4,6 @@ against transformers' own GGUF loading."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import gguf
@@ -14,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvik.model_loader import gguf_tokenizer as kvik_gguf_tokenizer
 from kvik.model_loader.default_model import default_model_path
 from kvik.model_loader.gguf_loader import (
     gguf_generation_config,
@@ -203,16 +203,17 @@ def test_default_model_matches_transformers_gguf_loading(default_gguf: Path) -> 
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
 
 
-@pytest.mark.parametrize("loader", ["converter", "public"])
+@pytest.mark.parametrize("loader", ["tokenizers", "transformers"])
 def test_default_model_tokenizer_and_chat_template(
     default_gguf: Path, loader: str, monkeypatch
 ) -> None:
-    """``public``: as with a transformers whose GGUF converter is not where kvik looks (5.24
-    moved it), the public ``from_pretrained(gguf_file=...)`` path, which must give the same."""
+    """``tokenizers``: built by kvik from the GGUF's metadata. ``transformers``: a vocabulary kvik
+    does not build itself goes through transformers' public ``from_pretrained(gguf_file=...)``,
+    which must give the same."""
     from transformers import AutoTokenizer
 
-    if loader == "public":
-        monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", None)
+    if loader == "transformers":
+        monkeypatch.setattr(kvik_gguf_tokenizer, "PRE_TOKENIZERS", {})
     tokenizer = gguf_tokenizer(default_gguf)
     # SmolLM2's GGUF: bos 1 <|im_start|>, eos 2 <|im_end|>, pad 2 (transformers' own GGUF path
     # swaps bos and eos in 5.17)
@@ -228,6 +229,7 @@ def test_default_model_tokenizer_and_chat_template(
         "Hello world, ça va?",
         "日本語 and emoji 🙂\n\n  spaces",
         "def f(x):\n\treturn x**2",
+        "Call 0800 555 0199 before 23:59, or 3.14159 times never.",
     ):
         ids = tokenizer(text)["input_ids"]
         assert ids == reference(text)["input_ids"]

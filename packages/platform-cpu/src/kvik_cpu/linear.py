@@ -30,6 +30,7 @@ def packed_linear_supported(dtype: torch.dtype) -> bool:
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
+        # private op: no public torch API says whether oneDNN runs bf16 on this CPU
         and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
@@ -49,7 +50,11 @@ class AmxLinear:
 
 
 class OneDnnLinear:
-    """y = x W^T + b, W held in oneDNN's layout (an opaque ``mkldnn`` tensor)."""
+    """y = x W^T + b, W held in oneDNN's layout (an opaque ``mkldnn`` tensor).
+
+    Through torch's private ``mkldnn._reorder_linear_weight`` and ``_linear_pointwise`` ops (those
+    TorchInductor's CPU backend uses): no public torch API keeps a weight prepacked between calls.
+    """
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.out_features = weight.shape[0]

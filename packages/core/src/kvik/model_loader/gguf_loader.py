@@ -134,73 +134,11 @@ def gguf_has_tokenizer(path: str | Path) -> bool:
     return "tokenizer.ggml.tokens" in _reader(path).fields
 
 
-#: transformers' special token -> the GGUF key of its id.
-_SPECIAL_TOKEN_KEYS = {
-    "bos": "bos_token_id",
-    "eos": "eos_token_id",
-    "unk": "unknown_token_id",
-    "pad": "padding_token_id",
-}
-
-
 def gguf_tokenizer(path: str | Path) -> Any:  # -> a transformers fast tokenizer
-    """The tokenizer and chat template stored in the GGUF.
+    """The tokenizer and chat template stored in the GGUF (kvik.model_loader.gguf_tokenizer)."""
+    from kvik.model_loader.gguf_tokenizer import gguf_tokenizer_from_reader
 
-    Through transformers' GGUF converter where this transformers has it where kvik looks
-    (``transformers.integrations.ggml``, up to 5.17 at least: a private module, but faster than
-    the public loader here, docs/benchmarks.md), else through the public loader (``from_pretrained(...,
-    gguf_file=...)``; newer releases moved the converter). Either way the special tokens come from
-    the GGUF's own ids.
-    """
-    path = Path(path)
-    reader = _reader(path)
-    if "tokenizer.ggml.tokens" not in reader.fields:
-        raise ValueError(f"{path} holds no tokenizer (no tokenizer.ggml.tokens metadata)")
-    try:
-        from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-    except ImportError:
-        tokenizer = _public_gguf_tokenizer(path)
-    else:
-        tokenizer = _converted_gguf_tokenizer(
-            reader, _architecture(reader, path), GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-        )
-    # The GGUF's ids win over the converters' guesses: transformers 5.17's Llama converter swaps
-    # bos and eos (SmolLM2's eos would be <|im_start|>, which never ends a reply).
-    tokens = _metadata(reader, "tokenizer.ggml.tokens")
-    for name, key in _SPECIAL_TOKEN_KEYS.items():
-        token_id = _metadata(reader, f"tokenizer.ggml.{key}")
-        if token_id is not None and 0 <= token_id < len(tokens):
-            setattr(tokenizer, f"{name}_token", tokens[token_id])
-    # No WordPiece clean-up: it would strip the spaces a byte-level BPE keeps before punctuation.
-    tokenizer.clean_up_tokenization_spaces = False
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = _metadata(reader, "tokenizer.chat_template")
-    return tokenizer
-
-
-def _converted_gguf_tokenizer(reader: GGUFReader, arch: str, mapping: dict, convert: Any) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    # The converter's input, as transformers' own GGUF loading builds it (keys renamed by its table).
-    tokenizer_dict = {
-        name: _metadata(reader, f"tokenizer.{key}")
-        for key, name in mapping["tokenizer"].items()
-        if f"tokenizer.{key}" in reader.fields
-    }
-    backend, extra_kwargs = convert(arch, tokenizer_dict)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        chat_template=_metadata(reader, "tokenizer.chat_template"),
-        **(extra_kwargs | {"clean_up_tokenization_spaces": False}),
-    )
-
-
-def _public_gguf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(
-        str(path.parent), gguf_file=path.name, clean_up_tokenization_spaces=False
-    )
+    return gguf_tokenizer_from_reader(_reader(path), Path(path))
 
 
 def _hf_name(gguf_name: str) -> str:
