@@ -63,6 +63,8 @@ _OP = re.compile(rf"^kvik::({_IDENT})")
 _ENV = re.compile(r"^\$?([A-Z][A-Z0-9]*_[A-Z0-9_]+)(?:=|/)")  # KVIK_PLUGINS=a,b, $KVIK_CACHE/x
 _PATH = re.compile(r"^\.?[\w.-]*(/[\w.-]*)+$|^[\w.-]+\.(py|cpp|h|md|toml)$")
 _SKIP_DIRS = {".git", ".nox", "__pycache__", ".venv", "venv", "node_modules", ".pytest_cache"}
+#: Folders the build makes (git ignores them): named in the docs, absent from a clean clone.
+BUILD_OUTPUTS = {"dist", "build"}
 
 
 @dataclass
@@ -236,7 +238,9 @@ def takes(objects: list, arguments: tuple[str, ...]) -> bool:
 def repo_paths() -> frozenset[str]:
     paths = set()
     for root, dirs, files in os.walk(REPO):
-        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
+        dirs[:] = [
+            d for d in dirs if d not in _SKIP_DIRS | BUILD_OUTPUTS and not d.endswith(".egg-info")
+        ]
         rel = Path(root).relative_to(REPO).as_posix()
         prefix = "" if rel == "." else rel + "/"
         paths.update(prefix + name for name in dirs + files)
@@ -244,6 +248,8 @@ def repo_paths() -> frozenset[str]:
 
 
 def path_exists(path: str) -> bool:
+    if path.split("/")[0] in BUILD_OUTPUTS:
+        return True
     return any(p == path or p.endswith("/" + path) for p in repo_paths())
 
 

@@ -62,7 +62,9 @@ def gemv_kernel(
             other=0.0,
         ).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         for m in tl.static_range(M_PAD):
-            x = tl.load(x_ptr + m * x_stride + k, mask=k_valid & (m < M), other=0.0)
+            # (m < M) as a block, not a scalar: the interpreter of Triton 3.9 refuses a scalar mask.
+            x_valid = k_valid & (tl.full([BLOCK_K], m, tl.int32) < M)
+            x = tl.load(x_ptr + m * x_stride + k, mask=x_valid, other=0.0)
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
             acc += tl.where(rows[:, None] == m, part[None, :], 0.0)
     if HAS_BIAS:
