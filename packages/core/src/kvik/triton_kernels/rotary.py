@@ -50,6 +50,18 @@ def _rotate_heads(
 
 
 @triton.jit
+def _cos_sin(
+    positions_ptr, cos_sin_ptr, cos_sin_stride, token, HALF: tl.constexpr, HALF_PAD: tl.constexpr
+):
+    # This token's row of the table, as [1, HALF_PAD] cos and sin (zero past HALF).
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=i < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=i < HALF, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def rotary_kernel(
     positions_ptr,
     q_ptr,
@@ -71,10 +83,7 @@ def rotary_kernel(
     IS_NEOX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    i = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cache_ptr + pos * cache_stride + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cache_ptr + pos * cache_stride + HALF + i, mask=i < HALF, other=0.0)
+    cos, sin = _cos_sin(positions_ptr, cache_ptr, cache_stride, token, HALF, HALF_PAD)
     _rotate_heads(
         q_ptr + token * q_stride, q_out_ptr + token * NUM_HEADS * HEAD_SIZE, cos, sin,
         NUM_HEADS, NUM_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
@@ -114,10 +123,7 @@ def rotary_and_cache_kernel(
     # kv_cache [2, num_blocks, block_size, Hk, D]: a slot's [Hk, D] rows are contiguous, and the
     # values sit half_cache elements after the keys. A negative slot (padding) writes nothing.
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    i = tl.arange(0, HALF_PAD)[None, :]
-    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + i, mask=i < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + i, mask=i < HALF, other=0.0)
+    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, cos_sin_stride, token, HALF, HALF_PAD)
     _rotate_heads(
         q_ptr + token * q_stride, q_out_ptr + token * NUM_HEADS * HEAD_SIZE, cos, sin,
         NUM_HEADS, NUM_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
