@@ -137,11 +137,22 @@ def test_graph_sizes_pad_to_the_smallest_that_holds_the_batch():
     from kvik_cuda.graphs import CudaGraphStepRunner
 
     runner = object.__new__(CudaGraphStepRunner)
-    runner._sizes = []
+    runner._sizes, runner._piecewise_sizes = [], []
     assert runner.padded_num_tokens(3, True) == 3  # nothing captured yet
     runner._sizes = [1, 2, 4, 8, 16]
     assert [runner.padded_num_tokens(n, True) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
-    assert runner.padded_num_tokens(3, False) == 3  # prompt tokens: eager, unpadded
+    assert runner.padded_num_tokens(3, False) == 3  # prompt tokens, no piecewise graphs: unpadded
+    # Piecewise graphs (two or more tokens) take the other steps, and decodes above the FULL sizes.
+    runner._piecewise_sizes = [2, 4, 8, 16, 32]
+    assert [runner.padded_num_tokens(n, False) for n in (1, 2, 3, 9, 32, 33)] == [
+        1,
+        2,
+        4,
+        16,
+        32,
+        33,
+    ]
+    assert runner.padded_num_tokens(17, True) == 32
 
 
 def test_capture_sizes_and_modes():
@@ -150,15 +161,56 @@ def test_capture_sizes_and_modes():
     assert default_capture_sizes(300)[-3:] == [272, 288, 300]
     assert default_capture_sizes(5) == [1, 2, 4, 5]
     assert default_capture_sizes(1000)[-1] == 512  # above 512: eager
-    assert CompilationConfig("full", [8, 2, 2]).cudagraph_capture_sizes == [2, 8]
-    with pytest.raises(ValueError, match="piecewise"):
-        CompilationConfig("full_and_piecewise", [1])
+    assert CompilationConfig(cudagraph_mode="full", cudagraph_capture_sizes=[8, 2, 2]) == (
+        CompilationConfig(cudagraph_mode="full", cudagraph_capture_sizes=[2, 8])
+    )
+    with pytest.raises(ValueError, match="needs compilation mode 3"):
+        CompilationConfig(mode=0, cudagraph_mode="full_and_piecewise", cudagraph_capture_sizes=[1])
     with pytest.raises(ValueError, match="cudagraph_mode must be one of"):
-        CompilationConfig("fast", [1])
+        CompilationConfig(cudagraph_mode="fast", cudagraph_capture_sizes=[1])
     with pytest.raises(ValueError, match="positive integers"):
-        CompilationConfig("full", [0])
+        CompilationConfig(cudagraph_mode="full", cudagraph_capture_sizes=[0])
+    with pytest.raises(ValueError, match="modes 1 and 2 are not built"):
+        CompilationConfig(mode=1)
     with pytest.raises(ValueError, match="enforce_eager"):
         EngineArgs(enforce_eager=True, cudagraph_mode="full")._compilation_config(True)
-    assert EngineArgs()._compilation_config(True).cudagraph_mode == "full"
-    assert EngineArgs(enforce_eager=True)._compilation_config(True).cudagraph_mode == "none"
-    assert EngineArgs()._compilation_config(False).cudagraph_mode == "none"  # the CPU
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineArgs(enforce_eager=True, compilation_config='{"mode": 3}')._compilation_config(True)
+    # vLLM's default where there are graphs: compiled, FULL for decodes, PIECEWISE for the rest.
+    gpu = EngineArgs()._compilation_config(True)
+    assert (gpu.mode, gpu.cudagraph_mode, gpu.full_graphs, gpu.piecewise_graphs) == (
+        3,
+        "full_and_piecewise",
+        True,
+        True,
+    )
+    eager = EngineArgs(enforce_eager=True)._compilation_config(True)
+    assert (eager.mode, eager.cudagraph_mode) == (0, "none")
+    cpu = EngineArgs()._compilation_config(False)
+    assert (cpu.mode, cpu.cudagraph_mode) == (0, "none")
+    full = EngineArgs(cudagraph_mode="full")._compilation_config(True)
+    assert (full.mode, full.full_graphs, full.piecewise_graphs) == (0, True, False)
+    # The JSON: vLLM's keys, "level" for "mode", upper-case modes; one value given twice must agree.
+    given = EngineArgs(
+        compilation_config='{"level": 3, "cudagraph_mode": "PIECEWISE", "cache_dir": "/x", '
+        '"cudagraph_capture_sizes": [4, 2]}'
+    )._compilation_config(True)
+    assert (given.mode, given.cudagraph_mode, given.cache_dir) == (3, "piecewise", "/x")
+    assert given.cudagraph_capture_sizes == [2, 4]
+    assert EngineArgs(compilation_config='{"mode": 0}')._compilation_config(
+        True
+    ).cudagraph_mode == ("full")
+    for text, message in (
+        ('{"mode": 3', "not valid JSON"),
+        ("[3]", "must be a JSON object"),
+        ('{"use_inductor": true}', r"keys \['use_inductor'\] are not supported"),
+        ('{"mode": "3"}', "mode must be an integer"),
+        ('{"mode": 3, "level": 0}', "both mode and level"),
+        ('{"cudagraph_capture_sizes": 8}', "must be a list"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(compilation_config=text)._compilation_config(True)
+    with pytest.raises(ValueError, match="given twice"):
+        EngineArgs(
+            cudagraph_mode="full", compilation_config='{"cudagraph_mode": "none"}'
+        )._compilation_config(True)

@@ -43,6 +43,9 @@ MODES = {
     "eager-async": dict(enforce_eager=True, async_scheduling=True),
     "full-sync": dict(cudagraph_mode="full", async_scheduling=False),
     "full-async": dict(cudagraph_mode="full", async_scheduling=True),
+    "compiled-async": dict(compilation_config='{"mode": 3}', cudagraph_mode="none"),
+    "piecewise-async": dict(cudagraph_mode="piecewise", async_scheduling=True),
+    "full_and_piecewise-sync": dict(async_scheduling=False),  # the default graphs
 }
 
 
@@ -72,7 +75,13 @@ def test_greedy_identical_across_graphs_and_async(kind, dtype, models, hf_models
             assert step_runner.name == "cuda_graphs" and step_runner.num_replays > 0, name
             print(f"{kind} {dtype} {name}: {step_runner.num_replays} graph replays")
         else:
-            assert step_runner.name == "eager"
+            assert step_runner.name == "eager" or name.startswith("piecewise")
+        if "piecewise" in name:
+            # The prompt and mixed steps ran padded in the compiled pieces' graphs.
+            assert step_runner.num_piecewise_replays > 0, name
+            print(f"{kind} {dtype} {name}: {step_runner.num_piecewise_replays} piecewise steps")
+        if name.startswith("compiled"):
+            assert step_runner.compiled is not None
         del llm
         gc.collect()
     if dtype == "float32":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -112,11 +113,19 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
 
 
-#: vLLM's CUDA graph modes. kvik builds "none" and "full" (FULL graphs for uniform decode steps,
-#: eager for the others); the piecewise modes come with the torch.compile path.
+#: vLLM's CUDA graph modes: FULL graphs hold a whole uniform decode step; PIECEWISE graphs hold the
+#: compiled pieces between attention calls (kvik.compilation.piecewise), for any step of a captured
+#: token count; "full_and_piecewise" uses FULL for uniform decodes and PIECEWISE for the rest.
 CudagraphMode = Literal["none", "full", "piecewise", "full_and_piecewise"]
 CUDAGRAPH_MODES: tuple[str, ...] = get_args(CudagraphMode)
-BUILT_CUDAGRAPH_MODES = ("none", "full")
+PIECEWISE_CUDAGRAPH_MODES = ("piecewise", "full_and_piecewise")
+
+#: vLLM's compilation modes (``CompilationConfig.mode``, formerly ``level``): 0 runs the model
+#: eagerly; 3 compiles it with torch.compile split at attention. Modes 1 and 2 (plain
+#: torch.compile, trace once) are vLLM's debugging modes and are not built.
+COMPILATION_MODE_NONE = 0
+COMPILATION_MODE_PIECEWISE = 3
+COMPILATION_MODES = (COMPILATION_MODE_NONE, COMPILATION_MODE_PIECEWISE)
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -129,14 +138,24 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return capped
 
 
+def default_compile_cache_dir() -> str:
+    return os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvik", "torch_compile"
+    )
+
+
 @dataclass
 class CompilationConfig:
-    """How steps are replayed: CUDA graphs for uniform decode batches of the padded sizes."""
+    """How steps run: compiled or eager (``mode``), and which CUDA graphs replay them."""
 
+    mode: int = COMPILATION_MODE_NONE
     cudagraph_mode: str = "full"
-    #: Padded decode batch sizes with a graph, ascending; a decode batch runs in the smallest that
-    #: holds it, or eagerly above the largest.
+    #: Padded token counts with graphs, ascending: a uniform decode batch runs in the FULL graph of
+    #: the smallest that holds it, another step in the PIECEWISE graphs of the smallest (two or
+    #: more tokens) that holds it; eager (or compiled without graphs) above the largest.
     cudagraph_capture_sizes: list[int] = field(default_factory=list)
+    #: Where inductor's and Triton's caches go, so that a second start compiles from them.
+    cache_dir: str = ""
 
     def __post_init__(self) -> None:
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
@@ -144,11 +163,15 @@ class CompilationConfig:
                 f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, "
                 f"got {self.cudagraph_mode!r}"
             )
-        if self.cudagraph_mode not in BUILT_CUDAGRAPH_MODES:
+        if self.mode not in COMPILATION_MODES:
             raise ValueError(
-                f"cudagraph_mode {self.cudagraph_mode!r} needs piecewise graphs under "
-                "torch.compile, which kvik does not have yet; use 'full' (graphs for decode steps, "
-                "eager otherwise) or 'none'"
+                f"compilation mode must be 0 (eager) or 3 (torch.compile split at attention), got "
+                f"{self.mode!r}; vLLM's modes 1 and 2 are not built"
+            )
+        if self.cudagraph_mode in PIECEWISE_CUDAGRAPH_MODES and self.mode != 3:
+            raise ValueError(
+                f"cudagraph_mode {self.cudagraph_mode!r} captures the compiled pieces of the model: "
+                "it needs compilation mode 3"
             )
         sizes = self.cudagraph_capture_sizes
         if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
@@ -158,6 +181,18 @@ class CompilationConfig:
     @property
     def use_cudagraphs(self) -> bool:
         return self.cudagraph_mode != "none" and bool(self.cudagraph_capture_sizes)
+
+    @property
+    def full_graphs(self) -> bool:
+        return self.use_cudagraphs and self.cudagraph_mode in ("full", "full_and_piecewise")
+
+    @property
+    def piecewise_graphs(self) -> bool:
+        return self.use_cudagraphs and self.cudagraph_mode in PIECEWISE_CUDAGRAPH_MODES
+
+    @property
+    def compiled(self) -> bool:
+        return self.mode == COMPILATION_MODE_PIECEWISE
 
 
 @dataclass

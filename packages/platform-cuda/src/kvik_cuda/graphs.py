@@ -1,11 +1,18 @@
-"""FULL CUDA graphs for uniform decode steps: kvik_cuda's step runner.
+"""CUDA graphs: kvik_cuda's step runner, FULL graphs for uniform decode steps and PIECEWISE graphs
+for the others (``CompilationConfig.cudagraph_mode``).
 
-One graph per padded batch size (``CompilationConfig.cudagraph_capture_sizes``), each holding the
-whole forward pass of a decode step, embedding to fp32 logits, over the runner's persistent
-buffers (kvik.worker.step_buffers). A decode batch of n requests runs in the graph of the smallest
-size B >= n: the runner fills rows n..B with padding (slot -1, so no cache write; sequence length 1
-and block 0, so one harmless key; position 0), replays, and samples rows 0..n outside the graph.
-Steps with prompt tokens, and decode batches above the largest size, run eagerly.
+FULL: one graph per padded batch size (``CompilationConfig.cudagraph_capture_sizes``), each holding
+the whole forward pass of a decode step, embedding to fp32 logits, over the runner's persistent
+buffers (kvik.worker.step_buffers), with the model's layers run eagerly during the capture (the
+hand-written kernels and the one-row GEMV). A decode batch of n requests runs in the graph of the
+smallest size B >= n: the runner fills rows n..B with padding (slot -1, so no cache write; sequence
+length 1 and block 0, so one harmless key; position 0), replays, and samples rows 0..n outside the
+graph.
+
+PIECEWISE (kvik_cuda.piecewise_graphs): the model compiled and split at attention, each piece
+captured per padded token count of two or more; any other step of at most the largest size runs
+padded to the next size, attention between the pieces. Steps above the largest size run compiled
+without graphs (or eagerly, when the model is not compiled).
 
 The graphs share one memory pool and are captured largest first, so the smaller ones reuse the
 larger ones' activation memory. Before the KV cache is sized, ``reserved_memory_bytes`` captures the
@@ -24,6 +31,7 @@ import torch
 from torch import Tensor
 
 from kvik.worker.step_runner import StepRunner
+from kvik_cuda.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 MiB = 1024**2
@@ -40,33 +48,57 @@ class CudaGraphStepRunner(StepRunner):
     name = "cuda_graphs"
 
     def __init__(self, runner) -> None:
-        super().__init__(runner)
-        sizes = runner.config.compilation.cudagraph_capture_sizes
-        self.capture_sizes = sorted(s for s in sizes if s <= runner.max_num_seqs)
+        compilation = runner.config.compilation
+        self.piecewise = PiecewiseGraphs() if compilation.piecewise_graphs else None
+        super().__init__(runner)  # compiles the model, wrapping its pieces (wrap_piece)
+        sizes = sorted(s for s in compilation.cudagraph_capture_sizes if s <= runner.max_num_seqs)
+        self.capture_sizes = sizes if compilation.full_graphs else []
+        # A piecewise step has two or more tokens (a single token runs eagerly: kvik.compilation).
+        self.piecewise_sizes = [s for s in sizes if s >= 2] if self.piecewise else []
         self.graphs: dict[int, CapturedStep] = {}
-        self._sizes: list[int] = []  # captured, ascending
+        self._sizes: list[int] = []  # FULL graphs captured, ascending
+        self._piecewise_sizes: list[int] = []  # piecewise graphs captured, ascending
         self._pool = None
-        #: Replays so far (tests and benchmarks check that graphs ran).
+        #: FULL-graph replays so far (tests and benchmarks check that graphs ran).
         self.num_replays = 0
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
+    def wrap_piece(self, piece, index: int, count: int):
+        if self.piecewise is None:
+            return piece
+        return self.piecewise.wrap(piece, index, count)
+
+    @property
+    def num_piecewise_replays(self) -> int:
+        return self.piecewise.num_replays if self.piecewise else 0
+
     def padded_num_tokens(self, num_tokens: int, uniform_decode: bool) -> int:
-        if not uniform_decode or not self._sizes or num_tokens > self._sizes[-1]:
-            return num_tokens
-        return self._sizes[bisect.bisect_left(self._sizes, num_tokens)]
+        if uniform_decode and self._sizes and num_tokens <= self._sizes[-1]:
+            return self._sizes[bisect.bisect_left(self._sizes, num_tokens)]
+        sizes = self._piecewise_sizes
+        if num_tokens >= 2 and sizes and num_tokens <= sizes[-1]:
+            return sizes[bisect.bisect_left(sizes, num_tokens)]
+        return num_tokens
 
     def forward(self, inputs) -> tuple[Tensor | None, Tensor | None]:
         captured = self.graphs.get(inputs.num_padded) if inputs.uniform_decode else None
-        if captured is None:
-            return super().forward(inputs)
-        captured.graph.replay()
-        self.num_replays += 1
-        return None, captured.logits[: inputs.num_sampling]
+        if captured is not None:
+            captured.graph.replay()
+            self.num_replays += 1
+            return None, captured.logits[: inputs.num_sampling]
+        if self.piecewise is not None and inputs.num_padded in self._piecewise_set:
+            with self.piecewise.running(inputs.num_padded):
+                return super().forward(inputs)
+        return super().forward(inputs)
 
     # --- capture --------------------------------------------------------------------------
+    @property
+    def _piecewise_set(self) -> set[int]:
+        return set(self._piecewise_sizes)
+
     def _body(self, inputs) -> Tensor:
-        hidden = self.forward_hidden(inputs)
+        hidden = self.eager_hidden(inputs)
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
@@ -89,41 +121,56 @@ class CudaGraphStepRunner(StepRunner):
         torch.cuda.synchronize()
         return graphs
 
+    @torch.inference_mode()
+    def _capture_piecewise(self, sizes: list[int]) -> None:
+        for size in sorted(sizes, reverse=True):
+            inputs = self.runner.dummy_decode_inputs(size)
+            with self.piecewise.capture(size, self._pool):
+                self.forward_hidden(inputs)
+        torch.cuda.synchronize()
+
     def reserved_memory_bytes(self) -> int:
-        if not self.capture_sizes:
+        full, piecewise = self.capture_sizes, self.piecewise_sizes
+        if not full and not piecewise:
             return 0
         runner = self.runner
-        largest, smallest = self.capture_sizes[-1], self.capture_sizes[0]
+        trial_sizes = sorted({*full[-1:], *full[:1]}, reverse=True)
+        trial_pieces = sorted({*piecewise[-1:], *piecewise[:1]}, reverse=True)
         runner.initialize_kv_cache(1, warm_up=False)  # padding rows read block 0 only
         self._pool = torch.cuda.graph_pool_handle()
+        trial = None
         try:
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
-            trial = self._capture_all([largest])
-            free_after_largest = torch.cuda.mem_get_info()[0]
-            if smallest != largest:
-                trial |= self._capture_all([smallest])
+            trial = self._capture_all(trial_sizes)
+            if trial_pieces:
+                self._capture_piecewise(trial_pieces)
             free_after = torch.cuda.mem_get_info()[0]
         finally:
             trial = None  # noqa: F841  (release the graphs and their pool)
+            if self.piecewise is not None:
+                self.piecewise.clear()
             self._pool = None
             for layer in runner.attention_layers.values():
                 layer.kv_cache = None
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        first = max(0, free_before - free_after_largest)
-        each_more = max(0, free_after_largest - free_after)
-        estimate = first + each_more * (len(self.capture_sizes) - 1)
+        # The pool is shared and captured largest first: the largest sizes set its size, and each
+        # graph object beyond them costs a little more; the trial's figure is scaled by the count.
+        measured = max(0, free_before - free_after)
+        num_trial = len(trial_sizes) + len(trial_pieces)
+        estimate = measured * (len(full) + len(piecewise)) // max(1, num_trial)
+        estimate = max(estimate, measured)
         logger.info(
-            "CUDA graphs: a trial capture of sizes %d and %d took %.1f MiB and %.1f MiB; "
-            "%d sizes are estimated at %.1f MiB",
-            largest, smallest, first / MiB, each_more / MiB, len(self.capture_sizes),
-            estimate / MiB,
+            "CUDA graphs: a trial capture of FULL sizes %s and PIECEWISE sizes %s took %.1f MiB; "
+            "%d FULL and %d PIECEWISE sizes are estimated at %.1f MiB",
+            trial_sizes, trial_pieces, measured / MiB, len(full), len(piecewise), estimate / MiB,
         )  # fmt: skip
         return estimate
 
     def on_kv_cache_ready(self) -> None:
-        if not self.capture_sizes:
+        if not self.capture_sizes and not self.piecewise_sizes:
+            super().on_kv_cache_ready()
             return
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -131,10 +178,19 @@ class CudaGraphStepRunner(StepRunner):
         self._pool = torch.cuda.graph_pool_handle()
         self.graphs = self._capture_all(self.capture_sizes)
         self._sizes = sorted(self.graphs)
+        if self.piecewise_sizes:
+            self._capture_piecewise(self.piecewise_sizes)
+            self._piecewise_sizes = sorted(self.piecewise.captured_sizes())
         self.capture_seconds = time.perf_counter() - started
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "captured %d CUDA graphs (decode batch sizes %d..%d) in %.1f s, %.1f MiB",
-            len(self.graphs), self._sizes[0], self._sizes[-1], self.capture_seconds,
-            self.capture_bytes / MiB,
+            "captured %d FULL CUDA graphs (decode batch sizes %s) and piecewise graphs of %d "
+            "pieces for %d token counts (%s) in %.1f s, %.1f MiB",
+            len(self.graphs), _span(self._sizes),
+            len(self.piecewise.pieces) if self.piecewise else 0, len(self._piecewise_sizes),
+            _span(self._piecewise_sizes), self.capture_seconds, self.capture_bytes / MiB,
         )  # fmt: skip
+
+
+def _span(sizes: list[int]) -> str:
+    return f"{sizes[0]}..{sizes[-1]}" if sizes else "none"

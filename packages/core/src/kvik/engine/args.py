@@ -9,6 +9,7 @@ where vLLM has the same option, the field has vLLM's name.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 
 from kvik.config import (
     DTYPE_NAMES,
+    PIECEWISE_CUDAGRAPH_MODES,
     CacheConfig,
     CompilationConfig,
     CudagraphMode,
@@ -24,6 +26,7 @@ from kvik.config import (
     OpsDispatch,
     SchedulingPolicy,
     default_capture_sizes,
+    default_compile_cache_dir,
 )
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
 
@@ -91,17 +94,24 @@ class EngineArgs:
         0.9,
         "share of an accelerator's memory the engine may use (weights, activations, KV cache)",
     )
-    enforce_eager: bool = option(False, "run the model eagerly: no CUDA graphs")
+    enforce_eager: bool = option(False, "run the model eagerly: no torch.compile, no CUDA graphs")
     cudagraph_mode: CudagraphMode | None = option(
         None,
-        "none, or full: one CUDA graph per padded decode batch size (default where the "
-        "platform has graphs); the piecewise modes are not built yet",
+        "none; full: a CUDA graph per padded decode batch size; piecewise: graphs of the "
+        "compiled pieces between attention calls, for any step; full_and_piecewise (default "
+        "where the platform has graphs): full for decode steps, piecewise for the others",
     )
     cudagraph_capture_sizes: list[int] | None = option(
         None,
-        "padded decode batch sizes to capture (default: 1, 2, 4, 8..256 by 8, 272..512 by 16, "
+        "padded token counts to capture (default: 1, 2, 4, 8..256 by 8, 272..512 by 16, "
         "up to max_num_seqs)",
         metavar="N",
+    )
+    compilation_config: str | None = option(
+        None,
+        "JSON with vLLM's keys that apply: mode (or level) 0 or 3, cudagraph_mode, "
+        "cudagraph_capture_sizes, cache_dir (default ~/.cache/kvik/torch_compile)",
+        metavar="JSON",
     )
     async_scheduling: bool | None = option(
         None, "schedule step N+1 while the device runs step N (default: on for GPUs)"
@@ -204,17 +214,80 @@ class EngineArgs:
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
-        mode = self.cudagraph_mode
+        """The flags and ``compilation_config``'s JSON resolved into one CompilationConfig: where
+        the platform has graphs and nothing says otherwise, vLLM's default (compiled, FULL graphs
+        for decode steps and PIECEWISE for the others); eager elsewhere."""
+        given = parse_compilation_config(self.compilation_config)
+        mode_flag, sizes_flag = self.cudagraph_mode, self.cudagraph_capture_sizes
+        for key, flag in (("cudagraph_mode", mode_flag), ("cudagraph_capture_sizes", sizes_flag)):
+            if key in given and flag is not None and given[key] != flag:
+                raise ValueError(
+                    f"{key} is given twice, {flag!r} as an option and {given[key]!r} in "
+                    "compilation_config"
+                )
+        mode = given.get("cudagraph_mode", mode_flag)
+        level = given.get("mode")
+        if self.enforce_eager:
+            if mode not in (None, "none") or level not in (None, 0):
+                raise ValueError(
+                    "enforce_eager turns torch.compile and CUDA graphs off, but "
+                    f"cudagraph_mode={mode!r} / compilation mode {level!r} asks for them"
+                )
+            mode, level = "none", 0
         if mode is None:
-            mode = "full" if platform_has_graphs and not self.enforce_eager else "none"
-        elif self.enforce_eager and mode != "none":
-            raise ValueError(
-                f"enforce_eager turns CUDA graphs off, but cudagraph_mode={mode!r} asks for them"
-            )
-        sizes = self.cudagraph_capture_sizes
+            mode = "full_and_piecewise" if platform_has_graphs else "none"
+            if level == 0 and platform_has_graphs:
+                mode = "full"  # eager model: FULL graphs still hold decode steps
+        if level is None:
+            level = 3 if mode in PIECEWISE_CUDAGRAPH_MODES else 0
+        sizes = given.get("cudagraph_capture_sizes", sizes_flag)
         if sizes is None:
             sizes = default_capture_sizes(self.max_num_seqs) if mode != "none" else []
-        return CompilationConfig(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes))
+        return CompilationConfig(
+            mode=level,
+            cudagraph_mode=mode,
+            cudagraph_capture_sizes=list(sizes),
+            cache_dir=given.get("cache_dir") or default_compile_cache_dir(),
+        )
+
+
+#: compilation_config keys kvik reads (vLLM's names), and the keys vLLM has that kvik does not.
+_COMPILATION_KEYS = ("mode", "level", "cudagraph_mode", "cudagraph_capture_sizes", "cache_dir")
+
+
+def parse_compilation_config(text: str | None) -> dict[str, Any]:
+    """``--compilation-config``'s JSON as a dict of kvik's keys ("level" read as "mode", vLLM's
+    upper-case cudagraph modes accepted); unknown keys are an error that names them."""
+    if text is None:
+        return {}
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"compilation_config is not valid JSON: {error}") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"compilation_config must be a JSON object, got {text!r}")
+    unknown = sorted(set(given) - set(_COMPILATION_KEYS))
+    if unknown:
+        raise ValueError(
+            f"compilation_config keys {unknown} are not supported; kvik reads "
+            f"{', '.join(_COMPILATION_KEYS)}"
+        )
+    if "level" in given:
+        if "mode" in given and given["mode"] != given["level"]:
+            raise ValueError("compilation_config gives both mode and level, and they differ")
+        given["mode"] = given.pop("level")
+    if "mode" in given and (not isinstance(given["mode"], int) or isinstance(given["mode"], bool)):
+        raise ValueError(f"compilation_config mode must be an integer, got {given['mode']!r}")
+    if isinstance(given.get("cudagraph_mode"), str):
+        given["cudagraph_mode"] = given["cudagraph_mode"].lower()
+    sizes = given.get("cudagraph_capture_sizes")
+    if sizes is not None and not isinstance(sizes, list):
+        raise ValueError(f"cudagraph_capture_sizes must be a list, got {sizes!r}")
+    if "cache_dir" in given and not isinstance(given["cache_dir"], str):
+        raise ValueError(
+            f"compilation_config cache_dir must be a string, got {given['cache_dir']!r}"
+        )
+    return given
 
 
 def _check_positive(optional: bool = False, **values: Any) -> None:

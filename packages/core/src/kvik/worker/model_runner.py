@@ -426,9 +426,7 @@ class ModelRunner:
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
         """The model's hidden states [T, hidden] for a prepared step, eagerly (for tests and tools
         that want more than the sampled rows)."""
-        from kvik.worker.step_runner import StepRunner
-
-        hidden = StepRunner.forward_hidden(self.step_runner, inputs)  # the eager path
+        hidden = self.step_runner.eager_hidden(inputs)
         return hidden[: inputs.num_tokens]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

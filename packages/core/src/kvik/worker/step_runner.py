@@ -2,17 +2,24 @@
 
 The model runner prepares a step in its persistent buffers (kvik.worker.step_buffers) and asks the
 step runner for the logits of the rows that sample. The platform chooses the step runner
-(``Platform.step_runner_class``): this eager one, kvik_cuda's CUDA-graph runner (one FULL graph per
-padded decode batch size), or kvik_cpu's one-call decode. Models carry no platform code: a step
+(``Platform.step_runner_class``): this one (eager, or compiled without graphs), kvik_cuda's
+CUDA-graph runner (FULL graphs per padded decode batch size, PIECEWISE graphs of the compiled
+model for the other steps), or kvik_cpu's one-call decode. Models carry no platform code: a step
 runner wraps the model from outside.
+
+With compilation mode 3 (``CompilationConfig.compiled``) the step runner holds the model compiled
+piecewise (kvik.compilation.piecewise) and runs steps of two or more tokens through it; a subclass
+wraps the compiled pieces (``wrap_piece``), e.g. in CUDA graphs.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
+from kvik.compilation.piecewise import CompiledModel
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -27,6 +34,16 @@ class StepRunner:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.model = runner.model
+        compilation = runner.config.compilation
+        self.compiled: CompiledModel | None = None
+        if compilation.compiled:
+            self.compiled = CompiledModel(
+                self.model, self.wrap_piece, cache_dir=compilation.cache_dir or None
+            )
+
+    def wrap_piece(self, piece, index: int, count: int):
+        """What runs compiled piece ``index`` of ``count``: the piece itself, without graphs."""
+        return piece
 
     def padded_num_tokens(self, num_tokens: int, uniform_decode: bool) -> int:
         """The token (and, for uniform decodes, request) count the step's buffers are laid out
@@ -39,10 +56,23 @@ class StepRunner:
         return 0
 
     def on_kv_cache_ready(self) -> None:
-        """The KV cache exists: warm up, capture graphs."""
+        """The KV cache exists: warm up, capture graphs. A compiled model is compiled here, on a
+        dummy step of two padding tokens, so that no request waits for it."""
+        if self.compiled is not None and self.runner.max_num_seqs >= 2:
+            with torch.inference_mode():  # as steps run: grad mode is part of dynamo's guards
+                self.forward_hidden(self.runner.dummy_decode_inputs(2))
 
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
-        """Hidden states [T, hidden] of the step's (padded) tokens."""
+        """Hidden states [T, hidden] of the step's (padded) tokens: through the compiled model
+        where there is one, else eagerly."""
+        if self.compiled is None:
+            return self.eager_hidden(inputs)
+        context = ForwardContext(inputs.attn_metadata, self.runner.attention_layers)
+        with forward_context(context):
+            return self.compiled(inputs.input_ids, inputs.positions)
+
+    def eager_hidden(self, inputs: StepInputs) -> Tensor:
+        """Hidden states [T, hidden] from the model's layers called one by one."""
         context = ForwardContext(inputs.attn_metadata, self.runner.attention_layers)
         with forward_context(context):
             return self.model(inputs.input_ids, inputs.positions)

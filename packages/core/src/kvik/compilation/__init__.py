@@ -1,0 +1,1 @@
+"""Compiling the model: torch.compile split at attention (kvik.compilation.piecewise)."""

@@ -1,0 +1,75 @@
+"""The model compiled with torch.compile and split at attention (kvik.compilation.piecewise), on the
+CPU: the same greedy tokens as the eager model over prefill, chunked-prefill, mixed and decode steps,
+one trace for every token count, and one piece per stretch between attention calls. (The PIECEWISE
+CUDA graphs over these pieces run on the H200: packages/platform-cuda/tests/test_gpu_graphs.py.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_models import ragged_prompts
+
+from kvik import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    # One for the module: the first engine points inductor's caches there for the process.
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_compiled_model_gives_the_eager_tokens(kind, tiny_model, cache_dir):
+    folder = tiny_model(kind)
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(5, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, max_num_seqs=4)
+
+    eager = LLM(str(folder), enforce_eager=True, **common)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+
+    config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    llm = LLM(str(folder), compilation_config=config, **common)
+    compiled = llm.engine.runner.step_runner.compiled
+    assert compiled is not None
+    backend = compiled.backend
+    # Compiled at start-up, not by the first request: one piece before the first attention, one
+    # between each two, one after the last.
+    assert backend.num_graphs_traced == 1
+    assert backend.num_pieces == llm.config.model.hf_config.num_hidden_layers + 1
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    # Prefills of many lengths, chunks and mixed steps all ran on the one dynamic-shape trace.
+    assert backend.num_graphs_traced == 1
+    assert llm.stats.num_steps > len(prompts)
+    assert any(p.is_file() for p in cache_dir.rglob("*"))  # inductor's caches went there
+
+
+def test_split_at_attention_cuts_around_each_attention_call():
+    import torch.fx as fx
+
+    import kvik.ops  # noqa: F401
+    from kvik.compilation.piecewise import split_at_attention
+
+    def f(x, out):
+        y = torch.relu(x) + 1
+        torch.ops.kvik.unified_attention(y, y, y, out, "layer.0")
+        z = out * 2
+        torch.ops.kvik.unified_attention(z, z, z, out, "layer.1")
+        return out - 1
+
+    gm = fx.symbolic_trace(f)
+    split, pieces = split_at_attention(gm)
+    names = [name for name, _ in split.named_children()]
+    assert names == ["submod_0", "submod_1", "submod_2", "submod_3", "submod_4"]
+    assert pieces == ["submod_0", "submod_2", "submod_4"]
+    attention = [getattr(split, n) for n in ("submod_1", "submod_3")]
+    for module in attention:
+        calls = [n for n in module.graph.nodes if n.op == "call_function"]
+        assert [c.target for c in calls] == [torch.ops.kvik.unified_attention.default] or [
+            c.target for c in calls
+        ] == [torch.ops.kvik.unified_attention]
