@@ -214,3 +214,23 @@ def test_capture_sizes_and_modes():
         EngineArgs(
             cudagraph_mode="full", compilation_config='{"cudagraph_mode": "none"}'
         )._compilation_config(True)
+
+
+def test_padding_tokens_of_a_piecewise_step(tiny_model):
+    """A prompt step padded as a piecewise graph pads it (to a captured token count): the padding
+    tokens write no cache slot, sit at position 0 and belong to no request (the query starts end
+    at the real tokens). (Such steps run on the H200: test_gpu_graphs.py's piecewise modes.)"""
+    llm = LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, num_kv_blocks=64)
+    engine, runner = llm.engine, llm.engine.runner
+    runner.step_runner.padded_num_tokens = lambda n, uniform: n if uniform else n + 5
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(ragged_prompts(3, seed=9)):
+        engine.add_request(llm.input_processor.make_request(str(i), prompt, params, 0, 0.0))
+    prefill = engine.scheduler.schedule()
+    n = prefill.total_num_scheduled_tokens
+    inputs = runner.prepare_inputs(prefill)
+    assert not inputs.uniform_decode and (inputs.num_tokens, inputs.num_padded) == (n, n + 5)
+    assert len(inputs.input_ids) == n + 5
+    assert runner.slot_mapping.device[n : n + 5].tolist() == [-1] * 5
+    assert runner.positions.device[n : n + 5].tolist() == [0] * 5
+    assert runner.query_start_loc.device[3].item() == n

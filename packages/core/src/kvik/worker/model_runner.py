@@ -322,13 +322,18 @@ class ModelRunner:
         self.positions.np[:num_tokens] = positions
         self.query_lens.np[:num_reqs] = lens
         self.seq_lens.np[:num_reqs] = starts + lens
-        if padded > num_tokens:  # padding rows: no cache write, one harmless key each
+        if padded > num_tokens:  # padding rows: no cache write, position 0
             self.input_ids.np[num_tokens:padded] = 0
             self.positions.np[num_tokens:padded] = 0
             self.slot_mapping.np[num_tokens:padded] = -1
-            self.query_lens.np[num_reqs:padded_reqs] = 1
-            self.seq_lens.np[num_reqs:padded_reqs] = 1
-            query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(num_tokens + 1, padded + 1)
+            if uniform_decode:  # each padding row a one-token request with one harmless key
+                self.query_lens.np[num_reqs:padded_reqs] = 1
+                self.seq_lens.np[num_reqs:padded_reqs] = 1
+                query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(
+                    num_tokens + 1, padded + 1
+                )
+            # Else (a piecewise step) the padding tokens belong to no request: attention's
+            # programs past the last request's tokens return, and their rows are never read.
         self.logits_indices.np[: len(sample_rows)] = query_start_loc[1:][sample_rows] - 1
 
         input_ids = self.input_ids.upload(padded)
