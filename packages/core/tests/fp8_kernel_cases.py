@@ -75,10 +75,11 @@ def ref_token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def dequant_blocks(q: Tensor, scales: Tensor, rows_per_scale: int) -> Tensor:
-    """q [R, K] with scales [ceil(R/rows_per_scale), ceil(K/128)] -> float64 [R, K]."""
+    """q [R, K] with scales [ceil(R/rows_per_scale), ceil(K/128)] -> float64 [R, K] on DEVICE
+    (where the float64 products of the full sizes are quick)."""
     r, k = q.shape
-    expanded = scales.cpu().double().repeat_interleave(rows_per_scale, 0)[:r]
-    return q.cpu().double() * expanded.repeat_interleave(128, 1)[:, :k]
+    expanded = scales.to(DEVICE, torch.float64).repeat_interleave(rows_per_scale, 0)[:r]
+    return q.to(DEVICE).double() * expanded.repeat_interleave(128, 1)[:, :k]
 
 
 def same_bits(a: Tensor, b: Tensor) -> bool:
@@ -115,6 +116,7 @@ def block_scales(n: int, k: int) -> Tensor:
 # --- configurations -----------------------------------------------------------------------------
 
 if ON_GPU:
+    import kvik_cuda.fp8
     from kvik_cuda.tuning import fp8_block_config, fp8_gemm_config
 
     ARCH = device_arch(DEVICE)[0]
@@ -124,6 +126,12 @@ if ON_GPU:
 
     def gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
         return fp8_gemm_config(ARCH, m, n, k)
+
+    def block_linear(
+        x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        """The platform's function, the configuration its own choice."""
+        return kvik_cuda.fp8.fp8_block_linear(x, weight, weight_scale, bias)
 
     # (M, N, K): Llama-3.1-8B's qkv, o, gate_up and down at decode and prefill sizes; edges.
     LINEAR_SHAPES = [
@@ -136,6 +144,7 @@ if ON_GPU:
         (77, 1000, 1500),
     ]
     QUANT_SHAPES = [(1, 4096), (300, 14336), (77, 1500)]
+    SCALED_SHAPES = LINEAR_SHAPES[::2]
 else:
     # Small tiles keep the interpreter quick; sizes are no multiple of the blocks or of 128.
     GEMV = Fp8GemvConfig(block_n=16, groups=2, max_rows=4, num_warps=1, num_stages=1)
@@ -147,8 +156,16 @@ else:
     def gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
         return GEMM
 
+    def block_linear(
+        x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        m, k = x.numel() // x.shape[-1], x.shape[-1]
+        config = block_config(m, weight.shape[0], k)
+        return fp8_block_linear(x, weight, weight_scale, bias, config)
+
     LINEAR_SHAPES = [(1, 40, 300), (3, 200, 256), (5, 200, 300), (40, 72, 136)]
     QUANT_SHAPES = [(1, 128), (3, 300), (5, 1100)]
+    SCALED_SHAPES = LINEAR_SHAPES
 
 
 # --- quantization -------------------------------------------------------------------------------
@@ -250,7 +267,7 @@ def ref_block_linear(
     q, scales = ref_group_quant(x.reshape(-1, x.shape[-1]))
     out = dequant_blocks(q, scales, 1) @ dequant_blocks(weight, weight_scale, 128).T
     if bias is not None:
-        out += bias.cpu().double()
+        out += bias.double()
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -261,7 +278,7 @@ def test_fp8_block_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool
     x, weight, weight_scale = activations(m, k, dtype), fp8_weight(n, k), block_scales(n, k)
     b = randn(n, dtype=dtype) if bias else None
     poison_allocator()
-    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), b, block_config(m, n, k))
+    out = block_linear(x, weight, weight_scale.to(DEVICE), b)
     assert out.dtype == dtype
     check(out, ref_block_linear(x, weight, weight_scale, b), dtype)
 
@@ -316,13 +333,13 @@ def ref_scaled_linear(
     else:
         a_scale = input_scale.cpu()
         q = ref_quant(x.cpu(), a_scale)
-    w = weight.cpu().double() * weight_scale.cpu().double().reshape(-1, 1)
-    out = (q.double() * a_scale.double()) @ w.T
-    return out if bias is None else out + bias.cpu().double()
+    w = weight.double() * weight_scale.double().reshape(-1, 1)
+    out = (q.to(DEVICE).double() * a_scale.to(DEVICE).double()) @ w.T
+    return out if bias is None else out + bias.double()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES)
+@pytest.mark.parametrize(("m", "n", "k"), SCALED_SHAPES)
 @pytest.mark.parametrize("weight_scales", ["tensor", "channel"])
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
