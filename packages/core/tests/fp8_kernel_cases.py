@@ -293,6 +293,15 @@ def test_the_few_rows_kernel_agrees_with_the_tiled_one(m: int, n: int, k: int) -
     check(few_rows, tiled, torch.float32)
 
 
+def test_tiles_wider_than_a_weight_scale_block() -> None:
+    """256-column tiles: two weight-scale blocks a tile, a scale per column."""
+    m, n, k = (300, 1000, 1500) if ON_GPU else (20, 300, 300)
+    config = Fp8GemmConfig(64 if ON_GPU else 16, 256, 2, 4, 3)
+    x, weight, weight_scale = activations(m, k, torch.float16), fp8_weight(n, k), block_scales(n, k)
+    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), None, config)
+    check(out, ref_block_linear(x, weight, weight_scale, None), torch.float16)
+
+
 def test_block_linear_keeps_leading_dims() -> None:
     m, n, k = LINEAR_SHAPES[1]
     x, weight, weight_scale = (

@@ -105,6 +105,9 @@ def fp8_gemm_kernel(
     a_scale_ptrs = a_scale_ptr + rows * a_scale_stride
     if BLOCK_SCALES:
         w_scale_ptrs = w_scale_ptr + (cols // BLOCK_K) * w_scale_stride
+        # Where the tile's columns lie in one weight-scale block (BLOCK_N divides 128), one
+        # weight scale serves the tile: a step's scaling is then one multiply-add an element.
+        w_scale_block_ptr = w_scale_ptr + (pid_n * BLOCK_N // BLOCK_K) * w_scale_stride
     else:
         w_scale_ptrs = w_scale_ptr + cols * w_scale_stride
 
@@ -119,8 +122,12 @@ def fp8_gemm_kernel(
             w = tl.load(w_ptrs, mask=k_valid[:, None], other=0.0)
         if BLOCK_SCALES:
             a_scale = tl.load(a_scale_ptrs + k0 // BLOCK_K)
-            w_scale = tl.load(w_scale_ptrs + k0 // BLOCK_K)
-            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            if BLOCK_K % BLOCK_N == 0:
+                w_scale = tl.load(w_scale_block_ptr + k0 // BLOCK_K)
+                acc += tl.dot(a, w) * (a_scale * w_scale)[:, None]
+            else:
+                w_scale = tl.load(w_scale_ptrs + k0 // BLOCK_K)
+                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
         else:
             acc += tl.dot(a, w)
         a_ptrs += BLOCK_K
