@@ -284,10 +284,15 @@ def test_fp8_block_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool
 
 
 @pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES[:2])
-def test_the_few_rows_kernel_agrees_with_the_tiled_one(m: int, n: int, k: int) -> None:
+@pytest.mark.parametrize("prequantize", [False, True])
+def test_the_few_rows_kernel_agrees_with_the_tiled_one(
+    m: int, n: int, k: int, prequantize: bool
+) -> None:
     x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
     weight_scale = weight_scale.to(DEVICE)
-    gemv_config = Fp8GemvConfig(block_n=16, groups=2, max_rows=8, num_warps=4, num_stages=2)
+    gemv_config = Fp8GemvConfig(
+        16, 2, max_rows=8, num_warps=4, num_stages=2, prequantize=prequantize
+    )
     few_rows = fp8_block_linear(x, weight, weight_scale, None, gemv_config)
     tiled = fp8_block_linear(x, weight, weight_scale, None, gemm_config(m, n, k))
     check(few_rows, tiled, torch.float32)

@@ -35,14 +35,15 @@ ARCHS = list(aot.TARGETS)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = list(TRITON_TYPES)
 FP8_POINTERS = ("q_ptr", "a_ptr", "w_ptr")
-FP32_POINTERS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr")
+FP32_POINTERS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "x_scale_ptr")
 
 
-def types(kernel, dtype: torch.dtype) -> dict[str, str]:
-    """fp8 operands, fp32 scales, ``dtype`` for the rest of the pointers, 32-bit integers."""
+def types(kernel, dtype: torch.dtype, fp8_inputs: bool = False) -> dict[str, str]:
+    """fp8 operands (the GEMV's x too where ``fp8_inputs``), fp32 scales, ``dtype`` for the rest
+    of the pointers, 32-bit integers."""
 
     def one(name: str) -> str:
-        if name in FP8_POINTERS:
+        if name in FP8_POINTERS or (fp8_inputs and name == "x_ptr"):
             return "*fp8e4nv"
         if name in FP32_POINTERS:
             return "*fp32"
@@ -171,7 +172,7 @@ def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> 
     compiled = compiled_ok(
         fp8_block_gemv_kernel,
         arch,
-        types=types(fp8_block_gemv_kernel, torch.bfloat16),
+        types=types(fp8_block_gemv_kernel, torch.bfloat16, fp8_inputs=config.prequantize),
         constexprs={
             "K": k,
             "HAS_BIAS": False,
@@ -179,11 +180,13 @@ def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> 
             "BLOCK_N": config.block_n,
             "GROUPS": config.groups,
             "GROUP": GROUP_SIZE,
+            "PREQUANTIZED": config.prequantize,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    assert "div.rn.f32" in compiled.asm["ptx"]  # the activations' quantization inside
+    # The activations' quantization inside, or not.
+    assert ("div.rn.f32" in compiled.asm["ptx"]) != config.prequantize
 
 
 def test_tuning_picks_by_rows() -> None:

@@ -71,13 +71,17 @@ FP8_GEMM_CANDIDATES = {
 #: activations quantized inside, one launch): its arithmetic grows with the rows while the weight
 #: read does not, so larger batches take the tensor cores.
 FP8_GEMV_MAX_ROWS = 4
-#: The few-rows kernel's tilings for the bench's sweep: (output columns, groups of 128 a K step).
+#: The few-rows kernel's tilings for the bench's sweep: output columns, groups of 128 a K step,
+#: and "pre" where the activations are quantized by a launch of their own.
 FP8_GEMV_CANDIDATES = {
     "n8 g4": Fp8GemvConfig(8, 4, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n8 g4 pre": Fp8GemvConfig(8, 4, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
     "n16 g2": Fp8GemvConfig(16, 2, FP8_GEMV_MAX_ROWS, 4, 3),
     "n16 g4": Fp8GemvConfig(16, 4, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n16 g4 pre": Fp8GemvConfig(16, 4, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
     "n32 g2": Fp8GemvConfig(32, 2, FP8_GEMV_MAX_ROWS, 4, 4),
-    "n4 g8": Fp8GemvConfig(4, 8, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n32 g2 pre": Fp8GemvConfig(32, 2, FP8_GEMV_MAX_ROWS, 4, 4, prequantize=True),
+    "n4 g8 pre": Fp8GemvConfig(4, 8, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
 }
 
 
@@ -100,11 +104,14 @@ def fp8_gemm_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig:
 def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
     """The few-rows block-FP8 kernel's configuration for a weight [n, k] on ``arch``: narrow
     programs with long K steps for narrow layers (enough programs to fill the SMs), wider ones
-    with shorter steps for wide layers (as the bf16 GEMV)."""
+    with shorter steps for wide layers (as the bf16 GEMV). Narrow programs would each redo the
+    activations' quantization for few columns (tens of operations an element against a few a
+    weight), so narrow layers take them quantized by a launch of their own; wide programs
+    quantize inside, in one launch."""
     check_nvidia(arch)
     if n >= 16384:
         return FP8_GEMV_CANDIDATES["n32 g2"]
-    return FP8_GEMV_CANDIDATES["n8 g4"]
+    return FP8_GEMV_CANDIDATES["n8 g4 pre"]
 
 
 def fp8_block_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:

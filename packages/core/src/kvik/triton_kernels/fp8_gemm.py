@@ -16,8 +16,9 @@ Two kernels:
   share A and W tiles in L2.
 - ``fp8_block_gemv_kernel`` for a few rows (batch-1 and small-batch decode), where the time is the
   weight's bytes over the memory bandwidth: like ``kvik.triton_kernels.gemv``, a program owns
-  ``BLOCK_N`` output columns and walks all of K; it quantizes the activations itself (each program
-  recomputes the few rows' groups, which are in L2), so a projection is one launch.
+  ``BLOCK_N`` output columns and walks all of K. It can quantize the activations itself (each
+  program recomputes the few rows' groups, which are in L2), so a projection is one launch, or
+  read them quantized by a launch of their own (``Fp8GemvConfig.prequantize``).
 """
 
 from __future__ import annotations
@@ -54,13 +55,16 @@ class Fp8GemmConfig:
 class Fp8GemvConfig:
     """The few-rows kernel's launch: ``block_n`` output columns a program, ``groups`` groups of 128
     features a K step; inputs of more than ``max_rows`` rows are refused (the work on the CUDA
-    cores grows with the rows, while the tensor cores' does not)."""
+    cores grows with the rows, while the tensor cores' does not). ``prequantize``: the
+    activations quantized by their own launch first, rather than by every program again (which
+    costs arithmetic a weight in proportion to 1 / block_n, and saves a launch)."""
 
     block_n: int
     groups: int
     max_rows: int
     num_warps: int
     num_stages: int
+    prequantize: bool = False
 
 
 @triton.jit
@@ -148,7 +152,8 @@ def fp8_gemm_kernel(
 
 @triton.jit
 def fp8_block_gemv_kernel(
-    x_ptr,  # [M, K] bf16/fp16/fp32, unquantized, K contiguous
+    x_ptr,  # [M, K], K contiguous: bf16/fp16/fp32, or e4m3 where PREQUANTIZED
+    x_scale_ptr,  # PREQUANTIZED: [M, ceil(K/128)] fp32, rows contiguous; else unused
     w_ptr,  # [N, K] e4m3, K contiguous
     w_scale_ptr,  # [ceil(N/128), ceil(K/128)] fp32
     bias_ptr,  # [N] or unused
@@ -156,6 +161,7 @@ def fp8_block_gemv_kernel(
     M,
     N,
     x_stride,
+    x_scale_stride,
     w_stride,
     w_scale_stride,
     out_stride,
@@ -165,6 +171,7 @@ def fp8_block_gemv_kernel(
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,  # groups of GROUP features a K step
     GROUP: tl.constexpr,
+    PREQUANTIZED: tl.constexpr,
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
@@ -189,8 +196,16 @@ def fp8_block_gemv_kernel(
             # (m < M) as a block, not a scalar: the interpreter of Triton 3.9 refuses a scalar mask.
             x_valid = k_valid & (tl.full([GROUPS, GROUP], m, tl.int32) < M)
             x = tl.load(x_ptr + m * x_stride + k, mask=x_valid, other=0.0).to(tl.float32)
-            x_scale = dynamic_scale(tl.max(tl.abs(x), axis=1))  # [GROUPS]
-            q = quantize_to_grid(x, x_scale[:, None])  # e4m3 values, exact in fp32
+            if PREQUANTIZED:
+                q = x
+                x_scale = tl.load(
+                    x_scale_ptr + m * x_scale_stride + group,
+                    mask=(group * GROUP < K) & (tl.full([GROUPS], m, tl.int32) < M),
+                    other=0.0,
+                )  # [GROUPS]
+            else:
+                x_scale = dynamic_scale(tl.max(tl.abs(x), axis=1))  # [GROUPS]
+                q = quantize_to_grid(x, x_scale[:, None])  # e4m3 values, exact in fp32
             part = tl.sum(w * q[None, :, :], axis=2)  # [BLOCK_N, GROUPS]
             part = tl.sum(part * w_scale * x_scale[None, :], axis=1)  # [BLOCK_N]
             acc += tl.where(out_rows[:, None] == m, part[None, :], 0.0)
@@ -300,7 +315,8 @@ def fp8_block_gemv(
 ) -> Tensor:
     """x [M, K] (unquantized, rows contiguous, M <= config.max_rows), weight e4m3 [N, K], block
     weight scales [ceil(N/128), ceil(K/128)] -> [M, N] in x's dtype: the activations quantized
-    per token group of 128 inside, as ``per_token_group_quant_fp8`` does."""
+    per token group of 128 (by ``per_token_group_quant_fp8`` where ``config.prequantize``, else
+    by the same arithmetic inside the kernel)."""
     m, k = x.shape
     if m > config.max_rows:
         raise ValueError(f"the fp8 GEMV takes at most {config.max_rows} rows, not {m}")
@@ -310,11 +326,13 @@ def fp8_block_gemv(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    inputs, scales = per_token_group_quant_fp8(x) if config.prequantize else (x, weight_scale)
     fp8_block_gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight_scale, weight if bias is None else bias, out, m, n, x.stride(0),
-        weight.stride(0), weight_scale.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None,
-        M_PAD=triton.next_power_of_2(m), BLOCK_N=config.block_n,
-        GROUPS=config.groups, GROUP=GROUP_SIZE, num_warps=config.num_warps,
+        inputs, scales, weight, weight_scale, weight if bias is None else bias, out, m, n,
+        inputs.stride(0), scales.stride(0), weight.stride(0), weight_scale.stride(0),
+        out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
+        BLOCK_N=config.block_n, GROUPS=config.groups, GROUP=GROUP_SIZE,
+        PREQUANTIZED=config.prequantize, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
     return out
