@@ -18,7 +18,12 @@ from torch import Tensor
 
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig, fp8_gemm
-from kvik.triton_kernels.fp8_linear import fp8_block_linear, fp8_scaled_linear
+from kvik.triton_kernels.fp8_linear import (
+    CublasBlockwise,
+    cublas_blockwise_takes,
+    fp8_block_linear,
+    fp8_scaled_linear,
+)
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
@@ -305,6 +310,25 @@ def test_tiles_wider_than_a_weight_scale_block() -> None:
     x, weight, weight_scale = activations(m, k, torch.float16), fp8_weight(n, k), block_scales(n, k)
     out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), None, config)
     check(out, ref_block_linear(x, weight, weight_scale, None), torch.float16)
+
+
+def test_cublas_blockwise_where_it_takes_the_case() -> None:
+    """cuBLAS's blockwise scaling on the GPU (bf16, N % 128 == 0, K % 512 == 0), the Triton
+    fallback elsewhere (here: CPU tensors), the same numbers either way."""
+    m, n, k = (300, 6144, 4096) if ON_GPU else (5, 256, 512)
+    x, weight, weight_scale = (
+        activations(m, k, torch.bfloat16),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    weight_scale = weight_scale.to(DEVICE)
+    takes = cublas_blockwise_takes(x, weight, weight_scale)
+    if ON_GPU and not takes:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
+    assert takes == ON_GPU
+    bias = randn(n, dtype=torch.bfloat16)
+    out = fp8_block_linear(x, weight, weight_scale, bias, CublasBlockwise(gemm_config(m, n, k)))
+    check(out, ref_block_linear(x, weight, weight_scale.cpu(), bias), torch.bfloat16)
 
 
 def test_block_linear_keeps_leading_dims() -> None:

@@ -30,8 +30,12 @@ import triton
 
 import kvik_cuda.fp8
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
-from kvik.triton_kernels.fp8_linear import fp8_block_linear, fp8_scaled_linear
-from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
+from kvik.triton_kernels.fp8_linear import (
+    CublasBlockwise,
+    cublas_blockwise_takes,
+    fp8_block_linear,
+    fp8_scaled_linear,
+)
 from kvik_cuda import tuning
 
 PEAK_FP8_FLOPS = 1451e12
@@ -133,20 +137,15 @@ def large_rows(sweep: bool) -> list[tuple[str, Callable[[], torch.Tensor], float
 def cublas_blockwise(
     x: torch.Tensor, weight: torch.Tensor, block_scale: torch.Tensor
 ) -> Callable[[], torch.Tensor] | None:
-    """The same product on cuBLAS's 1x128 x 128x128 scaling (torch's scaled_mm), quantization
-    included, or None (with the reason printed) where this torch or GPU does not take it."""
-    scaled_mm = getattr(F, "scaled_mm", None)
-    if scaled_mm is None:
-        print("(no torch.nn.functional.scaled_mm in this torch: no cuBLAS blockwise row)")
+    """The same product on cuBLAS's 1x128 x 128x128 scaling (``CublasBlockwise``), quantization
+    included, or None (the reason printed) where this torch or GPU does not take it."""
+    if not cublas_blockwise_takes(x, weight, block_scale):
+        print(f"(torch {torch.__version__} has no torch.nn.functional.scaled_mm: no cuBLAS row)")
         return None
-    from torch.nn.functional import ScalingType
+    config = CublasBlockwise(tuning.FP8_GEMM_LARGE)
 
     def run() -> torch.Tensor:
-        q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
-        return scaled_mm(
-            q, weight.t(), scales, ScalingType.BlockWise1x128, block_scale.t(),
-            ScalingType.BlockWise128x128, output_dtype=x.dtype,
-        )  # fmt: skip
+        return fp8_block_linear(x, weight, block_scale, None, config)
 
     try:
         run()

@@ -11,18 +11,59 @@ same numerics are the CPU path (``kvik.quantization``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from kvik.triton_kernels.fp8_gemm import (
     Fp8GemmConfig,
     Fp8GemvConfig,
     check_bias,
+    check_block_weight_scale,
     check_weight,
     fp8_block_matmul,
     fp8_gemm,
 )
-from kvik.triton_kernels.fp8_quant import as_rows, per_token_quant_fp8
+from kvik.triton_kernels.fp8_quant import as_rows, per_token_group_quant_fp8, per_token_quant_fp8
+
+
+@dataclass(frozen=True)
+class CublasBlockwise:
+    """Run a block-FP8 product on cuBLAS's blockwise scaling (``torch.nn.functional.scaled_mm``
+    with 1x128 activation and 128x128 weight scales) where it takes the case, else on the Triton
+    tiled kernel with ``fallback``. It takes bf16 activations on a CUDA device with N a multiple of
+    128 and K of 512 (the weight scales' K blocks, cuBLAS's scale rows, in fours)."""
+
+    fallback: Fp8GemmConfig
+
+
+def cublas_blockwise_takes(x: Tensor, weight: Tensor, weight_scale: Tensor) -> bool:
+    n, k = weight.shape
+    return (
+        hasattr(F, "scaled_mm")
+        and hasattr(F, "ScalingType")
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and x.shape[0] > 0
+        and n % 128 == 0
+        and k % 512 == 0
+        and weight_scale.is_contiguous()
+    )
+
+
+def cublas_block_matmul(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """x bf16 [M, K] -> [M, N] on cuBLAS: activation scales written column-major (tokens
+    contiguous) and the weight scales transposed, the layouts it takes; the bias added after."""
+    q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
+    out = F.scaled_mm(
+        q, weight.t(), scales, F.ScalingType.BlockWise1x128, weight_scale.t(),
+        F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
+    )  # fmt: skip
+    return out if bias is None else out.add_(bias)
 
 
 def fp8_block_linear(
@@ -30,12 +71,21 @@ def fp8_block_linear(
     weight: Tensor,
     weight_scale: Tensor,
     bias: Tensor | None,
-    config: Fp8GemmConfig | Fp8GemvConfig,
+    config: Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise,
 ) -> Tensor:
     """x [..., K] -> [..., N]; weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)]
-    (multiplied: w = q * scale). An ``Fp8GemvConfig`` runs the few-rows kernel (the activations
-    quantized inside it), an ``Fp8GemmConfig`` the group quantization and the tiled kernel."""
+    (multiplied: w = q * scale). An ``Fp8GemvConfig`` runs the few-rows kernel, an
+    ``Fp8GemmConfig`` the group quantization and the tiled kernel, a ``CublasBlockwise`` cuBLAS
+    where it takes the case."""
     rows = as_rows(x)
+    if isinstance(config, CublasBlockwise):
+        n = check_weight(weight, rows.shape[1])
+        check_block_weight_scale(weight_scale, n, rows.shape[1])
+        check_bias(bias, n)
+        if cublas_blockwise_takes(rows, weight, weight_scale):
+            out = cublas_block_matmul(rows, weight, weight_scale, bias)
+            return out.view(*x.shape[:-1], n)
+        config = config.fallback
     out = fp8_block_matmul(rows, weight, weight_scale, bias, config)
     return out.view(*x.shape[:-1], out.shape[-1])
 
