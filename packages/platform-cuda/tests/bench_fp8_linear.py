@@ -140,7 +140,10 @@ def cublas_blockwise(
     """The same product on cuBLAS's 1x128 x 128x128 scaling (``CublasBlockwise``), quantization
     included, or None (the reason printed) where this torch or GPU does not take it."""
     if not cublas_blockwise_takes(x, weight, block_scale):
-        print(f"(torch {torch.__version__} has no torch.nn.functional.scaled_mm: no cuBLAS row)")
+        print(
+            "(no cuBLAS row: CublasBlockwise needs torch.nn.functional.scaled_mm, which torch "
+            f"{torch.__version__} lacks, or a case it does not take)"
+        )
         return None
     config = CublasBlockwise(tuning.FP8_GEMM_LARGE)
 

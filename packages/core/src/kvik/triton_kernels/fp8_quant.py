@@ -1,7 +1,7 @@
 """Quantizing activations to fp8 e4m3: per token group (block FP8, groups of 128 input
 features), per token (one dynamic scale a row) and per tensor (a static scale given).
 
-Numerics, shared with the PyTorch references (docs/architecture.md, issue 14's contract):
+Numerics, shared with the PyTorch references (issue 14's contract):
 ``q = e4m3(clamp(x / s, -448, 448))`` rounded to nearest, ties to even, as
 ``x.to(torch.float8_e4m3fn)`` rounds; a dynamic scale is ``max(|x|) / 448`` over the group or row in
 fp32, at least 1e-10 so that an all-zero row quantizes to zeros. The division is IEEE (``div_rn``),
