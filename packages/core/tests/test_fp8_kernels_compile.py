@@ -1,8 +1,9 @@
 """The FP8 kernels compile ahead of time for kvik_cuda's targets (Hopper, Blackwell) at the
-configurations its tuning picks and the bench sweeps, within shared memory, with wgmma on Hopper
-for tiles of 64 rows or more, with IEEE division and round-to-nearest-even e4m3 conversions in the
-activation quantization. Skipped without kvik_cuda (e4m3fn is NVIDIA's fp8; ROCm's MI300X has the
-fnuz variant, which these kernels are not registered for)."""
+configurations its tuning picks and the bench sweeps, specialized for aligned pointers and strides
+as the JIT does at Llama's sizes: within shared memory with every pipeline stage; on Hopper with
+pipelined loads and (tiles of 64 rows or more) wgmma; with IEEE division and round-to-nearest-even
+e4m3 conversions in the activation quantization. Skipped without kvik_cuda (e4m3fn is NVIDIA's
+fp8; ROCm's MI300X has the fnuz variant, which these kernels are not registered for)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def types(kernel, dtype: torch.dtype, fp8_inputs: bool = False) -> dict[str, str
     return {name: one(name) for name in kernel.arg_names}
 
 
+def aligned(kernel) -> tuple[str, ...]:
+    """Pointers and strides: multiples of 16 at the sizes compiled here (K = 4096 rows of
+    contiguous tensors), which the JIT specializes for at a launch."""
+    return tuple(n for n in kernel.arg_names if n.endswith(("_ptr", "_stride")))
+
+
 def compiled_ok(kernel, arch: str, **kwargs):
     compiled = compile_kernel(kernel, aot.TARGETS[arch], **kwargs)
     assert compiled.metadata.shared <= aot.SHARED_MEMORY_LIMIT[arch]
@@ -75,6 +82,7 @@ def test_per_token_group_quant(arch: str, dtype: torch.dtype) -> None:
         types=types(per_token_group_quant_kernel, dtype),
         constexprs={"GROUP": GROUP_SIZE, "GROUPS_PER_PROGRAM": GROUP_QUANT_GROUPS_PER_PROGRAM},
         num_warps=GROUP_QUANT_WARPS,
+        aligned=aligned(per_token_group_quant_kernel),
     )
     check_quantization(compiled.asm["ptx"])
 
@@ -89,6 +97,7 @@ def test_per_token_quant(arch: str, dtype: torch.dtype, static: bool) -> None:
         types=types(per_token_quant_kernel, dtype),
         constexprs={"K": 4096, "STATIC_SCALE": static, "BLOCK": TOKEN_QUANT_BLOCK},
         num_warps=TOKEN_QUANT_WARPS,
+        aligned=aligned(per_token_quant_kernel),
     )
     check_quantization(compiled.asm["ptx"])
 
@@ -125,9 +134,13 @@ def test_fp8_gemm(
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        aligned=aligned(fp8_gemm_kernel),
     )
-    if arch == "sm90" and config.block_m >= 64:
-        assert "wgmma" in compiled.asm["ptx"]
+    if arch == "sm90":
+        # The tiles' loads pipelined through shared memory, in the stages asked for.
+        assert "cp.async" in compiled.asm["ptx"]
+        if config.block_m >= 64:
+            assert "wgmma" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -184,6 +197,7 @@ def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> 
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        aligned=aligned(fp8_block_gemv_kernel),
     )
     # The activations' quantization inside, or not.
     assert ("div.rn.f32" in compiled.asm["ptx"]) != config.prequantize
