@@ -274,8 +274,11 @@ def fp8_gemm(
     check_bias(bias, n)
     if block_scales:
         groups = triton.cdiv(k, GROUP_SIZE)
-        if a_scale.shape != (m, groups) or a_scale.stride(1) != 1:
-            raise ValueError(f"activation scales must be [{m}, {groups}], not {a_scale.shape}")
+        if a_scale.dtype != torch.float32 or a_scale.shape != (m, groups) or a_scale.stride(1) != 1:
+            raise ValueError(
+                f"activation scales must be fp32 [{m}, {groups}] (rows contiguous), "
+                f"not {a_scale.dtype} of shape {tuple(a_scale.shape)}"
+            )
         check_block_weight_scale(weight_scale, n, k)
         a_scale_stride, w_scale_stride = a_scale.stride(0), weight_scale.stride(0)
     else:
