@@ -111,7 +111,8 @@ def activations(m: int, k: int, dtype: torch.dtype) -> Tensor:
 
 
 def fp8_weight(n: int, k: int) -> Tensor:
-    return (randn(n, k) * 100).clamp(-448, 448).to(FP8)
+    # Drawn on the device: the full sizes' weights are large for the CPU's float64 generator.
+    return (torch.randn(n, k, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
 
 
 def block_scales(n: int, k: int) -> Tensor:
