@@ -104,6 +104,7 @@ def test_per_token_quant(arch: str, dtype: torch.dtype, static: bool) -> None:
 
 GEMM_CONFIGS = {
     "small": tuning.FP8_GEMM_SMALL,
+    "small narrow": tuning.FP8_GEMM_SMALL_NARROW,
     "medium": tuning.FP8_GEMM_MEDIUM,
     **tuning.FP8_GEMM_CANDIDATES,
 }
@@ -206,7 +207,8 @@ def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> 
 def test_tuning_picks_by_rows() -> None:
     assert isinstance(tuning.fp8_block_config("sm90", 1, 4096, 4096), Fp8GemvConfig)
     small = tuning.fp8_block_config("sm90", tuning.FP8_GEMV_MAX_ROWS + 1, 4096, 4096)
-    assert small == tuning.FP8_GEMM_SMALL
+    assert small == tuning.FP8_GEMM_SMALL_NARROW
+    assert tuning.fp8_block_config("sm90", 16, 28672, 4096) == tuning.FP8_GEMM_SMALL
     assert tuning.fp8_block_config("sm100", 4096, 8192, 8192) == tuning.FP8_GEMM_LARGE
     with pytest.raises(ValueError, match="NVIDIA"):
         tuning.fp8_gemm_config("gfx942", 4096, 8192, 8192)

@@ -212,7 +212,9 @@ def print_decode(rows_list: list[int], sweep: bool) -> None:
             if sweep and rows <= tuning.FP8_GEMV_MAX_ROWS:
                 configs |= {f"  {name}": c for name, c in tuning.FP8_GEMV_CANDIDATES.items()}
             if sweep and rows > 1:
-                configs["  tiled 16-row"] = tuning.FP8_GEMM_SMALL
+                configs["  tiled 16-row"] = tuning.fp8_gemm_config(
+                    kvik_cuda.fp8.arch_of(DEVICE), rows, n, k
+                )
 
             for name, config in configs.items():
                 out, ms = time_walk(x, weights, config)

@@ -54,11 +54,13 @@ def gemv_config(arch: str, out_features: int, in_features: int) -> GemvConfig | 
 #: The fp8 tiled kernel's tiles on Hopper and Blackwell, by the rows of the product: 128 x 128
 #: tiles in 4 stages (32 KB of A and W a stage) with 8 warps (two warpgroups) for prefills;
 #: 64-row tiles (one warpgroup's MMA) for medium batches; 16-row tiles (the MMAs without
-#: warpgroups) and narrow columns for small ones, so that a layer still spreads over the SMs.
+#: warpgroups) and narrow columns for small ones, so that a layer still spreads over the SMs
+#: (32 columns for narrow layers: 128 programs for 4096 outputs).
 #: Not yet measured: ``bench_fp8_linear.py --sweep`` times these and the candidates below.
 FP8_GEMM_LARGE = Fp8GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
 FP8_GEMM_MEDIUM = Fp8GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4)
 FP8_GEMM_SMALL = Fp8GemmConfig(block_m=16, block_n=64, group_m=1, num_warps=4, num_stages=5)
+FP8_GEMM_SMALL_NARROW = Fp8GemmConfig(block_m=16, block_n=32, group_m=1, num_warps=4, num_stages=6)
 #: Further tilings for prefills, for the bench's sweep.
 FP8_GEMM_CANDIDATES = {
     "128x128 w8 s4": FP8_GEMM_LARGE,
@@ -95,7 +97,7 @@ def fp8_gemm_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig:
     per-channel scales alike)."""
     check_nvidia(arch)
     if m <= 16:
-        return FP8_GEMM_SMALL
+        return FP8_GEMM_SMALL if n >= 16384 else FP8_GEMM_SMALL_NARROW
     if m <= 64:
         return FP8_GEMM_MEDIUM
     return FP8_GEMM_LARGE
