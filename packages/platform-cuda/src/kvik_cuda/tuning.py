@@ -1,4 +1,5 @@
-"""The launch configurations of the shared Triton attention kernel on NVIDIA GPUs.
+"""The launch configurations of the shared Triton kernels (attention, GEMV, FP8 products) on
+NVIDIA GPUs.
 
 ``kvik.triton_kernels`` holds the kernels; which tiles, warps and pipeline stages suit an
 architecture is this platform's choice, registered for the "sm" architectures when it is selected
@@ -12,6 +13,7 @@ import functools
 import torch
 import triton
 
+from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -47,3 +49,75 @@ def gemv_config(arch: str, out_features: int, in_features: int) -> GemvConfig | 
     if out_features >= 16384:
         return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
     return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
+
+
+#: The fp8 tiled kernel's tiles on Hopper and Blackwell, by the rows of the product: 128 x 128
+#: tiles in 4 stages (32 KB of A and W a stage) with 8 warps (two warpgroups) for prefills;
+#: 64-row tiles (one warpgroup's MMA) for medium batches; 16-row tiles (the MMAs without
+#: warpgroups) and narrow columns for small ones, so that a layer still spreads over the SMs
+#: (32 columns for narrow layers: 128 programs for 4096 outputs).
+#: Not yet measured: ``bench_fp8_linear.py --sweep`` times these and the candidates below.
+FP8_GEMM_LARGE = Fp8GemmConfig(block_m=128, block_n=128, group_m=8, num_warps=8, num_stages=4)
+FP8_GEMM_MEDIUM = Fp8GemmConfig(block_m=64, block_n=128, group_m=8, num_warps=4, num_stages=4)
+FP8_GEMM_SMALL = Fp8GemmConfig(block_m=16, block_n=64, group_m=1, num_warps=4, num_stages=5)
+FP8_GEMM_SMALL_NARROW = Fp8GemmConfig(block_m=16, block_n=32, group_m=1, num_warps=4, num_stages=6)
+#: Further tilings for prefills, for the bench's sweep.
+FP8_GEMM_CANDIDATES = {
+    "128x128 w8 s4": FP8_GEMM_LARGE,
+    "128x128 w4 s4": Fp8GemmConfig(128, 128, 8, 4, 4),
+    "128x256 w8 s3": Fp8GemmConfig(128, 256, 8, 8, 3),
+    "64x256 w4 s4": Fp8GemmConfig(64, 256, 8, 4, 4),
+    "64x128 w4 s4": FP8_GEMM_MEDIUM,
+}
+#: Up to this many rows a block-FP8 product runs on the few-rows kernel (CUDA cores, the
+#: activations quantized inside, one launch): its arithmetic grows with the rows while the weight
+#: read does not, so larger batches take the tensor cores.
+FP8_GEMV_MAX_ROWS = 4
+#: The few-rows kernel's tilings for the bench's sweep: output columns, groups of 128 a K step,
+#: and "pre" where the activations are quantized by a launch of their own.
+FP8_GEMV_CANDIDATES = {
+    "n8 g4": Fp8GemvConfig(8, 4, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n8 g4 pre": Fp8GemvConfig(8, 4, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
+    "n16 g2": Fp8GemvConfig(16, 2, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n16 g4": Fp8GemvConfig(16, 4, FP8_GEMV_MAX_ROWS, 4, 3),
+    "n16 g4 pre": Fp8GemvConfig(16, 4, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
+    "n32 g2": Fp8GemvConfig(32, 2, FP8_GEMV_MAX_ROWS, 4, 4),
+    "n32 g2 pre": Fp8GemvConfig(32, 2, FP8_GEMV_MAX_ROWS, 4, 4, prequantize=True),
+    "n4 g8 pre": Fp8GemvConfig(4, 8, FP8_GEMV_MAX_ROWS, 4, 3, prequantize=True),
+}
+
+
+def check_nvidia(arch: str) -> None:
+    if not arch.startswith("sm"):
+        raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
+
+
+def fp8_gemm_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig:
+    """The fp8 tiled kernel's configuration for an [m, k] x [n, k]^T product on ``arch`` (block or
+    per-channel scales alike)."""
+    check_nvidia(arch)
+    if m <= 16:
+        return FP8_GEMM_SMALL if n >= 16384 else FP8_GEMM_SMALL_NARROW
+    if m <= 64:
+        return FP8_GEMM_MEDIUM
+    return FP8_GEMM_LARGE
+
+
+def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
+    """The few-rows block-FP8 kernel's configuration for a weight [n, k] on ``arch``: narrow
+    programs with long K steps for narrow layers (enough programs to fill the SMs), wider ones
+    with shorter steps for wide layers (as the bf16 GEMV). Narrow programs would each redo the
+    activations' quantization for few columns (tens of operations an element against a few a
+    weight), so narrow layers take them quantized by a launch of their own; wide programs
+    quantize inside, in one launch."""
+    check_nvidia(arch)
+    if n >= 16384:
+        return FP8_GEMV_CANDIDATES["n32 g2"]
+    return FP8_GEMV_CANDIDATES["n8 g4 pre"]
+
+
+def fp8_block_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+    """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows."""
+    if m <= FP8_GEMV_MAX_ROWS:
+        return fp8_gemv_config(arch, n, k)
+    return fp8_gemm_config(arch, m, n, k)

@@ -1,0 +1,204 @@
+"""Quantizing activations to fp8 e4m3: per token group (block FP8, groups of 128 input
+features), per token (one dynamic scale a row) and per tensor (a static scale given).
+
+Numerics, shared with the PyTorch references (issue 14's contract):
+``q = e4m3(clamp(x / s, -448, 448))`` rounded to nearest, ties to even, as
+``x.to(torch.float8_e4m3fn)`` rounds; a dynamic scale is ``max(|x|) / 448`` over the group or row in
+fp32, at least 1e-10 so that an all-zero row quantizes to zeros. The division is IEEE (``div_rn``),
+not the GPU's approximate one, so the kernels and a torch reference agree bit for bit.
+
+The rounding is written out (``round_to_e4m3``) rather than left to the fp32 -> fp8 cast: the
+compiled cast rounds to nearest even (``cvt.rn.satfinite.e4m3x2.f32`` on sm90), but the Triton 3.6
+interpreter's rounds half up, ignores the bits below the first dropped one and truncates
+subnormals. After ``round_to_e4m3`` every value is exactly representable, so both casts agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+#: A dynamic scale's lower bound: an all-zero group gets this scale and quantizes to zeros.
+SCALE_FLOOR = 1e-10
+#: Input features per activation scale (and per weight-scale block) in block FP8.
+GROUP_SIZE = 128
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
+# 1.5 * 2**23: adding it to an fp32 of magnitude below 2**22 rounds away the fraction, to nearest
+# even (IEEE's default), and subtracting it again is exact.
+_ROUNDING_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def round_to_e4m3(x):
+    """fp32 ``x`` in [-448, 448] -> the nearest e4m3 value (ties to even), still as fp32.
+
+    e4m3 has 3 fraction bits and a smallest normal exponent of -6 (subnormals step by 2**-9), so
+    the spacing of the values around ``x`` is 2**(max(exponent(x), -6) - 3), a power of two:
+    scaling by it is exact, and the scaled value is rounded to an integer."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127  # -127 for zero and fp32 subnormals: the floor holds
+    step_exponent = tl.maximum(exponent, -6) - 3
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    inverse_step = ((127 - step_exponent) << 23).to(tl.float32, bitcast=True)
+    steps = tl.abs(x) * inverse_step  # < 16
+    magnitude = ((steps + _ROUNDING_MAGIC) - _ROUNDING_MAGIC) * step
+    # The sign goes back on as a bit, so that what rounds to zero keeps it (-0.0, as torch's cast).
+    sign = (bits >> 31) << 31
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_to_grid(x, scale):
+    """fp32 ``x`` over ``scale`` (broadcast) -> e4m3 values as fp32: cast them with ``.to``."""
+    scaled = tl.math.div_rn(x, scale)
+    return round_to_e4m3(tl.minimum(tl.maximum(scaled, -_FP8_MAX), _FP8_MAX))
+
+
+@triton.jit
+def dynamic_scale(amax):
+    """The scale of a group or row whose largest magnitude is ``amax`` (fp32)."""
+    return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _SCALE_FLOOR)
+
+
+@triton.jit
+def per_token_group_quant_kernel(
+    x_ptr,  # [M, K], K contiguous
+    q_ptr,  # [M, K] e4m3, K contiguous
+    scale_ptr,  # [M, ceil(K / GROUP)] fp32, either order
+    K,
+    x_stride,
+    q_stride,
+    scale_row_stride,
+    scale_group_stride,
+    GROUP: tl.constexpr,
+    GROUPS_PER_PROGRAM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
+    col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_PROGRAM, GROUP]
+    valid = col < K  # a last group cut short by K reads zeros, which leave its maximum alone
+    x = tl.load(x_ptr + row * x_stride + col, mask=valid, other=0.0).to(tl.float32)
+    scale = dynamic_scale(tl.max(tl.abs(x), axis=1))
+    q = quantize_to_grid(x, scale[:, None])
+    tl.store(q_ptr + row * q_stride + col, q.to(q_ptr.dtype.element_ty), mask=valid)
+    scale_ptrs = scale_ptr + row * scale_row_stride + group * scale_group_stride
+    tl.store(scale_ptrs, scale, mask=group * GROUP < K)
+
+
+@triton.jit
+def per_token_quant_kernel(
+    x_ptr,  # [M, K], K contiguous
+    q_ptr,  # [M, K] e4m3, K contiguous
+    scale_ptr,  # STATIC_SCALE: [1] fp32, read; else [M] fp32 (a [M, 1] tensor), written
+    x_stride,
+    q_stride,
+    K: tl.constexpr,  # a layer's constant
+    STATIC_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    if STATIC_SCALE:
+        # No pass over the row first: a program quantizes one block (grid axis 1).
+        col = tl.program_id(1) * BLOCK + offsets
+        x = tl.load(x_ptr + row * x_stride + col, mask=col < K, other=0.0).to(tl.float32)
+        q = quantize_to_grid(x, tl.load(scale_ptr))
+        tl.store(q_ptr + row * q_stride + col, q.to(q_ptr.dtype.element_ty), mask=col < K)
+    else:
+        # The scale is the row's maximum: a program owns the row and reads it twice (from L2).
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            col = k0 + offsets
+            x = tl.load(x_ptr + row * x_stride + col, mask=col < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = dynamic_scale(tl.max(amax, axis=0))
+        tl.store(scale_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            col = k0 + offsets
+            x = tl.load(x_ptr + row * x_stride + col, mask=col < K, other=0.0).to(tl.float32)
+            q = quantize_to_grid(x, scale)
+            tl.store(q_ptr + row * q_stride + col, q.to(q_ptr.dtype.element_ty), mask=col < K)
+
+
+#: Groups of 128 a program of the group quantization takes: 1024 elements, 4 warps.
+GROUP_QUANT_GROUPS_PER_PROGRAM = 8
+GROUP_QUANT_WARPS = 4
+#: Elements a step of the per-token quantization takes, and its warps.
+TOKEN_QUANT_BLOCK = 1024
+TOKEN_QUANT_WARPS = 4
+
+
+def as_rows(x: Tensor) -> Tensor:
+    """``x [..., K]`` as ``[M, K]`` with contiguous rows, or a ValueError saying what is wrong."""
+    if x.dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"fp8 quantization takes bf16, fp16 or fp32 activations, not {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("fp8 quantization takes activations of shape [..., K], not a scalar")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def per_token_group_quant_fp8(
+    x: Tensor, group_size: int = GROUP_SIZE, column_major_scales: bool = False
+) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (q e4m3 [..., K], scales fp32 [..., ceil(K / group_size)]): each run of
+    ``group_size`` consecutive features of a token gets its own dynamic scale.
+
+    ``column_major_scales``: the scales as an [M, groups] view of a [groups, M] tensor (tokens
+    contiguous), the layout cuBLAS's blockwise-scaled products take; x must then be 2-D."""
+    if group_size <= 0 or group_size & (group_size - 1):
+        raise ValueError(f"the quantization group size must be a power of two, not {group_size}")
+    rows = as_rows(x)
+    m, k = rows.shape
+    groups = triton.cdiv(k, group_size)
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    if column_major_scales:
+        if x.dim() != 2:
+            raise ValueError("column-major scales are for 2-D activations [M, K]")
+        scales = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    per_group = min(GROUP_QUANT_GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
+    if m > 0 and k > 0:
+        per_token_group_quant_kernel[(m, triton.cdiv(groups, per_group))](
+            rows, q, scales, k, rows.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
+            GROUP=group_size, GROUPS_PER_PROGRAM=per_group, num_warps=GROUP_QUANT_WARPS,
+        )  # fmt: skip
+    if column_major_scales:
+        return q, scales
+    return q.view(*x.shape), scales.view(*x.shape[:-1], groups)
+
+
+def per_token_quant_fp8(x: Tensor, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (q e4m3 [..., K], scale fp32). With ``scale`` None each token gets its own
+    dynamic scale (returned as [..., 1]); else ``scale`` (fp32, one element: a static per-tensor
+    scale) is used for every element and returned as given."""
+    rows = as_rows(x)
+    m, k = rows.shape
+    q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+    if scale is None:
+        out_scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+        grid = (m, 1)
+    else:
+        if scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(
+                "a static activation scale is one fp32 element, "
+                f"not {scale.dtype} of shape {tuple(scale.shape)}"
+            )
+        out_scale = scale
+        grid = (m, triton.cdiv(k, TOKEN_QUANT_BLOCK))
+    if m > 0 and k > 0:
+        per_token_quant_kernel[grid](
+            rows, q, out_scale, rows.stride(0), q.stride(0), K=k, STATIC_SCALE=scale is not None,
+            BLOCK=TOKEN_QUANT_BLOCK, num_warps=TOKEN_QUANT_WARPS,
+        )  # fmt: skip
+    if scale is None:
+        out_scale = out_scale.view(*x.shape[:-1], 1)
+    return q.view(*x.shape), out_scale

@@ -1,0 +1,419 @@
+"""The FP8 kernels (kvik.triton_kernels.fp8_*) against PyTorch references written here, on the
+device KVIK_KERNEL_DEVICE names, as triton_kernel_cases.py does for the other kernels (not
+collected by itself, no ``test_`` prefix): test_fp8_kernels_interpreter.py runs it under
+``TRITON_INTERPRET=1`` at small shapes, kvik_cuda's test_fp8_kernels_gpu.py on the GPU at full
+sizes with kvik_cuda's launch configurations.
+
+Quantization must equal torch's ``(x / s).clamp(-448, 448).to(torch.float8_e4m3fn)`` bit for bit,
+scales included; products are compared in float64 with the reference's own quantized operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+from kvik.triton_kernels.attention import device_arch
+from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig, fp8_gemm
+from kvik.triton_kernels.fp8_linear import (
+    CublasBlockwise,
+    cublas_blockwise_takes,
+    fp8_block_linear,
+    fp8_scaled_linear,
+)
+from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+
+DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
+ON_GPU = DEVICE.type == "cuda"
+if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip(
+        "CPU tensors reach the kernels only under TRITON_INTERPRET=1", allow_module_level=True
+    )
+
+FP8 = torch.float8_e4m3fn
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request: pytest.FixtureRequest) -> None:
+    torch.manual_seed(hash(request.node.name) % 2**31)
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64).to(dtype=dtype, device=DEVICE)
+
+
+def poison_allocator() -> None:
+    """Fill freed device memory with NaN, so launcher-allocated outputs start poisoned."""
+    if ON_GPU:
+        torch.full((1 << 28,), float("nan"), device=DEVICE)
+        torch.cuda.synchronize()
+
+
+# --- references ---------------------------------------------------------------------------------
+
+
+def ref_quant(x: Tensor, scale: Tensor) -> Tensor:
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+def ref_group_quant(x: Tensor, group: int = 128) -> tuple[Tensor, Tensor]:
+    """x [M, K] -> (q [M, K], scales [M, ceil(K/group)]), on the CPU."""
+    x = x.cpu().float()
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = torch.zeros(m, groups * group).index_copy_(1, torch.arange(k), x)
+    grouped = padded.view(m, groups, group)
+    scales = (grouped.abs().amax(dim=-1) / 448.0).clamp(min=1e-10)
+    q = ref_quant(grouped, scales[..., None]).view(m, groups * group)[:, :k]
+    return q, scales
+
+
+def ref_token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    x = x.cpu().float()
+    scales = (x.abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-10)
+    return ref_quant(x, scales), scales
+
+
+def dequant_blocks(q: Tensor, scales: Tensor, rows_per_scale: int) -> Tensor:
+    """q [R, K] with scales [ceil(R/rows_per_scale), ceil(K/128)] -> float64 [R, K] on DEVICE
+    (where the float64 products of the full sizes are quick)."""
+    r, k = q.shape
+    expanded = scales.to(DEVICE, torch.float64).repeat_interleave(rows_per_scale, 0)[:r]
+    return q.to(DEVICE).double() * expanded.repeat_interleave(128, 1)[:, :k]
+
+
+def same_bits(a: Tensor, b: Tensor) -> bool:
+    return torch.equal(a.cpu().view(torch.uint8), b.cpu().view(torch.uint8))
+
+
+def check(out: Tensor, ref: Tensor, dtype: torch.dtype) -> None:
+    out, ref = out.cpu().double(), ref.cpu().double()
+    assert out.shape == ref.shape
+    assert not out.isnan().any(), "unwritten or NaN outputs"
+    # Hopper's fp8 tensor cores add a group's 128 products with fewer bits than fp32.
+    tolerance = max(TOLERANCE[dtype], 1e-3 if ON_GPU else 0.0)
+    err = ((out - ref).norm() / ref.norm()).item()
+    assert err < tolerance, f"relative error {err:.2e}"
+
+
+def activations(m: int, k: int, dtype: torch.dtype) -> Tensor:
+    """Random rows with a few large outliers, the first row zero where there are several."""
+    x = randn(m, k, dtype=torch.float32) * 3
+    x[:, :: max(1, k // 7)] *= 50
+    if m > 2:
+        x[1] = 0
+    return x.to(dtype)
+
+
+def fp8_weight(n: int, k: int) -> Tensor:
+    # Drawn on the device: the full sizes' weights are large for the CPU's float64 generator.
+    return (torch.randn(n, k, device=DEVICE) * 100).clamp(-448, 448).to(FP8)
+
+
+def block_scales(n: int, k: int) -> Tensor:
+    return (torch.rand(-(-n // 128), -(-k // 128), dtype=torch.float64) * 1e-3 + 1e-4).float()
+
+
+# --- configurations -----------------------------------------------------------------------------
+
+if ON_GPU:
+    import kvik_cuda.fp8
+    from kvik_cuda.tuning import fp8_block_config, fp8_gemm_config
+
+    ARCH = device_arch(DEVICE)[0]
+
+    def block_config(m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+        return fp8_block_config(ARCH, m, n, k)
+
+    def gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
+        return fp8_gemm_config(ARCH, m, n, k)
+
+    def block_linear(
+        x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        """The platform's function, the configuration its own choice."""
+        return kvik_cuda.fp8.fp8_block_linear(x, weight, weight_scale, bias)
+
+    # (M, N, K): Llama-3.1-8B's qkv, o, gate_up and down at decode and prefill sizes; edges.
+    LINEAR_SHAPES = [
+        (1, 6144, 4096),
+        (1, 4096, 14336),
+        (3, 28672, 4096),
+        (16, 4096, 4096),
+        (300, 6144, 4096),
+        (1000, 4096, 14336),
+        (77, 1000, 1500),
+    ]
+    QUANT_SHAPES = [(1, 4096), (300, 14336), (77, 1500)]
+    SCALED_SHAPES = LINEAR_SHAPES[::2]
+else:
+    # Small tiles keep the interpreter quick; sizes are no multiple of the blocks or of 128.
+    GEMV = Fp8GemvConfig(block_n=16, groups=2, max_rows=4, num_warps=1, num_stages=1)
+    GEMM = Fp8GemmConfig(block_m=16, block_n=32, group_m=2, num_warps=1, num_stages=1)
+
+    def block_config(m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+        return GEMV if m <= GEMV.max_rows else GEMM
+
+    def gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
+        return GEMM
+
+    def block_linear(
+        x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        m, k = x.numel() // x.shape[-1], x.shape[-1]
+        config = block_config(m, weight.shape[0], k)
+        return fp8_block_linear(x, weight, weight_scale, bias, config)
+
+    LINEAR_SHAPES = [(1, 40, 300), (3, 200, 256), (5, 200, 300), (40, 72, 136)]
+    QUANT_SHAPES = [(1, 128), (3, 300), (5, 1100)]
+    SCALED_SHAPES = LINEAR_SHAPES
+
+
+# --- quantization -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), QUANT_SHAPES)
+def test_per_token_group_quant_matches_torch_bit_for_bit(
+    dtype: torch.dtype, m: int, k: int
+) -> None:
+    x = activations(m, k, dtype)
+    poison_allocator()
+    q, scales = per_token_group_quant_fp8(x)
+    ref_q, ref_scales = ref_group_quant(x)
+    assert q.dtype == FP8 and scales.dtype == torch.float32
+    assert scales.shape == (m, -(-k // 128))
+    assert torch.equal(scales.cpu(), ref_scales)
+    assert same_bits(q, ref_q)
+    if m > 2:  # the zero row: the floor scale and zeros, never NaN
+        assert torch.equal(q[1].cpu().float(), torch.zeros(k))
+        assert torch.equal(scales[1].cpu(), torch.full((scales.shape[1],), 1e-10))
+
+
+def test_group_quant_keeps_leading_dims_and_writes_column_major_scales() -> None:
+    x = activations(6, 300, torch.float32)
+    q, scales = per_token_group_quant_fp8(x.view(2, 3, 300))
+    assert q.shape == (2, 3, 300) and scales.shape == (2, 3, 3)
+    q_cols, scales_cols = per_token_group_quant_fp8(x, column_major_scales=True)
+    assert scales_cols.stride() == (1, 6)
+    assert torch.equal(scales_cols.cpu(), scales.view(6, 3).cpu())
+    assert same_bits(q_cols, q.view(6, 300))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), QUANT_SHAPES)
+def test_per_token_quant_dynamic(dtype: torch.dtype, m: int, k: int) -> None:
+    x = activations(m, k, dtype)
+    poison_allocator()
+    q, scales = per_token_quant_fp8(x)
+    ref_q, ref_scales = ref_token_quant(x)
+    assert scales.shape == (m, 1)
+    assert torch.equal(scales.cpu(), ref_scales)
+    assert same_bits(q, ref_q)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_token_quant_static_saturates(dtype: torch.dtype) -> None:
+    """A static scale: values beyond 448 * scale come out as +-448, the rest round to nearest."""
+    m, k = QUANT_SHAPES[1]
+    x = activations(m, k, dtype)
+    scale = torch.tensor([x.float().abs().max().item() / 448.0 / 4], device=DEVICE)
+    poison_allocator()
+    q, out_scale = per_token_quant_fp8(x, scale)
+    assert out_scale is scale
+    assert same_bits(q, ref_quant(x.cpu(), scale.cpu()))
+    beyond = x.float().cpu().abs() > 448 * scale.cpu()
+    assert beyond.any()
+    assert torch.equal(q.cpu().float()[beyond].abs(), torch.full((int(beyond.sum()),), 448.0))
+
+
+def test_rounding_ties_to_even_and_keeps_signed_zeros() -> None:
+    """Every e4m3 value, the midpoints between neighbours (ties), their fp32 neighbours and
+    values below the smallest subnormal, through a static scale of 1: as torch's cast."""
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = values[~values.isnan()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([
+        values, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+        torch.tensor([-0.0, 1e-30, -1e-30, 2.0**-10, -(2.0**-10), 500.0, -1e6]),
+    ])  # fmt: skip
+    q, _ = per_token_quant_fp8(x.to(DEVICE)[None], torch.ones(1, device=DEVICE))
+    assert same_bits(q[0], x.clamp(-448, 448).to(FP8))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [torch.zeros(4, 8, dtype=torch.int32), torch.tensor(1.0)],
+    ids=["int", "scalar"],
+)
+def test_quantization_refuses_bad_activations(bad: Tensor) -> None:
+    with pytest.raises(ValueError, match="fp8 quantization takes"):
+        per_token_group_quant_fp8(bad.to(DEVICE))
+
+
+def test_quantization_refuses_bad_arguments() -> None:
+    x = activations(2, 256, torch.float32)
+    with pytest.raises(ValueError, match="power of two"):
+        per_token_group_quant_fp8(x, group_size=100)
+    with pytest.raises(ValueError, match="static activation scale"):
+        per_token_quant_fp8(x, torch.ones(2, device=DEVICE))
+
+
+# --- block FP8 linear ---------------------------------------------------------------------------
+
+
+def ref_block_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    q, scales = ref_group_quant(x.reshape(-1, x.shape[-1]))
+    out = dequant_blocks(q, scales, 1) @ dequant_blocks(weight, weight_scale, 128).T
+    if bias is not None:
+        out += bias.double()
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_block_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
+    x, weight, weight_scale = activations(m, k, dtype), fp8_weight(n, k), block_scales(n, k)
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = block_linear(x, weight, weight_scale.to(DEVICE), b)
+    assert out.dtype == dtype
+    check(out, ref_block_linear(x, weight, weight_scale, b), dtype)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES[:2])
+@pytest.mark.parametrize("prequantize", [False, True])
+def test_the_few_rows_kernel_agrees_with_the_tiled_one(
+    m: int, n: int, k: int, prequantize: bool
+) -> None:
+    x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
+    weight_scale = weight_scale.to(DEVICE)
+    gemv_config = Fp8GemvConfig(
+        16, 2, max_rows=8, num_warps=4, num_stages=2, prequantize=prequantize
+    )
+    few_rows = fp8_block_linear(x, weight, weight_scale, None, gemv_config)
+    tiled = fp8_block_linear(x, weight, weight_scale, None, gemm_config(m, n, k))
+    check(few_rows, tiled, torch.float32)
+
+
+def test_tiles_wider_than_a_weight_scale_block() -> None:
+    """256-column tiles: two weight-scale blocks a tile, a scale per column."""
+    m, n, k = (300, 1000, 1500) if ON_GPU else (20, 300, 300)
+    config = Fp8GemmConfig(64 if ON_GPU else 16, 256, 2, 4, 3)
+    x, weight, weight_scale = activations(m, k, torch.float16), fp8_weight(n, k), block_scales(n, k)
+    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), None, config)
+    check(out, ref_block_linear(x, weight, weight_scale, None), torch.float16)
+
+
+def test_cublas_blockwise_where_it_takes_the_case() -> None:
+    """cuBLAS's blockwise scaling on the GPU (bf16, N % 128 == 0, K % 512 == 0), the Triton
+    fallback elsewhere (here: CPU tensors), the same numbers either way."""
+    m, n, k = (300, 6144, 4096) if ON_GPU else (5, 256, 512)
+    x, weight, weight_scale = (
+        activations(m, k, torch.bfloat16),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    weight_scale = weight_scale.to(DEVICE)
+    takes = cublas_blockwise_takes(x, weight, weight_scale)
+    if ON_GPU and not takes:
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
+    assert takes == ON_GPU
+    bias = randn(n, dtype=torch.bfloat16)
+    out = fp8_block_linear(x, weight, weight_scale, bias, CublasBlockwise(gemm_config(m, n, k)))
+    check(out, ref_block_linear(x, weight, weight_scale.cpu(), bias), torch.bfloat16)
+
+
+def test_block_linear_keeps_leading_dims() -> None:
+    m, n, k = LINEAR_SHAPES[1]
+    x, weight, weight_scale = (
+        activations(2 * m, k, torch.float16),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    out = fp8_block_linear(
+        x.view(2, m, k), weight, weight_scale.to(DEVICE), None, gemm_config(m, n, k)
+    )
+    assert out.shape == (2, m, n)
+    check(out, ref_block_linear(x, weight, weight_scale, None).view(2, m, n), torch.float16)
+
+
+def test_block_linear_refuses_bad_operands() -> None:
+    m, n, k = LINEAR_SHAPES[2]  # [N/128, K/128] not square: transposed scales have another shape
+    x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
+    weight_scale = weight_scale.to(DEVICE)
+    config = gemm_config(m, n, k)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_block_linear(x, weight.float(), weight_scale, None, config)
+    with pytest.raises(ValueError, match="block weight scales"):
+        fp8_block_linear(x, weight, weight_scale.T.contiguous(), None, config)
+    with pytest.raises(ValueError, match="bias"):
+        fp8_block_linear(x, weight, weight_scale, randn(n + 1), config)
+    with pytest.raises(ValueError, match="at most"):
+        fp8_block_linear(x, weight, weight_scale, None, Fp8GemvConfig(16, 2, m - 1, 1, 1))
+
+
+# --- per-tensor / per-channel linear ------------------------------------------------------------
+
+
+def ref_scaled_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, input_scale: Tensor | None, bias: Tensor | None
+) -> Tensor:
+    if input_scale is None:
+        q, a_scale = ref_token_quant(x)
+    else:
+        a_scale = input_scale.cpu()
+        q = ref_quant(x.cpu(), a_scale)
+    w = weight.double() * weight_scale.double().reshape(-1, 1)
+    out = (q.to(DEVICE).double() * a_scale.to(DEVICE).double()) @ w.T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SCALED_SHAPES)
+@pytest.mark.parametrize("weight_scales", ["tensor", "channel"])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("use_scaled_mm", [True, False] if ON_GPU else [False])
+def test_fp8_scaled_linear(
+    dtype: torch.dtype,
+    m: int,
+    n: int,
+    k: int,
+    weight_scales: str,
+    static: bool,
+    bias: bool,
+    use_scaled_mm: bool,
+) -> None:
+    x, weight = activations(m, k, dtype), fp8_weight(n, k)
+    scale_count = 1 if weight_scales == "tensor" else n
+    weight_scale = (torch.rand(scale_count) * 1e-3 + 1e-4).to(DEVICE)
+    input_scale = (x.float().abs().max() / 448.0).reshape(1) if static else None
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = fp8_scaled_linear(
+        x, weight, weight_scale, input_scale, b, gemm_config(m, n, k), use_scaled_mm
+    )
+    assert out.dtype == dtype
+    check(out, ref_scaled_linear(x, weight, weight_scale, input_scale, b), dtype)
+
+
+def test_fp8_gemm_refuses_bad_scales() -> None:
+    m, n, k = LINEAR_SHAPES[2]
+    q, weight = activations(m, k, torch.float32).to(FP8), fp8_weight(n, k)
+    config = gemm_config(m, n, k)
+    ones = torch.ones(m + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="activation scales must hold"):
+        fp8_gemm(q, weight, ones, ones[:1], None, torch.float32, config, block_scales=False)
+    with pytest.raises(ValueError, match="activation scales must be"):
+        fp8_gemm(q, weight, ones, block_scales(n, k), None, torch.float32, config, True)
+    with pytest.raises(ValueError, match="weight scales must be fp32"):
+        fp8_scaled_linear(q.float(), weight, ones.double(), None, None, config)

@@ -1,0 +1,214 @@
+"""The FP8 kernels compile ahead of time for kvik_cuda's targets (Hopper, Blackwell) at the
+configurations its tuning picks and the bench sweeps, specialized for aligned pointers and strides
+as the JIT does at Llama's sizes: within shared memory with every pipeline stage; on Hopper with
+pipelined loads and (tiles of 64 rows or more) wgmma; with IEEE division and round-to-nearest-even
+e4m3 conversions in the activation quantization. Skipped without kvik_cuda (e4m3fn is NVIDIA's
+fp8; ROCm's MI300X has the fnuz variant, which these kernels are not registered for)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+aot = pytest.importorskip("kvik_cuda.aot")
+tuning = pytest.importorskip("kvik_cuda.tuning")
+
+from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.fp8_gemm import (  # noqa: E402
+    GEMM_BLOCK_K,
+    GROUP_SIZE,
+    Fp8GemmConfig,
+    Fp8GemvConfig,
+    fp8_block_gemv_kernel,
+    fp8_gemm_kernel,
+)
+from kvik.triton_kernels.fp8_quant import (  # noqa: E402
+    GROUP_QUANT_GROUPS_PER_PROGRAM,
+    GROUP_QUANT_WARPS,
+    TOKEN_QUANT_BLOCK,
+    TOKEN_QUANT_WARPS,
+    per_token_group_quant_kernel,
+    per_token_quant_kernel,
+)
+
+ARCHS = list(aot.TARGETS)
+TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+DTYPES = list(TRITON_TYPES)
+FP8_POINTERS = ("q_ptr", "a_ptr", "w_ptr")
+FP32_POINTERS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "x_scale_ptr")
+
+
+def types(kernel, dtype: torch.dtype, fp8_inputs: bool = False) -> dict[str, str]:
+    """fp8 operands (the GEMV's x too where ``fp8_inputs``), fp32 scales, ``dtype`` for the rest
+    of the pointers, 32-bit integers."""
+
+    def one(name: str) -> str:
+        if name in FP8_POINTERS or (fp8_inputs and name == "x_ptr"):
+            return "*fp8e4nv"
+        if name in FP32_POINTERS:
+            return "*fp32"
+        return f"*{TRITON_TYPES[dtype]}" if name.endswith("_ptr") else "i32"
+
+    return {name: one(name) for name in kernel.arg_names}
+
+
+def aligned(kernel) -> tuple[str, ...]:
+    """Pointers and strides: multiples of 16 at the sizes compiled here (K = 4096 rows of
+    contiguous tensors), which the JIT specializes for at a launch."""
+    return tuple(n for n in kernel.arg_names if n.endswith(("_ptr", "_stride")))
+
+
+def compiled_ok(kernel, arch: str, **kwargs):
+    compiled = compile_kernel(kernel, aot.TARGETS[arch], **kwargs)
+    assert compiled.metadata.shared <= aot.SHARED_MEMORY_LIMIT[arch]
+    return compiled
+
+
+def check_quantization(ptx: str) -> None:
+    """IEEE division (as torch's), the rounding helper's subtraction of 1.5 * 2**23 kept (not
+    folded away), and fp32 -> e4m3 conversions that round to nearest even."""
+    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "0fCB400000" in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_token_group_quant(arch: str, dtype: torch.dtype) -> None:
+    compiled = compiled_ok(
+        per_token_group_quant_kernel,
+        arch,
+        types=types(per_token_group_quant_kernel, dtype),
+        constexprs={"GROUP": GROUP_SIZE, "GROUPS_PER_PROGRAM": GROUP_QUANT_GROUPS_PER_PROGRAM},
+        num_warps=GROUP_QUANT_WARPS,
+        aligned=aligned(per_token_group_quant_kernel),
+    )
+    check_quantization(compiled.asm["ptx"])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("static", [False, True])
+def test_per_token_quant(arch: str, dtype: torch.dtype, static: bool) -> None:
+    compiled = compiled_ok(
+        per_token_quant_kernel,
+        arch,
+        types=types(per_token_quant_kernel, dtype),
+        constexprs={"K": 4096, "STATIC_SCALE": static, "BLOCK": TOKEN_QUANT_BLOCK},
+        num_warps=TOKEN_QUANT_WARPS,
+        aligned=aligned(per_token_quant_kernel),
+    )
+    check_quantization(compiled.asm["ptx"])
+
+
+GEMM_CONFIGS = {
+    "small": tuning.FP8_GEMM_SMALL,
+    "small narrow": tuning.FP8_GEMM_SMALL_NARROW,
+    "medium": tuning.FP8_GEMM_MEDIUM,
+    **tuning.FP8_GEMM_CANDIDATES,
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("config", GEMM_CONFIGS.values(), ids=GEMM_CONFIGS.keys())
+@pytest.mark.parametrize(
+    ("block_scales", "k", "bias", "dtype"),
+    [(True, 4096, False, torch.bfloat16), (False, 4096, True, torch.bfloat16)],
+    ids=["block", "channel"],
+)
+def test_fp8_gemm(
+    arch: str, config: Fp8GemmConfig, block_scales: bool, k: int, bias: bool, dtype: torch.dtype
+) -> None:
+    compiled = compiled_ok(
+        fp8_gemm_kernel,
+        arch,
+        types=types(fp8_gemm_kernel, dtype),
+        constexprs={
+            "K": k,
+            "BLOCK_SCALES": block_scales,
+            "HAS_BIAS": bias,
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": GEMM_BLOCK_K,
+            "GROUP_M": config.group_m,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        aligned=aligned(fp8_gemm_kernel),
+    )
+    if arch == "sm90":
+        # The tiles' loads pipelined through shared memory, in the stages asked for.
+        assert "cp.async" in compiled.asm["ptx"]
+        if config.block_m >= 64:
+            assert "wgmma" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fp8_gemm_with_a_k_tail(arch: str, dtype: torch.dtype) -> None:
+    """K no multiple of 128 (masked loads), the output in fp16 and fp32."""
+    config = tuning.FP8_GEMM_LARGE
+    compiled_ok(
+        fp8_gemm_kernel,
+        arch,
+        types=types(fp8_gemm_kernel, dtype),
+        constexprs={
+            "K": 1500,
+            "BLOCK_SCALES": True,
+            "HAS_BIAS": True,
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n,
+            "BLOCK_K": GEMM_BLOCK_K,
+            "GROUP_M": config.group_m,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def gemv_cases() -> list:
+    """The tuning's choices for Llama-3.1-8B's layers at one row and at FP8_GEMV_MAX_ROWS rows,
+    and every sweep candidate at one row."""
+    cases = []
+    for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+        config = tuning.fp8_gemv_config("sm90", n, k)
+        for rows in (1, tuning.FP8_GEMV_MAX_ROWS):
+            cases.append(pytest.param(config, k, rows, id=f"{n}x{k}-m{rows}"))
+    for name, config in tuning.FP8_GEMV_CANDIDATES.items():
+        cases.append(pytest.param(config, 4096, 1, id=f"sweep-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("config", "k", "rows"), gemv_cases())
+def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> None:
+    compiled = compiled_ok(
+        fp8_block_gemv_kernel,
+        arch,
+        types=types(fp8_block_gemv_kernel, torch.bfloat16, fp8_inputs=config.prequantize),
+        constexprs={
+            "K": k,
+            "HAS_BIAS": False,
+            "M_PAD": rows,
+            "BLOCK_N": config.block_n,
+            "GROUPS": config.groups,
+            "GROUP": GROUP_SIZE,
+            "PREQUANTIZED": config.prequantize,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        aligned=aligned(fp8_block_gemv_kernel),
+    )
+    # The activations' quantization inside, or not.
+    assert ("div.rn.f32" in compiled.asm["ptx"]) != config.prequantize
+
+
+def test_tuning_picks_by_rows() -> None:
+    assert isinstance(tuning.fp8_block_config("sm90", 1, 4096, 4096), Fp8GemvConfig)
+    small = tuning.fp8_block_config("sm90", tuning.FP8_GEMV_MAX_ROWS + 1, 4096, 4096)
+    assert small == tuning.FP8_GEMM_SMALL_NARROW
+    assert tuning.fp8_block_config("sm90", 16, 28672, 4096) == tuning.FP8_GEMM_SMALL
+    assert tuning.fp8_block_config("sm100", 4096, 8192, 8192) == tuning.FP8_GEMM_LARGE
+    with pytest.raises(ValueError, match="NVIDIA"):
+        tuning.fp8_gemm_config("gfx942", 4096, 8192, 8192)

@@ -1,0 +1,43 @@
+"""The FP8 linear products of issue 14's contract for this platform: kvik's Triton kernels
+(``kvik.triton_kernels.fp8_linear``) with the launch configuration ``kvik_cuda.tuning`` picks for
+the GPU's architecture and the call's rows. The signatures are the contract's, so the quantization
+methods call these as they call the PyTorch references on the CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from kvik.triton_kernels import fp8_linear
+from kvik.triton_kernels.attention import device_arch
+from kvik_cuda.tuning import fp8_block_config, fp8_gemm_config
+
+
+@functools.cache
+def arch_of(device: torch.device) -> str:
+    return device_arch(device)[0]
+
+
+def fp8_block_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
+) -> Tensor:
+    """x [..., K] -> [..., N]: block FP8 (activations quantized per token group of 128 inside)."""
+    n, k = weight.shape
+    config = fp8_block_config(arch_of(x.device), x.numel() // max(k, 1), n, k)
+    return fp8_linear.fp8_block_linear(x, weight, weight_scale, bias, config)
+
+
+def fp8_scaled_linear(
+    x: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    input_scale: Tensor | None,
+    bias: Tensor | None,
+) -> Tensor:
+    """x [..., K] -> [..., N]: per-tensor or per-channel weight scales, a static activation scale
+    or (None) dynamic per-token ones."""
+    n, k = weight.shape
+    config = fp8_gemm_config(arch_of(x.device), x.numel() // max(k, 1), n, k)
+    return fp8_linear.fp8_scaled_linear(x, weight, weight_scale, input_scale, bias, config)
