@@ -23,38 +23,44 @@ _COMMON = dict(
 )
 
 
-def moe_config(kind: str):
+def moe_config(kind: str, hidden_size: int = 64):
+    """A small config of ``kind``: 4 query and 2 KV heads of hidden_size / 4."""
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+    common = _COMMON | {"hidden_size": hidden_size}
     if kind == "qwen3_moe":  # renormalised top-4 of 8, q/k norms, a dense layer
         return Qwen3MoeConfig(
-            **_COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            **common, head_dim=hidden_size // 4, intermediate_size=96, moe_intermediate_size=32,
             num_experts=8, num_experts_per_tok=4, norm_topk_prob=True, mlp_only_layers=[1],
         )  # fmt: skip
     if kind == "qwen2_moe":  # top-2 of 8 without renormalising, a gated shared expert
         return Qwen2MoeConfig(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+            **common, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=False, shared_expert_intermediate_size=48,
         )  # fmt: skip
     if kind == "mixtral":  # top-2 of 8, renormalised, a sliding window
         return MixtralConfig(
-            **_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+            **common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
             sliding_window=24,
         )  # fmt: skip
     if kind == "olmoe":  # whole-q and whole-k norms, clipped q/k/v, top-3 of 8
         return OlmoeConfig(
-            **_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=2.0
+            **common, intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=2.0
         )
     raise ValueError(f"unknown MoE kind {kind!r}")
 
 
-def build_tiny_moe(kind: str, folder: Path, stacked: bool = False, seed: int = 0) -> Path:
+def build_tiny_moe(
+    kind: str, folder: Path, stacked: bool = False, seed: int = 0, hidden_size: int = 64
+) -> Path:
     """Save a random model of ``kind``: a tensor per expert as checkpoints are published (and as
     transformers saves by default), or with ``stacked`` the experts as transformers 5 holds them
     (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(kind), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        moe_config(kind, hidden_size), torch_dtype=torch.float32
+    )
     model.save_pretrained(folder, save_original_format=not stacked)
     return folder
