@@ -184,6 +184,34 @@ def check_fused_moe_shapes(
         raise ValueError(f"fused_moe: top_k must be in [1, {experts}], got {top_k}")
 
 
+def grouped_experts(
+    hidden: Tensor,
+    router_logits: Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert: Callable[[int, Tensor], Tensor],
+) -> Tensor:
+    """Route each token [T, H] to its ``top_k`` experts (``moe_routing``), run ``expert(e, x)`` on
+    the rows x [n, H] of each expert e that has any (gathered with index ops), and sum the results
+    weighted by the routing weights in fp32, rounded once to the input dtype at the end."""
+    weights, ids = moe_routing(router_logits, top_k, renormalize)
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=router_logits.shape[-1]).tolist()
+    tokens = order // top_k
+    flat_weights = weights.flatten()[order]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        start += count
+        y = expert(e, hidden.index_select(0, tokens[rows]))
+        out.index_add_(0, tokens[rows], y.float() * flat_weights[rows, None])
+    return out.to(hidden.dtype)
+
+
 def _fused_moe(
     hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
 ) -> Tensor:
@@ -192,28 +220,16 @@ def _fused_moe(
     ``w2[e] @ (silu(gate) * up)`` with ``(gate, up) = w13[e] @ x`` (w13 [E, 2I, H] holds gate then
     up, w2 is [E, H, I]), and the outputs are summed weighted by the routing weights, in fp32.
 
-    Grouped by expert (the tokens of each expert gathered with index ops), as transformers computes
-    it: each product rounds to the input dtype, the weighted sum is fp32, rounded once at the end.
+    Grouped by expert, as transformers computes it (``grouped_experts``): each product rounds to
+    the input dtype, the weighted sum is fp32, rounded once at the end.
     """
     check_fused_moe_shapes(hidden, router_logits, w13, w2, top_k)
-    weights, ids = moe_routing(router_logits, top_k, renormalize)
-    flat_ids = ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    tokens = order // top_k
-    flat_weights = weights.flatten()[order]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        start += count
-        x = hidden.index_select(0, tokens[rows])
-        act = _silu_and_mul(torch.nn.functional.linear(x, w13[expert]))
-        y = torch.nn.functional.linear(act, w2[expert])
-        out.index_add_(0, tokens[rows], y.float() * flat_weights[rows, None])
-    return out.to(hidden.dtype)
+
+    def expert(e: int, x: Tensor) -> Tensor:
+        act = _silu_and_mul(torch.nn.functional.linear(x, w13[e]))
+        return torch.nn.functional.linear(act, w2[e])
+
+    return grouped_experts(hidden, router_logits, top_k, renormalize, expert)
 
 
 fused_moe = torch.library.custom_op("kvik::fused_moe", _fused_moe, mutates_args=())
