@@ -11,10 +11,17 @@ import torch
 from safetensors import safe_open
 from test_engine_vs_transformers import GREEDY, assert_greedy_equal, make_llm
 from tiny_models import load_hf, ragged_prompts
-from tiny_moe_models import MOE_KINDS, build_tiny_moe
+from tiny_moe_models import MOE_KINDS, build_tiny_moe, moe_config
 
 from kvik import SamplingParams
 from kvik.model_loader import load_model, load_model_config
+
+ARCHITECTURES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +122,16 @@ def test_missing_expert_is_a_clear_error(tiny_moe, tmp_path):
     config = load_model_config(str(tmp_path), dtype="float32")
     with pytest.raises(ValueError, match=r"experts.gate_up_proj of experts \[5\]"):
         load_model(config, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_dummy_weights_run_a_config_only_folder(kind, tmp_path):
+    """``--load-format dummy`` on a folder with a config.json and nothing else, as the GPU
+    benchmarks load bench/models/qwen3-30b-a3b."""
+    config = moe_config(kind)
+    config.architectures = [ARCHITECTURES[kind]]
+    config.save_pretrained(tmp_path)
+    llm = make_llm(tmp_path, load_format="dummy")
+    prompts = ragged_prompts(3, seed=14)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [GREEDY.max_tokens] * 3
