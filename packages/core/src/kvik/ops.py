@@ -194,22 +194,23 @@ def grouped_experts(
     """Route each token [T, H] to its ``top_k`` experts (``moe_routing``), run ``expert(e, x)`` on
     the rows x [n, H] of each expert e that has any (gathered with index ops), and sum the results
     weighted by the routing weights in fp32, rounded once to the input dtype at the end."""
+    if hidden.shape[0] == 0:
+        return torch.empty_like(hidden)
     weights, ids = moe_routing(router_logits, top_k, renormalize)
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
     counts = torch.bincount(flat_ids, minlength=router_logits.shape[-1]).tolist()
     tokens = order // top_k
-    flat_weights = weights.flatten()[order]
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    rows = hidden.index_select(0, tokens)  # every pair's input, in expert order
+    results = []
     start = 0
     for e, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        start += count
-        y = expert(e, hidden.index_select(0, tokens[rows]))
-        out.index_add_(0, tokens[rows], y.float() * flat_weights[rows, None])
-    return out.to(hidden.dtype)
+        if count:
+            results.append(expert(e, rows[start : start + count]))
+            start += count
+    weighted = torch.cat(results).float() * weights.flatten()[order, None]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 
 
 def _fused_moe(
