@@ -1,6 +1,7 @@
 """kvik's mixture-of-experts models against transformers on the same random weights (CPU, fp32):
 teacher-forced log-probabilities at every position through prefill chunks, greedy generations
-with prefix-cache hits, and both expert layouts of a checkpoint."""
+with prefix-cache hits and with preemption, both expert layouts of a checkpoint, and dummy
+weights."""
 
 from __future__ import annotations
 
@@ -87,6 +88,15 @@ def test_moe_greedy_with_prefix_hits_equals_transformers(kind, tiny_moe):
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)  # warms the cache with the shared prefix
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert all(o.num_cached_tokens >= 32 for o in outputs)
+    assert_greedy_equal(prompts, outputs, load_hf(folder), GREEDY.max_tokens)
+
+
+def test_moe_greedy_with_preemption(tiny_moe):
+    folder = tiny_moe("mixtral")
+    prompts = ragged_prompts(4, seed=15, low=20, high=50)
+    llm = make_llm(folder, num_kv_blocks=8, max_model_len=96)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.stats.num_preemptions > 0
     assert_greedy_equal(prompts, outputs, load_hf(folder), GREEDY.max_tokens)
 
 
