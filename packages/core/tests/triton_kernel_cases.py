@@ -20,7 +20,13 @@ from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
-from kvik.triton_kernels.fused_moe import align_to_blocks, fused_moe, max_row_blocks, route
+from kvik.triton_kernels.fused_moe import (
+    MoeConfig,
+    align_to_blocks,
+    fused_moe,
+    max_row_blocks,
+    route,
+)
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
@@ -512,6 +518,29 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
     out = fused_moe(x, logits, w13, w2, top_k, renormalize)
     ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, renormalize)
     check(out, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        (MoeConfig(16, 32, 32, 4, 4, 2), MoeConfig(32, 16, 64, 2, 4, 2)),
+        (MoeConfig(64, 64, 64, 8, 4, 3), MoeConfig(16, 64, 32, 3, 4, 3)),
+    ],
+    ids=["grouped", "tall"],
+)
+def test_fused_moe_with_other_tiles(configs) -> None:
+    """Row blocks swept in groups, and the down GEMM on row blocks of another height (the pairs
+    aligned twice), as the platforms' configurations do."""
+    tokens, experts, hidden, inter, top_k = (
+        (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
+    )
+    x = randn(tokens, hidden)
+    logits = router_logits(tokens, experts, 3, torch.float32)
+    w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
+    w2 = randn(experts, hidden, inter) * inter**-0.5
+    out = fused_moe(x, logits, w13, w2, top_k, True, configs)
+    ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
+    check(out, ref, torch.float32)
 
 
 def test_fused_moe_without_tokens() -> None:
