@@ -127,7 +127,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     renamed_modules: ClassVar[dict[str, str]] = {}
 
     def __init__(self, config: ModelConfig) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Llama's: its model would build dense MLPs on every layer
         hf = config.hf_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.model = MoeModel(hf, type(self))
@@ -137,7 +137,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def moe_spec(cls, config: Any) -> MoeSpec:
-        raise NotImplementedError
+        """The sparse blocks' sizes and routing, as this architecture's config names them."""
+        raise NotImplementedError(f"{cls.__name__} must say how its config reads (moe_spec)")
 
     @classmethod
     def attention_class(cls, config: Any) -> type[LlamaAttention]:
