@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from kvik.triton_kernels.activation import (  # noqa: E402
     SILU_BLOCK,
@@ -19,6 +19,17 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     silu_and_mul_kernel,
 )
 from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.fused_moe import (  # noqa: E402
+    ALIGN_WARPS,
+    ROUTING_WARPS,
+    SCATTER_BLOCK,
+    SCATTER_WARPS,
+    align_constexprs,
+    moe_align_kernel,
+    moe_gemm_kernel,
+    moe_routing_kernel,
+    moe_scatter_kernel,
+)
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
     reshape_and_cache_config,
@@ -218,3 +229,80 @@ def test_paged_attention(
             constexprs=reduce_constexprs(constexprs),
             num_warps=REDUCE_WARPS,
         )
+
+
+def moe_chooser(arch: str):
+    """The platform's fused MoE configurations for ``arch``, or None where it registers none."""
+    package = "kvik_cuda" if arch.startswith("sm") else "kvik_rocm"
+    try:
+        return importlib.import_module(f"{package}.moe_tuning").fused_moe_config
+    except ImportError:
+        return None
+
+
+MOE_ARCHS = [arch for arch in ARCHS if moe_chooser(arch) is not None]
+# Qwen3-30B-A3B's experts (128 of 768 over 2048, top-8) at decode and prefill token counts, and
+# Mixtral's (8 of 14336 over 4096, top-2), which no table holds (the default rule).
+MOE_SHAPES = [(1, 128, 768, 2048, 8), (64, 128, 768, 2048, 8), (4096, 128, 768, 2048, 8),
+              (16, 8, 14336, 4096, 2), (4096, 8, 14336, 4096, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize(("tokens", "experts", "inter", "hidden", "top_k"), MOE_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
+    up, down = moe_chooser(arch)(arch, tokens, experts, inter, hidden, top_k, dtype)
+    signature = types(moe_gemm_kernel, dtype, sorted_ptr="*i32", block_expert_ptr="*i32",
+                      total_ptr="*i32", weights_ptr="*fp32")  # fmt: skip
+    for config, gated in ((up, True), (down, False)):
+        compiled = compiled_ok(
+            moe_gemm_kernel,
+            arch,
+            types=signature,
+            constexprs={
+                "A_ROW_DIV": top_k if gated else 1,
+                "GATED": gated,
+                "WEIGHTED": not gated,
+                "BLOCK_M": config.block_m,
+                "BLOCK_N": config.block_n,
+                "BLOCK_K": config.block_k,
+                "GROUP_M": config.group_m,
+            },  # fmt: skip
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+        if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
+            assert "wgmma" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize(("experts", "top_k", "block_m"), [(128, 8, 16), (8, 2, 64), (60, 4, 32)])
+def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, block_m: int) -> None:
+    compiled_ok(
+        moe_routing_kernel,
+        arch,
+        types=types(moe_routing_kernel, torch.bfloat16, weights_ptr="*fp32", ids_ptr="*i32"),
+        constexprs={
+            "TOP_K": top_k,
+            "TOP_K_PAD": triton.next_power_of_2(top_k),
+            "E_PAD": triton.next_power_of_2(experts),
+            "RENORMALIZE": True,
+        },  # fmt: skip
+        num_warps=ROUTING_WARPS,
+    )
+    int_types = {n: "*i32" for n in moe_align_kernel.arg_names if n.endswith("_ptr")}
+    compiled_ok(
+        moe_align_kernel,
+        arch,
+        types=types(moe_align_kernel, torch.float32, **int_types),
+        constexprs=align_constexprs(experts, block_m),
+        num_warps=ALIGN_WARPS,
+    )
+    int_types = {n: "*i32" for n in moe_scatter_kernel.arg_names if n.endswith("_ptr")}
+    compiled_ok(
+        moe_scatter_kernel,
+        arch,
+        types=types(moe_scatter_kernel, torch.float32, **int_types),
+        constexprs={"BLOCK": SCATTER_BLOCK},
+        num_warps=SCATTER_WARPS,
+    )

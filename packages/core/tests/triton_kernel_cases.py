@@ -20,6 +20,13 @@ from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.fused_moe import (
+    MoeConfig,
+    align_to_blocks,
+    fused_moe,
+    max_row_blocks,
+    route,
+)
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
@@ -428,3 +435,122 @@ def test_backend_splits_long_decodes() -> None:
     """The backend's own choice for a small batch of long decodes is a split-KV launch."""
     assert num_kv_splits(len(DECODES), KV_HEADS, 5001, device_arch(DEVICE)[1]) > 1
     run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.bfloat16)
+
+
+# --- fused mixture of experts -------------------------------------------------------------------
+
+# (tokens, experts, hidden, intermediate, top_k, renormalize, experts left without tokens)
+CASES = (
+    [
+        (1, 128, 2048, 768, 8, True, 0),
+        (16, 128, 2048, 768, 8, True, 0),
+        (64, 128, 2048, 768, 8, True, 64),
+        (512, 128, 2048, 768, 8, True, 0),
+        (100, 8, 4096, 14336 // 8, 2, True, 0),
+        (37, 60, 2048, 1408, 4, False, 10),
+    ]
+    if ON_GPU
+    else [
+        (1, 8, 64, 32, 2, True, 0),
+        (7, 8, 80, 40, 1, False, 0),
+        (33, 16, 96, 32, 4, True, 6),
+        (20, 6, 64, 48, 6, False, 0),
+    ]
+)
+
+
+def router_logits(tokens: int, experts: int, unused: int, dtype: torch.dtype) -> Tensor:
+    """Random logits; the first ``unused`` experts far below the rest, so they get no token."""
+    logits = torch.randn(tokens, experts, dtype=torch.float64)
+    logits[:, :unused] -= 1e3
+    return logits.to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 8, 2), (9, 128, 8), (5, 6, 1)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing(dtype, tokens: int, experts: int, top_k: int, renormalize: bool) -> None:
+    logits = router_logits(tokens, experts, 0, dtype)
+    weights, ids = route(logits, top_k, renormalize)
+    ref_weights, ref_ids = ops.moe_routing(logits.cpu(), top_k, renormalize)
+    ids = ids.cpu().long()
+    # The same experts, except where two are equally probable (bf16 logits tie): either may go.
+    probs = torch.softmax(logits.cpu().float(), dim=-1)
+    assert torch.allclose(probs.gather(1, ids), probs.gather(1, ref_ids), rtol=1e-6, atol=0)
+    assert all(len(set(row)) == top_k for row in ids.tolist())
+    assert torch.allclose(weights.cpu(), ref_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m"), [(1, 8, 2, 16), (50, 16, 4, 16), (300, 128, 8, 64)]
+)
+def test_align_groups_every_pair_once(tokens: int, experts: int, top_k: int, block_m: int) -> None:
+    # Only the odd experts get pairs: half of them stay empty.
+    ids = (torch.randint(0, experts // 2, (tokens, top_k)) * 2 + 1).to(torch.int32).to(DEVICE)
+    sorted_pairs, block_expert, total = (t.cpu() for t in align_to_blocks(ids, experts, block_m))
+    num_pairs = tokens * top_k
+    counts = torch.bincount(ids.cpu().flatten().long(), minlength=experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    assert int(total) == int(padded.sum())
+    assert block_expert.numel() == max_row_blocks(num_pairs, experts, block_m)
+    used = int(total) // block_m
+    assert (block_expert[used:] == -1).all()
+    flat = ids.cpu().flatten()
+    for b in range(used):
+        rows = sorted_pairs[b * block_m : (b + 1) * block_m]
+        real = rows[rows < num_pairs].long()
+        assert real.numel() > 0 and (flat[real] == block_expert[b]).all()
+    assert (sorted_pairs[int(total) :] == num_pairs).all()
+    real = sorted_pairs[sorted_pairs < num_pairs].long()
+    assert torch.equal(real.sort().values, torch.arange(num_pairs))
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "experts", "hidden", "inter", "top_k", "renormalize", "unused"), CASES
+)
+def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, unused) -> None:
+    x = randn(tokens, hidden, dtype=dtype)
+    logits = router_logits(tokens, experts, unused, dtype)
+    w13 = randn(experts, 2 * inter, hidden, dtype=dtype) * hidden**-0.5
+    w2 = randn(experts, hidden, inter, dtype=dtype) * inter**-0.5
+    poison_allocator()
+    out = fused_moe(x, logits, w13, w2, top_k, renormalize)
+    ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, renormalize)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        (MoeConfig(16, 32, 32, 4, 4, 2), MoeConfig(32, 16, 64, 2, 4, 2)),
+        (MoeConfig(64, 64, 64, 8, 4, 3), MoeConfig(16, 64, 32, 3, 4, 3)),
+    ],
+    ids=["grouped", "tall"],
+)
+def test_fused_moe_with_other_tiles(configs) -> None:
+    """Row blocks swept in groups, and the down GEMM on row blocks of another height (the pairs
+    aligned twice), as the platforms' configurations do."""
+    tokens, experts, hidden, inter, top_k = (
+        (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
+    )
+    x = randn(tokens, hidden)
+    logits = router_logits(tokens, experts, 3, torch.float32)
+    w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
+    w2 = randn(experts, hidden, inter) * inter**-0.5
+    out = fused_moe(x, logits, w13, w2, top_k, True, configs)
+    ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
+    check(out, ref, torch.float32)
+
+
+def test_fused_moe_without_tokens() -> None:
+    x, logits = randn(0, 64), randn(0, 8)
+    out = fused_moe(x, logits, randn(8, 64, 64), randn(8, 64, 32), 2, True)
+    assert out.shape == (0, 64)
+
+
+def test_fused_moe_refuses_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="w2"):
+        fused_moe(randn(3, 64), randn(3, 8), randn(8, 64, 64), randn(8, 64, 16), 2, True)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(randn(3, 64), randn(3, 8), randn(8, 64, 64), randn(8, 64, 32), 9, True)

@@ -6,7 +6,8 @@ because ROCm builds of torch use the CUDA key too. ``torch.compile`` sees each o
 Attention goes through its op only under ``torch.compile``; eagerly the attention layer calls its
 backend, which writes the cache itself (kvik.layers.attention).
 
-How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul)
+How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul,
+fused_moe)
 is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
 
 - ``"torch_ops"``: through ``torch.ops.kvik.*``, so dispatch follows the tensors' device to the
@@ -154,6 +155,92 @@ def _(x: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
+def moe_routing(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """Softmax over the experts in fp32, then the ``top_k`` most probable: (weights [T, top_k]
+    fp32, expert ids [T, top_k] int64), the weights rescaled to sum to 1 when ``renormalize``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def check_fused_moe_shapes(
+    hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int
+) -> None:
+    """The fused MoE op's contract, checked before any kernel runs (a clear error, not a crash)."""
+    tokens, size = hidden.shape
+    experts, two_inter, width = w13.shape
+    if width != size or w2.shape != (experts, size, two_inter // 2) or two_inter % 2:
+        raise ValueError(
+            f"fused_moe: w13 {tuple(w13.shape)} must be [E, 2I, {size}] and w2 "
+            f"{tuple(w2.shape)} [E, {size}, I] for hidden states of width {size}"
+        )
+    if router_logits.shape != (tokens, experts):
+        raise ValueError(
+            f"fused_moe: router logits {tuple(router_logits.shape)} must be [{tokens}, {experts}]"
+        )
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"fused_moe: top_k must be in [1, {experts}], got {top_k}")
+
+
+def grouped_experts(
+    hidden: Tensor,
+    router_logits: Tensor,
+    top_k: int,
+    renormalize: bool,
+    expert: Callable[[int, Tensor], Tensor],
+) -> Tensor:
+    """Route each token [T, H] to its ``top_k`` experts (``moe_routing``), run ``expert(e, x)`` on
+    the rows x [n, H] of each expert e that has any (gathered with index ops), and sum the results
+    weighted by the routing weights in fp32, rounded once to the input dtype at the end."""
+    if hidden.shape[0] == 0:
+        return torch.empty_like(hidden)
+    weights, ids = moe_routing(router_logits, top_k, renormalize)
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # the (token, k) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=router_logits.shape[-1]).tolist()
+    tokens = order // top_k
+    rows = hidden.index_select(0, tokens)  # every pair's input, in expert order
+    results = []
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            results.append(expert(e, rows[start : start + count]))
+            start += count
+    weighted = torch.cat(results).float() * weights.flatten()[order, None]
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, weighted).to(hidden.dtype)
+
+
+def _fused_moe(
+    hidden: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int, renormalize: bool
+) -> Tensor:
+    """A sparse mixture of gated SiLU experts: each token [T, H] goes to the ``top_k`` experts its
+    router logits [T, E] pick (``moe_routing``), expert e computes
+    ``w2[e] @ (silu(gate) * up)`` with ``(gate, up) = w13[e] @ x`` (w13 [E, 2I, H] holds gate then
+    up, w2 is [E, H, I]), and the outputs are summed weighted by the routing weights, in fp32.
+
+    Grouped by expert, as transformers computes it (``grouped_experts``): each product rounds to
+    the input dtype, the weighted sum is fp32, rounded once at the end.
+    """
+    check_fused_moe_shapes(hidden, router_logits, w13, w2, top_k)
+
+    def expert(e: int, x: Tensor) -> Tensor:
+        act = _silu_and_mul(torch.nn.functional.linear(x, w13[e]))
+        return torch.nn.functional.linear(act, w2[e])
+
+    return grouped_experts(hidden, router_logits, top_k, renormalize, expert)
+
+
+fused_moe = torch.library.custom_op("kvik::fused_moe", _fused_moe, mutates_args=())
+
+
+@fused_moe.register_fake
+def _(hidden, router_logits, w13, w2, top_k, renormalize) -> Tensor:
+    return torch.empty_like(hidden)
+
+
 @torch.library.custom_op("kvik::reshape_and_cache", mutates_args=("kv_cache",))
 def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
     """Write key/value [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slots [T].
@@ -201,4 +288,5 @@ _REFERENCES: dict[str, Callable] = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
+    "fused_moe": _fused_moe,
 }

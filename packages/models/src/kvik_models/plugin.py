@@ -13,3 +13,7 @@ def kvik_register_models(register):
     register("MistralForCausalLM", "kvik_models.llama:MistralForCausalLM")
     register("Qwen2ForCausalLM", "kvik_models.llama:Qwen2ForCausalLM")
     register("Qwen3ForCausalLM", "kvik_models.qwen3:Qwen3ForCausalLM")
+    register("Qwen3MoeForCausalLM", "kvik_models.qwen_moe:Qwen3MoeForCausalLM")
+    register("Qwen2MoeForCausalLM", "kvik_models.qwen_moe:Qwen2MoeForCausalLM")
+    register("MixtralForCausalLM", "kvik_models.mixtral:MixtralForCausalLM")
+    register("OlmoeForCausalLM", "kvik_models.olmoe:OlmoeForCausalLM")

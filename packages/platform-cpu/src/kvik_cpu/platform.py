@@ -100,11 +100,13 @@ class CpuPlatform(Platform):
     @classmethod
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
         from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
+        from kvik_cpu.moe import pack_expert_weights
 
         path = isa.engine_isa()
         # The plain path keeps F.linear: what a CPU without native bf16 runs.
         if path >= isa.CpuIsa.AVX512BF16 and packed_linear_supported(config.model.dtype):
             pack_linear_weights(model, path)
+            pack_expert_weights(model, path)
 
     @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type:

@@ -13,9 +13,11 @@ import torch
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import register_attention_configs
+from kvik.triton_kernels.fused_moe import fused_moe, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
+from kvik_cuda.moe_tuning import fused_moe_config
 from kvik_cuda.tuning import attention_config
 
 KERNELS = {
@@ -24,6 +26,7 @@ KERNELS = {
     "kvik::rotary_embedding": rotary_embedding,
     "kvik::silu_and_mul": silu_and_mul,
     "kvik::reshape_and_cache": reshape_and_cache,
+    "kvik::fused_moe": fused_moe,
 }
 
 
@@ -33,3 +36,4 @@ def register_kernels() -> None:
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op, "cuda", kernel)
     register_attention_configs("sm", attention_config)
+    register_moe_configs("sm", fused_moe_config)

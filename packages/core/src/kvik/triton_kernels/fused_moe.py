@@ -1,0 +1,360 @@
+"""The fused mixture of experts in Triton. Reference: ``kvik.ops.fused_moe``.
+
+Five launches, each sized from the number of tokens alone, never from where they are routed, so a
+step replays under a CUDA graph (nothing is read back to the host):
+
+1. ``moe_routing_kernel``: per token, softmax over the router logits in fp32, the top-k experts by
+   repeated arg-max, their weights renormalised where the model says.
+2. ``moe_align_kernel`` (one program): tokens per expert (a histogram of the (token, k) pairs),
+   each expert's run padded to a multiple of the GEMM's row block, the runs' starts, the total, and
+   the expert of every row block (-1 past the total).
+3. ``moe_scatter_kernel``: each (token, k) pair takes the next slot of its expert's run (an atomic
+   counter per expert). The order within a run is arbitrary, and harmless: every row of a tile
+   computes the same sums in the same order whatever the other rows hold.
+4. ``moe_gemm_kernel`` (gated): per row block, the gathered tokens times its expert's gate and up
+   projections, ``silu(gate) * up`` in fp32, stored per (token, k) pair.
+5. ``moe_gemm_kernel`` (weighted): those times the expert's down projection, scaled by the routing
+   weight, stored per pair; the top-k rows of a token are then summed.
+
+Grids cover the most row blocks the routing could need (every pair's expert padded), and a
+program past the device-side total returns at once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kvik.ops import check_fused_moe_shapes
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A grouped GEMM's tiles: rows (pairs) by output columns by inner dimension, how many row
+    blocks share a column sweep (L2 reuse of the expert's weights), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+
+
+#: (arch, num_tokens, num_experts, intermediate, hidden, top_k, dtype) -> (gate/up config, down
+#: config): the launch configurations of the two grouped GEMMs on ``arch``.
+MoeConfigChooser = Callable[
+    [str, int, int, int, int, int, torch.dtype], tuple[MoeConfig, MoeConfig]
+]
+
+
+def interpreter_moe_config(
+    arch: str, num_tokens: int, experts: int, inter: int, hidden: int, top_k: int, dtype
+) -> tuple[MoeConfig, MoeConfig]:
+    """Small tiles for the interpreter, where sizes cost time and nothing else."""
+    config = MoeConfig(16, 32, 32, 1, 4, 1)
+    return config, config
+
+
+_CHOOSERS: dict[str, MoeConfigChooser] = {"interpreter": interpreter_moe_config}
+
+
+def register_moe_configs(arch_prefix: str, chooser: MoeConfigChooser) -> None:
+    """Make ``chooser`` pick the fused MoE's launch configurations on every architecture whose name
+    starts with ``arch_prefix`` (registering again replaces); a GPU platform calls this when it is
+    selected."""
+    if not arch_prefix:
+        raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
+    _CHOOSERS[arch_prefix] = chooser
+    moe_configs.cache_clear()
+
+
+@functools.cache
+def moe_configs(
+    arch: str, num_tokens: int, experts: int, inter: int, hidden: int, top_k: int, dtype
+) -> tuple[MoeConfig, MoeConfig]:
+    """The registered chooser's (gate/up, down) configurations on ``arch`` (the longest matching
+    prefix); cached, since every MoE layer of every step asks."""
+    prefixes = sorted((p for p in _CHOOSERS if arch.startswith(p)), key=len, reverse=True)
+    if not prefixes:
+        raise RuntimeError(
+            f"no fused MoE launch configuration is registered for architecture {arch!r} "
+            f"(registered: {', '.join(sorted(_CHOOSERS))}); the platform that owns this GPU "
+            "registers one when it is selected (e.g. kvik_cuda.registration.register_kernels())"
+        )
+    return _CHOOSERS[prefixes[0]](arch, num_tokens, experts, inter, hidden, top_k, dtype)
+
+
+@triton.jit
+def moe_routing_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    num_experts,
+    logits_stride,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, E_PAD)
+    valid = cols < num_experts
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(valid, p, -1.0)  # below any probability: never picked
+    ks = tl.arange(0, TOP_K_PAD)
+    top_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
+    top_i = tl.zeros([TOP_K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        index = tl.min(tl.where(p == best, cols, E_PAD), 0)  # the lowest expert among equals
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, index, top_i)
+        p = tl.where(cols == index, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + row * TOP_K + ks, top_w, mask=ks < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=ks < TOP_K)
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr,
+    cursor_ptr,
+    block_expert_ptr,
+    total_ptr,
+    num_pairs,
+    num_experts,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    E_BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+):
+    counts = tl.zeros([E_BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+        counts += tl.histogram(expert, E_BINS, mask=offs < num_pairs)
+    bins = tl.arange(0, E_BINS)
+    padded = tl.where(bins < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
+    tl.store(total_ptr, total)
+    # A row block's expert is the number of runs that end at or before its first row.
+    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
+        first = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+        expert = tl.where(first < total, expert, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+
+
+@triton.jit
+def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=mask, other=0)
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=mask)
+    tl.store(sorted_ptr + slot, offs, mask=mask)
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    weights_ptr,
+    num_pairs,
+    max_blocks,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
+
+    GATED: W's rows [0, N) are the gate and [N, 2N) the up projection, out = silu(gate) * up.
+    WEIGHTED: out is scaled by the pair's routing weight."""
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    # Row blocks in groups of GROUP_M sweep the columns together, sharing the weights in L2.
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs
+    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
+    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = ks < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")  # fp32 without TF32
+        if GATED:
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+ROUTING_WARPS = 4
+ALIGN_WARPS = 8
+ALIGN_CHUNK = 1024
+ALIGN_BLOCKS_CHUNK = 64
+SCATTER_BLOCK = 1024
+SCATTER_WARPS = 4
+
+
+def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most row blocks any routing of ``num_pairs`` pairs needs: each non-empty expert's run
+    is padded by at most block_m - 1 rows, and at most min(pairs, experts) are non-empty."""
+    return triton.cdiv(num_pairs + min(num_pairs, num_experts) * (block_m - 1), block_m)
+
+
+def align_constexprs(num_experts: int, block_m: int) -> dict[str, int]:
+    return {
+        "BLOCK_M": block_m,
+        "E_BINS": triton.next_power_of_2(num_experts),
+        "CHUNK": ALIGN_CHUNK,
+        "BLOCKS_CHUNK": ALIGN_BLOCKS_CHUNK,
+    }
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """(weights [T, top_k] fp32, expert ids [T, top_k] int32), as ``kvik.ops.moe_routing``."""
+    router_logits = router_logits.contiguous()
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    if tokens:
+        moe_routing_kernel[(tokens,)](
+            router_logits, weights, ids, experts, router_logits.stride(0),
+            TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+            E_PAD=triton.next_power_of_2(experts), RENORMALIZE=renormalize,
+            num_warps=ROUTING_WARPS,
+        )  # fmt: skip
+    return weights, ids
+
+
+def align_to_blocks(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The (token, k) pairs of ``ids`` [T, top_k] grouped by expert into runs padded to
+    ``block_m`` rows: (sorted pairs [max rows], holding num_pairs where padded; the expert of each
+    row block [max blocks], -1 past the end; the rows in use [1]), all on the device."""
+    num_pairs = ids.numel()
+    blocks = max_row_blocks(num_pairs, num_experts, block_m)
+    device = ids.device
+    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    moe_align_kernel[(1,)](
+        ids, cursor, block_expert, total, num_pairs, num_experts, blocks,
+        **align_constexprs(num_experts, block_m), num_warps=ALIGN_WARPS,
+    )  # fmt: skip
+    moe_scatter_kernel[(triton.cdiv(num_pairs, SCATTER_BLOCK),)](
+        ids, cursor, sorted_pairs, num_pairs, BLOCK=SCATTER_BLOCK, num_warps=SCATTER_WARPS
+    )
+    return sorted_pairs, block_expert, total
+
+
+def grouped_gemm(
+    a: Tensor,
+    w: Tensor,
+    out: Tensor,
+    aligned: tuple[Tensor, Tensor, Tensor],
+    weights: Tensor | None,
+    a_row_div: int,
+    gated: bool,
+    config: MoeConfig,
+) -> None:
+    sorted_pairs, block_expert, total = aligned
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    blocks = block_expert.shape[0]
+    grid = (blocks * triton.cdiv(n, config.block_n),)
+    moe_gemm_kernel[grid](
+        a, w, out, sorted_pairs, block_expert, total,
+        out if weights is None else weights,  # not read unless WEIGHTED
+        out.shape[0], blocks, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe(
+    hidden: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    top_k: int,
+    renormalize: bool,
+    configs: tuple[MoeConfig, MoeConfig] | None = None,
+) -> Tensor:
+    """``kvik.ops.fused_moe`` on the GPU (or the CPU under the interpreter): hidden [T, H],
+    router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. ``configs`` overrides the
+    registered (gate/up, down) launch configurations (the tuning script's sweeps)."""
+    from kvik.triton_kernels.attention import device_arch
+
+    check_fused_moe_shapes(hidden, router_logits, w13, w2, top_k)
+    tokens, size = hidden.shape
+    experts, inter = w13.shape[0], w2.shape[2]
+    if tokens == 0:
+        return torch.empty_like(hidden)
+    if configs is None:
+        arch = device_arch(hidden.device)[0]
+        configs = moe_configs(arch, tokens, experts, inter, size, top_k, hidden.dtype)
+    up_config, down_config = configs
+    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
+    weights, ids = route(router_logits, top_k, renormalize)
+    num_pairs = tokens * top_k
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    aligned = align_to_blocks(ids, experts, up_config.block_m)
+    grouped_gemm(hidden, w13, act, aligned, None, top_k, True, up_config)
+    if down_config.block_m != up_config.block_m:
+        aligned = align_to_blocks(ids, experts, down_config.block_m)
+    out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(act, w2, out, aligned, weights, 1, False, down_config)
+    if top_k == 1:
+        return out
+    return out.view(tokens, top_k, size).sum(dim=1)

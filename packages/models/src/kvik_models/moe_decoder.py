@@ -1,0 +1,195 @@
+"""The pre-norm decoder of the mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE):
+Llama's layers with a sparse MoE block where the MLP was, on some or all layers.
+
+Each model says how its layers differ (``MoeForCausalLM``'s class attributes and ``moe_spec``):
+its attention, which layers are sparse, the experts' sizes and routing, and whether a shared
+expert runs beside them (Qwen2-MoE). Expert weights load from per-expert or stacked checkpoints
+(kvik.layers.moe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from kvik.config import ModelConfig
+from kvik.layers.activation import SiluAndMul
+from kvik.layers.embedding import LMHead, VocabEmbedding
+from kvik.layers.linear import Linear, MergedColumnLinear
+from kvik.layers.moe import FusedMoE, expert_shard
+from kvik.layers.norm import RMSNorm
+from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from kvik_models.llama import LlamaAttention, LlamaForCausalLM, head_size
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A model's sparse blocks, read from its config."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    #: The shared expert's intermediate size (Qwen2-MoE), or 0 for none.
+    shared_intermediate_size: int = 0
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), checkpoint names gate_proj, up_proj, down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (``gate``: hidden -> one logit per expert) and the experts; Qwen2-MoE's shared
+    expert is added, scaled by the sigmoid of its own one-logit gate."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec) -> None:
+        super().__init__()
+        self.gate = Linear(hidden_size, spec.num_experts)
+        self.experts = FusedMoE(
+            spec.num_experts, spec.top_k, hidden_size, spec.intermediate_size, spec.renormalize
+        )
+        self.shared_expert: GatedMLP | None = None
+        if spec.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden_size, spec.shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.experts(x, self.gate(x))  # [T, hidden]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        # As LlamaDecoderLayer: the residual add is fused into the next norm.
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class MoeModel(nn.Module):
+    def __init__(self, config: Any, owner: type[MoeForCausalLM]) -> None:
+        super().__init__()
+        d, base, scaling = head_size(config), *rope_config(config)
+        rotary_emb: RotaryEmbedding = get_rope(d, d, config.max_position_embeddings, base, scaling)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        spec = owner.moe_spec(config)
+        attention_cls = owner.attention_class(config)
+        layers = []
+        for i in range(config.num_hidden_layers):
+            if owner.is_sparse_layer(config, i):
+                mlp: nn.Module = SparseMoeBlock(config.hidden_size, spec)
+            else:
+                mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+            layers.append(MoeDecoderLayer(config, attention_cls(config, i, rotary_emb), mlp))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama's causal LM over ``MoeModel``; subclasses say how their config reads."""
+
+    #: Checkpoint name fragments renamed before anything else (Mixtral's "block_sparse_moe").
+    renamed_modules: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        nn.Module.__init__(self)  # not Llama's: its model would build dense MLPs on every layer
+        hf = config.hf_config
+        self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
+        self.model = MoeModel(hf, type(self))
+        self.lm_head = LMHead(hf.vocab_size, hf.hidden_size)
+        if self.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    @classmethod
+    def moe_spec(cls, config: Any) -> MoeSpec:
+        """The sparse blocks' sizes and routing, as this architecture's config names them."""
+        raise NotImplementedError(f"{cls.__name__} must say how its config reads (moe_spec)")
+
+    @classmethod
+    def attention_class(cls, config: Any) -> type[LlamaAttention]:
+        return cls.attention_cls
+
+    @classmethod
+    def is_sparse_layer(cls, config: Any, layer_idx: int) -> bool:
+        """Qwen's rule, which every layer of Mixtral and OLMoE meets (their configs have neither
+        ``mlp_only_layers`` nor ``decoder_sparse_step``)."""
+        return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and (
+            (layer_idx + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """As Llama's, and every expert's tensors are there: a stacked parameter loads whole or
+        from all its experts' shards."""
+        shards: dict[str, set[Any]] = {}
+
+        def noted(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in weights:
+                target, shard_id = self._packed_name(name)
+                if target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                    shards.setdefault(target, set()).add(shard_id)
+                yield name, tensor
+
+        super().load_weights(noted(weights))
+        for name, module in self.named_modules():
+            if not isinstance(module, FusedMoE):
+                continue
+            experts = range(module.num_experts)
+            expected = {
+                f"{name}.gate_up_proj": {(e, half) for e in experts for half in ("gate", "up")},
+                f"{name}.down_proj": set(experts),
+            }
+            for target, wanted in expected.items():
+                got = shards.get(target, set())
+                if None not in got and (missing := wanted - got):
+                    raise ValueError(
+                        f"checkpoint has no weights for {target} of experts "
+                        f"{sorted({m[0] if isinstance(m, tuple) else m for m in missing})}"
+                    )
+
+    def decoder_stack(self) -> None:
+        """No ``DecoderStack``: its declared layers have a dense MLP."""
+        return None
+
+    def _packed_name(self, name: str) -> tuple[str, Any]:
+        for old, new in self.renamed_modules.items():
+            name = name.replace(old, new)
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return name, None  # already stacked: [E, 2I, H] or [E, H, I]
+        if (shard := expert_shard(name)) is not None:
+            return shard
+        return super()._packed_name(name)

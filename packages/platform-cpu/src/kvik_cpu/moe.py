@@ -1,0 +1,48 @@
+"""The experts of a mixture-of-experts layer on the CPU's packed-weight kernels.
+
+``PackedExperts`` is the ``kernel`` a bf16 ``FusedMoE`` gets at load time (``pack_expert_weights``,
+from ``CpuPlatform.prepare_model``): each expert's gate/up and down projections packed once for
+the matrix kernel of the engine's path (``AmxLinear`` or ``OneDnnLinear``, kvik_cpu.linear), and
+the step's tokens gathered per expert with index ops, as ``kvik.ops.grouped_experts`` does for the
+reference: one loop over the experts that have tokens, none over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from kvik.layers.moe import FusedMoE
+from kvik.ops import grouped_experts
+from kvik_cpu.isa import CpuIsa
+from kvik_cpu.linear import AmxLinear, OneDnnLinear
+
+
+class PackedExperts:
+    def __init__(self, layer: FusedMoE, path: CpuIsa) -> None:
+        kernel = AmxLinear if path >= CpuIsa.AMX else OneDnnLinear
+        self.top_k, self.renormalize = layer.top_k, layer.renormalize
+        self.gate_up = [kernel(w.contiguous(), None) for w in layer.gate_up_proj.detach()]
+        self.down = [kernel(w.contiguous(), None) for w in layer.down_proj.detach()]
+        # The C++ kernel where kvik_cpu's ops built (registered for torch.ops.kvik), else the
+        # reference: the same op the dense MLPs call.
+        self.silu_and_mul = torch.ops.kvik.silu_and_mul
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        return self.down[e](self.silu_and_mul(self.gate_up[e](x)))
+
+    def __call__(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
+        return grouped_experts(hidden, router_logits, self.top_k, self.renormalize, self.expert)
+
+
+def pack_expert_weights(model: nn.Module, path: CpuIsa) -> int:
+    """Give each ``FusedMoE`` of ``model`` its ``PackedExperts`` and release the dense stacks
+    (only the packed copies are read). Returns how many layers were packed."""
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.kernel = PackedExperts(module, path)
+            for param in (module.gate_up_proj, module.down_proj):
+                param.data = param.data.new_empty(0)
+            packed += 1
+    return packed

@@ -1,0 +1,80 @@
+"""The fused MoE's launch configurations on NVIDIA GPUs: a JSON table per architecture and
+expert shape (``fused_moe_configs.json``, written by tests/tune_fused_moe.py on the device), and a
+rule for shapes the table does not hold.
+
+A table row is keyed by token count; a step takes the row of the smallest count at or above its
+own (the largest row past the end). Each row gives the gate/up and the down GEMM's
+``[block_m, block_n, block_k, group_m, num_warps, num_stages]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvik.triton_kernels.fused_moe import MoeConfig
+
+TABLE = Path(__file__).with_name("fused_moe_configs.json")
+
+
+@functools.cache
+def _tables(path: Path = TABLE) -> dict[tuple[Any, ...], dict[int, tuple[MoeConfig, MoeConfig]]]:
+    data = json.loads(path.read_text())
+    tables = {}
+    for table in data["tables"]:
+        key = (
+            table["arch"], table["experts"], table["intermediate"], table["hidden"],
+            table["top_k"], table["dtype"],
+        )  # fmt: skip
+        tables[key] = {
+            int(tokens): (MoeConfig(*row["up"]), MoeConfig(*row["down"]))
+            for tokens, row in table["configs"].items()
+        }
+    return tables
+
+
+def default_moe_config(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype) -> MoeConfig:
+    """For shapes without a table row: 16-row tiles while an expert gets a few rows (decode), up
+    to 64-row tiles with 128 columns when it gets many (prefill); fp32 takes shorter K steps so the
+    tiles fit in shared memory."""
+    rows_per_expert = num_tokens * top_k / experts
+    block_k = 32 if dtype == torch.float32 else 64
+    if rows_per_expert <= 16:
+        return MoeConfig(16, 64, 2 * block_k, 1, 4, 3)
+    if rows_per_expert <= 64:
+        return MoeConfig(32, 64, block_k, 8, 4, 3)
+    return MoeConfig(64, 128, block_k, 8, 8, 3)
+
+
+def fused_moe_config(
+    arch: str, num_tokens: int, experts: int, inter: int, hidden: int, top_k: int, dtype
+) -> tuple[MoeConfig, MoeConfig]:
+    """The (gate/up, down) configurations on ``arch`` ("sm90", "sm100", ...)."""
+    if not arch.startswith("sm"):
+        raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
+    dtype_name = str(dtype).removeprefix("torch.")
+    rows = _tables().get((arch, experts, inter, hidden, top_k, dtype_name))
+    if not rows:
+        config = default_moe_config(num_tokens, experts, top_k, dtype)
+        return config, config
+    at_least = [t for t in sorted(rows) if t >= num_tokens]
+    return rows[at_least[0] if at_least else max(rows)]
+
+
+def dump_tables(data: dict[str, Any]) -> str:
+    """The table file's text: indented JSON with each configuration on one line."""
+    text = json.dumps(data, indent=1)
+    # json.dumps puts every number of a list on a line of its own.
+    return (
+        re.sub(
+            r"\[\s*([-\d,\s]+?)\s*\]",
+            lambda m: "[" + ", ".join(n.strip() for n in m[1].split(",")) + "]",
+            text,
+        )
+        + "\n"
+    )
