@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-FP8_E4M3_MAX = 448.0
+#: e4m3's largest finite value (a constexpr, so that kernels may read it).
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
