@@ -86,6 +86,31 @@ def test_checkpoint_scales_reach_every_layer(tiny_model, tmp_path, naming, caplo
     assert "kv_cache_dtype is auto" in caplog.text
 
 
+def test_the_scales_compressed_tensors_attaches_load(tiny_model, tmp_path):
+    """compressed-tensors' own kv_cache_scheme puts its scales where kvik looks for them."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        apply_quantization_config,
+    )
+
+    hf = load_hf(tiny_model("llama"))
+    fp8_per_tensor = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    apply_quantization_config(
+        hf, QuantizationConfig(config_groups={}, kv_cache_scheme=fp8_per_tensor)
+    )
+    scales = {k: v for k, v in hf.state_dict().items() if k.endswith(("k_scale", "v_scale"))}
+    assert len(scales) == 2 * NUM_LAYERS
+    for n, name in enumerate(sorted(scales)):
+        scales[name] = torch.full_like(scales[name], 0.01 * (n + 1), dtype=torch.float32)
+    folder = with_tensors(tiny_model("llama"), tmp_path / "m", scales)
+    for n, layer in enumerate(attention_layers(load(folder, kv_cache_fp8=True))):
+        prefix = f"model.layers.{n}.self_attn."
+        assert float(layer.k_scale) == float(scales[prefix + "k_scale"])
+        assert float(layer.v_scale) == float(scales[prefix + "v_scale"])
+
+
 def test_a_checkpoint_without_scales_gives_one(tiny_model):
     layers = attention_layers(load(tiny_model("llama"), kv_cache_fp8=True))
     assert all(float(x.k_scale) == float(x.v_scale) == 1.0 for x in layers)

@@ -4,16 +4,13 @@ Checkpoints quantized for an FP8 KV cache carry, per layer, a key scale and a va
 one element each). Their names differ by the tool that made them; relative to the attention block
 (``model.layers.N.self_attn``, the parent module of kvik's ``Attention``):
 
-=========================================  =============================================
-``k_scale``, ``v_scale``                   compressed-tensors' ``kv_cache_scheme`` (llm-compressor),
-                                           transformers
-``k_proj.k_scale``, ``v_proj.v_scale``     NVIDIA ModelOpt
-``k_proj.output_scale``,                   older compressed-tensors / Quark: the outputs of the k and
-``v_proj.output_scale``                    v projections quantized
-``qkv_proj.k_scale``, ``qkv_proj.v_scale`` checkpoints saved with a fused qkv projection
-``attn.k_scale``, ``attn.v_scale``         vLLM's own module names
-``kv_scale``                               older checkpoints: one scale for both
-=========================================  =============================================
+- ``k_scale``, ``v_scale``: compressed-tensors' ``kv_cache_scheme`` (llm-compressor), transformers;
+- ``k_proj.k_scale``, ``v_proj.v_scale``: NVIDIA ModelOpt;
+- ``k_proj.output_scale``, ``v_proj.output_scale``: older compressed-tensors and Quark, which
+  quantized the outputs of the k and v projections;
+- ``qkv_proj.k_scale``, ``qkv_proj.v_scale``: checkpoints saved with a fused qkv projection;
+- ``attn.k_scale``, ``attn.v_scale``: vLLM's own module names;
+- ``kv_scale``: older checkpoints, one scale for both.
 
 ``q_scale``, ``prob_scale`` (and ``q_proj.output_scale``) quantize queries and attention
 probabilities for FP8 attention; kvik keeps those in the model's dtype, so they are read past.

@@ -368,10 +368,10 @@ def paged_attention(
     grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
-        seq_lens, block_table, k_scale, v_scale, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
-        output.stride(0), output.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_table.stride(0), **constexprs, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        seq_lens, block_table, k_scale, v_scale, num_reqs, scale * LOG2E, query.stride(0),
+        query.stride(1), output.stride(0), output.stride(1), *key_cache.stride()[:3],
+        *value_cache.stride()[:3], block_table.stride(0), **constexprs,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits_kernel[(t, num_heads)](
