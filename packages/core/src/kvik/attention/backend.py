@@ -67,7 +67,11 @@ class AttentionImpl(ABC):
 
     ``k_scale`` and ``v_scale`` are the layer's fp32 scalars (``Attention.k_scale``/``v_scale``,
     on the device): where the cache is FP8 (``kv_cache.dtype``), keys and values are stored
-    divided by them and multiplied back when read (kvik.attention.kv_quant)."""
+    divided by them and multiplied back when read (kvik.attention.kv_quant). The runner sets them
+    on each impl it builds."""
+
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
 
     def __init__(
         self,

@@ -106,7 +106,7 @@ def kv_scale_pointers(
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is None or scale.numel() != 1 or scale.dtype != torch.float32:
             raise ValueError(f"an fp8 KV cache needs {name} as one float32 element, got {scale!r}")
-        if scale.device != kv_cache.device:
+        if scale.device.type != kv_cache.device.type:
             raise ValueError(f"{name} is on {scale.device}, the KV cache on {kv_cache.device}")
     return True, k_scale, v_scale
 

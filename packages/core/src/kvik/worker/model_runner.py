@@ -149,9 +149,10 @@ class ModelRunner:
                 layer.scale,
                 layer.num_kv_heads,
                 layer.sliding_window,
-                k_scale=layer.k_scale,
-                v_scale=layer.v_scale,
             )
+            # The layer's own scale tensors (read where the cache is FP8), set after construction
+            # so that an impl whose __init__ predates them still builds.
+            layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
         scheduler = config.scheduler
         self.max_num_seqs = scheduler.max_num_seqs
         # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
