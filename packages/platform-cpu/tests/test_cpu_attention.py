@@ -97,6 +97,32 @@ def test_the_cpu_kernel_takes_fp8_with_its_scales_and_refuses_it_without():
     assert torch.equal(out, torch.ones(1, 32))  # one key: its value, 4 * 0.25
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpu_kernel_reads_every_e4m3_value_exactly(dtype):
+    """One key per request: the output is its value, so every e4m3 code (subnormals, both
+    zeros, 448) written and read back through the kernel comes out as torch reads it."""
+    from kvik_cpu import extension
+
+    if (failure := extension.load()) is not None:
+        pytest.skip(f"kvik_cpu's C++ ops did not build: {failure}")
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_E4M3).float()
+    values = torch.where(codes.isnan(), 0.0, codes).view(8, 32)  # 8 requests, head size 32
+    cache = torch.zeros(2, 8, BLOCK, 1, 32, dtype=FP8_E4M3)
+    q = torch.randn(8, 32).to(dtype)
+    out = torch.empty_like(q)
+    table = torch.arange(8, dtype=torch.int32).view(8, 1)
+    slots = torch.arange(8) * BLOCK
+    args = (q, q, values.to(dtype), cache, slots, table, torch.arange(8, dtype=torch.int32))
+    one = torch.tensor(1.0)
+    torch.ops.kvik_cpu.paged_attention(
+        *args, torch.zeros(8, dtype=torch.int32), 1.0, 0, 0, out, one, one
+    )
+    if dtype == torch.float32:
+        assert torch.equal(out, values)
+    else:  # bf16 holds every e4m3 value
+        assert torch.equal(out.float(), values)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("in_order", [True, False], ids=["blocks-in-order", "shuffled"])
 def test_long_bf16_decodes_of_every_head_size_match_dense_attention(d, in_order, cpu_path):

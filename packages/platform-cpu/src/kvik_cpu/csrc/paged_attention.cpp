@@ -41,7 +41,23 @@ namespace {
 
 inline float load(float x) { return x; }
 inline float load(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float load(c10::Float8_e4m3fn x) { return static_cast<float>(x); }
+// An FP8 cache is read and written as its bytes, the e4m3 bits: GCC vectorises no loop over
+// c10::Float8_e4m3fn values (nor over a struct wrapping the byte, where a loop stores elsewhere).
+using E4m3 = uint8_t;
+
+// e4m3 -> fp32 with integer operations and a select, which vectorise (c10's conversion branches),
+// and with no fp32 subnormal on the way (one in a vector makes Intel CPUs take a slow microcode
+// path for the whole instruction). Exponent e and mantissa m go to fp32's places, the exponent
+// rebiased from 7 to 127: 2^(e - 7) (1 + m / 8); where e = 0 the value is m 2^-9 instead. (The
+// NaN codes, which the cache never holds, read as +-480.)
+inline float load(E4m3 bits) {
+  const uint32_t magnitude = bits & 0x7F;
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80) << 24;
+  const uint32_t subnormal =
+      __builtin_bit_cast(uint32_t, static_cast<float>(magnitude) * 0x1p-9f);
+  const uint32_t normal = (magnitude << 20) + (120u << 23);
+  return __builtin_bit_cast(float, (magnitude < 8 ? subnormal : normal) | sign);
+}
 
 constexpr float kFp8Max = 448.f;  // e4m3's largest finite value
 
@@ -71,15 +87,27 @@ class SlotCursor {
   int64_t block_, offset_, block_size_;
 };
 
+// A cache row as the loops below read it: in place, or for an FP8 cache widened to fp32 into
+// `widened` once, for all the query heads that share it.
+template <typename C>
+const C* readable(const C* row, int64_t, float*) {
+  return row;
+}
+inline const float* readable(const E4m3* row, int64_t head_size, float* widened) {
+#pragma omp simd
+  for (int64_t d = 0; d < head_size; ++d) widened[d] = load(row[d]);
+  return widened;
+}
+
 // scores[h * n + j] = scale * (query head h . key first + j), for the KV head at head_offset.
 template <typename T, typename C>
 void score_keys(const T* qrow, const C* k_cache, const int32_t* table, int64_t first, int64_t n,
                 int64_t block_size, int64_t row, int64_t head_offset, int64_t group,
-                int64_t head_size, float scale, float* qf, float* scores) {
+                int64_t head_size, float scale, float* qf, float* widened, float* scores) {
   for (int64_t i = 0; i < group * head_size; ++i) qf[i] = load(qrow[i]) * scale;
   SlotCursor slot(table, first, block_size);
   for (int64_t j = 0; j < n; ++j) {
-    const C* krow = k_cache + slot.next() * row + head_offset;
+    const auto* krow = readable(k_cache + slot.next() * row + head_offset, head_size, widened);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = qf + h * head_size;
       float s = 0.f;
@@ -112,10 +140,11 @@ inline void softmax_rows(float* scores, int64_t group, int64_t n, float* sums) {
 template <typename C>
 void accumulate_values(const float* weights, const C* v_cache, const int32_t* table,
                        int64_t first, int64_t n, int64_t block_size, int64_t row,
-                       int64_t head_offset, int64_t group, int64_t head_size, float* acc) {
+                       int64_t head_offset, int64_t group, int64_t head_size, float* widened,
+                       float* acc) {
   SlotCursor slot(table, first, block_size);
   for (int64_t j = 0; j < n; ++j) {
-    const C* vrow = v_cache + slot.next() * row + head_offset;
+    const auto* vrow = readable(v_cache + slot.next() * row + head_offset, head_size, widened);
     for (int64_t h = 0; h < group; ++h) {
       const float w = weights[h * n + j];
       float* ah = acc + h * head_size;
@@ -354,11 +383,11 @@ void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache
 
 // x / scale into e4m3: clamped to its finite range, then c10's conversion (round to nearest even),
 // the one torch's .to(torch.float8_e4m3fn) uses.
-inline c10::Float8_e4m3fn quantize_fp8(float x, float scale) {
-  return c10::Float8_e4m3fn(std::clamp(x / scale, -kFp8Max, kFp8Max));
+inline E4m3 quantize_fp8(float x, float scale) {
+  return c10::Float8_e4m3fn(std::clamp(x / scale, -kFp8Max, kFp8Max)).x;
 }
 
-// T: queries, keys, values and output (float or bf16); C: the cache's elements (T, or e4m3 with
+// T: queries, keys, values and output (float or bf16); C: the cache's elements (T, or E4m3 with
 // k_scale and v_scale).
 template <typename T, typename C>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -367,7 +396,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
                           const at::Tensor& token_position, double scale_d,
                           int64_t sliding_window, int64_t max_isa, at::Tensor& output,
                           float k_scale, float v_scale) {
-  constexpr bool kFp8Cache = std::is_same_v<C, c10::Float8_e4m3fn>;
+  constexpr bool kFp8Cache = std::is_same_v<C, E4m3>;
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3);
@@ -380,7 +409,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   // Scores are q . (k_q * k_scale) * scale: with an FP8 cache, k_scale joins the softmax scale.
   const float scale = static_cast<float>(scale_d) * (kFp8Cache ? k_scale : 1.f);
 
-  C* k_cache = kv_cache.data_ptr<C>();
+  C* k_cache = static_cast<C*>(kv_cache.data_ptr());
   C* v_cache = k_cache + cache_half;
   const T* q = query.data_ptr<T>();
   const T* k = key.data_ptr<T>();
@@ -427,6 +456,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
     if (amx_scores) configure_score_tiles();
 #endif
     std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
+    std::vector<float> widened(kFp8Cache ? head_size : 0);  // an FP8 cache row, as fp32
     std::vector<int64_t> rows;  // cache offsets of the item's key (and value) rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / kv_heads, g = item % kv_heads;
@@ -455,7 +485,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
 #endif
       if (!fast_bf16) score_keys(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
                                  block_size, row, head_offset, group, head_size, scale, qf.data(),
-                                 scores.data());
+                                 widened.data(), scores.data());
 #if defined(__AVX512BF16__)
       if (fast_bf16) softmax_rows_avx512(scores.data(), group, n, sums.data());
 #endif
@@ -470,7 +500,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
       }
 #endif
       if (!fast_bf16) accumulate_values(scores.data(), v_cache, table, first, n, block_size, row,
-                                        head_offset, group, head_size, acc.data());
+                                        head_offset, group, head_size, widened.data(), acc.data());
       for (int64_t h = 0; h < group; ++h) {
         // The values' scale multiplies the weighted sum once, with the softmax's normalisation.
         const float inv = kFp8Cache ? v_scale / sums[h] : 1.f / sums[h];
@@ -530,11 +560,11 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   if (fp8_cache) {
     const float ks = cache_scale(k_scale, "k_scale"), vs = cache_scale(v_scale, "v_scale");
     if (dtype == at::kFloat) {
-      paged_attention_impl<float, c10::Float8_e4m3fn>(
+      paged_attention_impl<float, E4m3>(
           query, key, value, kv_cache, slot_mapping, block_table, token_request, token_position,
           scale, sliding_window, max_isa, output, ks, vs);
     } else {
-      paged_attention_impl<c10::BFloat16, c10::Float8_e4m3fn>(
+      paged_attention_impl<c10::BFloat16, E4m3>(
           query, key, value, kv_cache, slot_mapping, block_table, token_request, token_position,
           scale, sliding_window, max_isa, output, ks, vs);
     }
