@@ -231,9 +231,13 @@ def test_engine_without_the_cpp_kernels_falls_back_to_the_references(tiny_model,
 
 @needs_amx
 @pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])  # llama3 rope, a window, biases
-def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(tiny_model, kind):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(
+    tiny_model, kind, kv_cache_dtype
+):
     """kvik_cpu.decode_layers runs a decode step's layers in one C++ call of the same kernels:
-    tokens and logprobs equal the layer-by-layer path's exactly."""
+    tokens and logprobs equal the layer-by-layer path's exactly (an FP8 KV cache included: the
+    loop passes each layer's k and v scales to the same attention kernel)."""
     from kvik_cpu.decode_layers import DecodeLayers
 
     folder = tiny_model(kind)
@@ -241,7 +245,7 @@ def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(tiny_model, k
     prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=3)]
     results = []
     for fused in (True, False):
-        llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
+        llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64, kv_cache_dtype=kv_cache_dtype)
         step_runner = llm.engine.runner.step_runner
         assert isinstance(step_runner.decode_layers, DecodeLayers)
         ran: list = []

@@ -67,7 +67,14 @@ def platform_targets() -> dict[str, tuple[Any, int, Any]]:
 
 TARGETS = platform_targets()
 ARCHS = list(TARGETS)
-TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+TRITON_TYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.float8_e4m3fn: "fp8e4nv",
+}
+#: The KV cache scales (fp32 scalars, read only where the cache is FP8).
+KV_SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
 
 
 def types(kernel, dtype: torch.dtype, **overrides: str) -> dict[str, str]:
@@ -110,11 +117,19 @@ def test_silu_and_mul(arch: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(("heads", "head_size"), [(8, 128), (3, 64), (1, 256)])
-def test_reshape_and_cache(arch: str, heads: int, head_size: int) -> None:
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+def test_reshape_and_cache(arch: str, heads: int, head_size: int, kv_fp8: bool) -> None:
     constexprs, num_warps = reshape_and_cache_config(heads, head_size)
-    signature = types(reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64")
+    signature = types(
+        reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64", **KV_SCALES,
+        cache_ptr="*fp8e4nv" if kv_fp8 else "*bf16",
+    )  # fmt: skip
     compiled_ok(
-        reshape_and_cache_kernel, arch, types=signature, constexprs=constexprs, num_warps=num_warps
+        reshape_and_cache_kernel,
+        arch,
+        types=signature,
+        constexprs=constexprs | {"KV_FP8": kv_fp8},
+        num_warps=num_warps,
     )
 
 
@@ -158,27 +173,37 @@ def test_rotary(arch: str, is_neox: bool) -> None:
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
 )
+@pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
 def test_rotary_and_cache(
-    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int, kv_fp8: bool
 ) -> None:
     signature = types(
         rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
-        cos_sin_ptr="*fp32", half_cache="i64",
+        cos_sin_ptr="*fp32", half_cache="i64", **KV_SCALES,
+        kv_cache_ptr="*fp8e4nv" if kv_fp8 else "*bf16",
     )  # fmt: skip
     constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim)
     compiled_ok(
         rotary_and_cache_kernel,
         arch,
         types=signature,
-        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True},
+        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True, "KV_FP8": kv_fp8},
         num_warps=ROTARY_WARPS,
     )
 
 
-def attention_types(kernel, dtype: torch.dtype) -> dict[str, str]:
+def attention_types(
+    kernel, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
+) -> dict[str, str]:
     fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     index = {n: "*i32" for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
-    return types(kernel, dtype, scale_log2="fp32", **fp32, **index)
+    cache = {
+        n: f"*{TRITON_TYPES[cache_dtype or dtype]}"
+        for n in ("k_cache_ptr", "v_cache_ptr")
+        if n in kernel.arg_names
+    }
+    scales = {n: t for n, t in KV_SCALES.items() if n in kernel.arg_names}
+    return types(kernel, dtype, scale_log2="fp32", **fp32, **index, **cache, **scales)
 
 
 # (dtype, head size, group, max query len, splits): prefills (64-row tiles), decodes (16 rows),
@@ -195,25 +220,44 @@ ATTENTION_CASES = [
     (torch.float32, 256, 8, 1, 8),
     (torch.float16, 64, 1, 1, 2),
 ]
+# The same launches over an FP8 cache (--kv-cache-dtype fp8): prefills, decodes, split-KV decodes.
+FP8_ATTENTION_CASES = [
+    (torch.bfloat16, 128, 4, 512, 1),
+    (torch.bfloat16, 64, 3, 512, 1),
+    (torch.bfloat16, 128, 4, 1, 1),
+    (torch.bfloat16, 128, 8, 1, 8),
+    (torch.bfloat16, 256, 1, 1, 2),
+    (torch.float16, 128, 4, 512, 1),
+    (torch.float32, 128, 3, 1, 1),
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
-    ("dtype", "head_size", "group", "max_query_len", "splits"), ATTENTION_CASES
+    ("dtype", "head_size", "group", "max_query_len", "splits", "kv_fp8"),
+    [(*case, False) for case in ATTENTION_CASES] + [(*case, True) for case in FP8_ATTENTION_CASES],
 )
 def test_paged_attention(
-    arch: str, dtype: torch.dtype, head_size: int, group: int, max_query_len: int, splits: int
+    arch: str,
+    dtype: torch.dtype,
+    head_size: int,
+    group: int,
+    max_query_len: int,
+    splits: int,
+    kv_fp8: bool,
 ) -> None:
     kv_heads = 8
     attention_config = TARGETS[arch][2]
-    config = attention_config(arch, head_size, group, max_query_len, dtype)
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    config = attention_config(arch, head_size, group, max_query_len, cache_dtype)
     constexprs = attention_constexprs(
-        kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1
-    )
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1,
+        kv_fp8,
+    )  # fmt: skip
     compiled = compiled_ok(
         paged_attention_kernel,
         arch,
-        types=attention_types(paged_attention_kernel, dtype),
+        types=attention_types(paged_attention_kernel, dtype, cache_dtype),
         constexprs=constexprs,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

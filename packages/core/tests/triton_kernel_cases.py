@@ -17,6 +17,7 @@ from torch import Tensor
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
+from kvik.attention.kv_quant import FP8_E4M3, quantize_kv
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
@@ -208,6 +209,76 @@ def test_reshape_and_cache_skips_negative_slots(dtype: torch.dtype) -> None:
     assert torch.equal(cache.cpu(), expected)
 
 
+def assert_same_fp8(got: Tensor, want: Tensor) -> None:
+    """The same e4m3 bits (PyTorch compares no float8 tensors)."""
+    got, want = got.cpu().contiguous(), want.cpu().contiguous()
+    assert got.dtype == want.dtype == FP8_E4M3
+    differ = got.view(torch.uint8) != want.view(torch.uint8)
+    assert not differ.any(), (
+        f"{int(differ.sum())} of {differ.numel()} e4m3 values differ, e.g. "
+        f"{got[differ][:4].float().tolist()} for {want[differ][:4].float().tolist()}"
+    )
+
+
+def assert_fp8_close(got: Tensor, want: Tensor, max_fraction: float) -> None:
+    """e4m3 values at most one step apart (neighbouring codes of one sign), and at most
+    ``max_fraction`` of them apart at all."""
+    got, want = (x.cpu().contiguous().view(torch.uint8).long() for x in (got, want))
+    same_sign = (got >> 7) == (want >> 7)
+    steps = torch.where(
+        same_sign, ((got & 0x7F) - (want & 0x7F)).abs(), (got & 0x7F) + (want & 0x7F)
+    )
+    assert steps.max() <= 1, f"e4m3 values {int(steps.max())} steps apart"
+    assert (steps > 0).float().mean() <= max_fraction, f"{int((steps > 0).sum())} values differ"
+
+
+def fp8_probe_values(count: int, dtype: torch.dtype) -> Tensor:
+    """``count`` values in ``dtype`` for quantizing with a scale of 1: every e4m3 value, the
+    midpoints between neighbours (ties, which go to the even one) and their neighbours in
+    ``dtype``, values past ±448 (saturating), then random ones of every magnitude."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_E4M3).float()
+    grid = codes[codes.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    fine = torch.finfo(dtype).eps
+    special = torch.cat(
+        (grid, mids, mids * (1 + fine), mids * (1 - fine), torch.tensor([500.0, -1e4]))
+    )
+    noise = torch.randn(count) * torch.logspace(-4, 3, count)
+    return torch.cat((special, noise))[:count].to(dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.37, 2.5), (0.004, 1e-3)])
+def test_reshape_and_cache_quantizes_into_an_fp8_cache(
+    dtype: torch.dtype, kv_scales: tuple[float, float]
+) -> None:
+    """Into an e4m3 cache: key / k_scale and value / v_scale, clamped and rounded to nearest even,
+    the same bits as the reference (torch's own cast), nothing at negative slots."""
+    tokens, kv_heads, head_size, num_blocks = (500, 8, 128, 64) if ON_GPU else (12, 3, 64, 4)
+    n = tokens * kv_heads * head_size
+    keys = fp8_probe_values(n, dtype).view(tokens, kv_heads, head_size)
+    values = fp8_probe_values(n, dtype).flip(0).view(tokens, kv_heads, head_size)
+    k_scale, v_scale = (torch.tensor(s, dtype=torch.float32) for s in kv_scales)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_size).to(FP8_E4M3)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+    slots[::5] = -1
+    expected = cache.clone()
+    ops.reshape_and_cache(keys, values, expected, slots, k_scale, v_scale)
+    cache = cache.to(DEVICE)
+    reshape_and_cache(
+        keys.to(DEVICE), values.to(DEVICE), cache, slots.to(DEVICE), k_scale.to(DEVICE),
+        v_scale.to(DEVICE),
+    )  # fmt: skip
+    assert_same_fp8(cache, expected)
+
+
+def test_an_fp8_cache_without_scales_is_refused() -> None:
+    cache = torch.zeros(2, 1, BLOCK_SIZE, 1, 32).to(FP8_E4M3).to(DEVICE)
+    kv = randn(1, 1, 32)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        reshape_and_cache(kv, kv, cache, torch.zeros(1, dtype=torch.int64, device=DEVICE))
+
+
 def random_cos_sin(max_pos: int, rot_dim: int) -> Tensor:
     # A llama3-scaled table is still a plain [max_pos, rot_dim] table: random angles cover it.
     angles = torch.rand(max_pos, rot_dim // 2, dtype=torch.float64) * 100
@@ -254,14 +325,57 @@ def test_rotary_and_cache(dtype: torch.dtype, is_neox: bool, rot_fraction: float
     assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
 
 
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+def test_rotary_and_cache_into_an_fp8_cache(dtype: torch.dtype, rot_fraction: float) -> None:
+    """Into an e4m3 cache the fused launch stores what rotary_embedding (keys rounded to their
+    dtype) then reshape_and_cache with the scales store: the same bits."""
+    tokens, heads, kv_heads, head_size, num_blocks = (
+        (300, 32, 8, 128, 40) if ON_GPU else (7, 3, 2, 32, 2)
+    )
+    rot_dim = int(head_size * rot_fraction)
+    cos_sin = random_cos_sin(64, rot_dim)
+    positions = torch.randint(0, 64, (tokens,))
+    qkv = (randn(tokens, (heads + 2 * kv_heads) * head_size) * 4).to(dtype)
+    q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    k_scale, v_scale = torch.tensor(0.37), torch.tensor(2.5)
+    cache = torch.zeros(2, num_blocks, BLOCK_SIZE, kv_heads, head_size).to(FP8_E4M3)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+    slots[::3] = -1
+    ref_q, ref_k = ops.rotary_embedding(positions, q.cpu(), k.cpu(), head_size, cos_sin, True)
+    expected = cache.clone()
+    shape = (tokens, kv_heads, head_size)
+    ops.reshape_and_cache(ref_k.view(shape), v.cpu().view(shape), expected, slots, k_scale, v_scale)
+    cache = cache.to(DEVICE)
+    q_out = rotary_and_cache(
+        positions.to(DEVICE), q, k, v, cache, slots.to(DEVICE), head_size, cos_sin.to(DEVICE),
+        True, k_scale.to(DEVICE), v_scale.to(DEVICE),
+    )  # fmt: skip
+    check(q_out, cpu64(ref_q), dtype)
+    if dtype == torch.float32:
+        assert_same_fp8(cache, expected)
+    else:
+        # A rotated key rounds to its dtype before it is quantized, and that rounding may differ
+        # from the reference's now and then: the interpreter truncates to bf16 where torch rounds
+        # to nearest, and the GPU may fuse the rotation's multiply and subtract. An e4m3 value
+        # moves with it by one step at most, rarely.
+        assert_fp8_close(cache[0], expected[0], max_fraction=0.01)
+        assert_same_fp8(cache[1], expected[1])
+
+
 # --- paged attention ----------------------------------------------------------------------------
 
 
 def build_batch(
-    requests: list[tuple[int, int]], kv_heads: int, head_size: int, dtype: torch.dtype
+    requests: list[tuple[int, int]],
+    kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    kv_scales: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[AttentionMetadata, Tensor]:
     """Requests as (cached context, new query tokens), blocks shuffled over a cache whose unused
-    slots hold NaN. Returns CPU metadata and the device cache with the cached contexts written."""
+    slots hold NaN. Returns CPU metadata and the device cache with the cached contexts written
+    (with ``kv_scales``, an FP8 cache holding them quantized)."""
     seq_lens = [c + q for c, q in requests]
     blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 3
@@ -276,10 +390,17 @@ def build_batch(
         slots += torch.arange(context + query) % BLOCK_SIZE
         context_slots.append(slots[:context])
         slot_mapping.append(slots[context:])
-    cache = torch.full((2, num_blocks, BLOCK_SIZE, kv_heads, head_size), float("nan"), dtype=dtype)
+    cache_dtype = dtype if kv_scales is None else FP8_E4M3
+    shape = (2, num_blocks, BLOCK_SIZE, kv_heads, head_size)
+    cache = torch.full(shape, float("nan"), dtype=torch.float32).to(cache_dtype)
     flat = cache.view(2, -1, kv_heads, head_size)
     context_slots = torch.cat(context_slots)
-    flat[:, context_slots] = torch.randn(2, len(context_slots), kv_heads, head_size).to(dtype)
+    context = torch.randn(2, len(context_slots), kv_heads, head_size).to(dtype)
+    if kv_scales is None:
+        flat[:, context_slots] = context
+    else:
+        flat[0, context_slots] = quantize_kv(context[0], kv_scales[0])
+        flat[1, context_slots] = quantize_kv(context[1], kv_scales[1])
     query_lens = torch.tensor([q for _, q in requests], dtype=torch.int32)
     query_start_loc = torch.zeros(len(requests) + 1, dtype=torch.int32)
     torch.cumsum(query_lens, 0, out=query_start_loc[1:])
@@ -312,33 +433,53 @@ def run_attention(
     sliding_window: int | None = None,
     splits: int | None = None,
     rotary: bool = False,
+    kv_scales: tuple[float, float] | None = None,
 ) -> None:
     """Write the new keys and attend, through the backend (splits None; with ``rotary``, its
     fused rotary-and-cache path) or the launchers with ``splits`` segments; compare output and
-    cache with the CPU SDPA backend in float64 (after the reference rotation)."""
-    metadata, cache = build_batch(requests, kv_heads, head_size, dtype)
+    cache with the CPU SDPA backend in float64 (after the reference rotation). With ``kv_scales``
+    (k_scale, v_scale) the cache is FP8: both sides store the same e4m3 bits, and the reference
+    attends over them dequantized."""
+    fp8 = kv_scales is not None
+    scales = tuple(torch.tensor(s, dtype=torch.float32) for s in kv_scales) if fp8 else None
+    k_scale, v_scale = scales or (None, None)
+    metadata, cache = build_batch(requests, kv_heads, head_size, dtype, scales)
     t = metadata.num_actual_tokens
     q = randn(t, heads * head_size, dtype=dtype)
     k, v = randn(t, kv_heads * head_size, dtype=dtype), randn(t, kv_heads * head_size, dtype=dtype)
     scale = head_size**-0.5
-    ref_cache = cache.cpu().double().nan_to_num()
+    if fp8:  # the reference quantizes the new keys itself; unused slots' NaN become zeros
+        ref_cache = cache.cpu().clone()
+        ref_cache.view(torch.uint8)[ref_cache.float().isnan()] = 0
+    else:
+        ref_cache = cache.cpu().double().nan_to_num()
     ref_out = torch.empty(t, heads * head_size, dtype=torch.float64)
     ref_q, ref_k = cpu64(q), cpu64(k)
     if rotary:
         cos_sin = random_cos_sin(max(c + n for c, n in requests), head_size)
         positions = torch.cat([torch.arange(c, c + n) for c, n in requests])
-        ref_q, ref_k = ops.rotary_embedding(
-            positions, ref_q, ref_k, head_size, cos_sin.double(), True
-        )
-    reference = TorchSdpaBackend.impl_class()(heads, head_size, scale, kv_heads, sliding_window)
+        if fp8:  # keys rounded to their dtype before they are quantized, as the kernel does
+            ref_q, ref_k = map(cpu64, ops.rotary_embedding(
+                positions, q.cpu(), k.cpu(), head_size, cos_sin, True
+            ))  # fmt: skip
+        else:
+            ref_q, ref_k = ops.rotary_embedding(
+                positions, ref_q, ref_k, head_size, cos_sin.double(), True
+            )
+    reference = TorchSdpaBackend.impl_class()(
+        heads, head_size, scale, kv_heads, sliding_window, k_scale, v_scale
+    )
     reference.forward(
         ref_q, ref_k, cpu64(v), ref_cache, TorchSdpaBackend.build_metadata(metadata), ref_out
     )
     out = torch.full_like(q, float("nan"))
     dev = on_device(metadata)
     if splits is None:
+        dev_scales = (
+            {} if not fp8 else {"k_scale": k_scale.to(DEVICE), "v_scale": v_scale.to(DEVICE)}
+        )
         impl = TritonAttentionBackend.impl_class()(
-            heads, head_size, scale, kv_heads, sliding_window
+            heads, head_size, scale, kv_heads, sliding_window, **dev_scales
         )
         spec = AttentionSpec(
             num_heads=heads,
@@ -360,20 +501,30 @@ def run_attention(
         else:
             impl.forward(q, k, v, cache, builder.build(dev), out)
     else:
-        reshape_and_cache(
-            k.view(t, kv_heads, head_size), v.view(t, kv_heads, head_size), cache, dev.slot_mapping
+        dev_scales = (
+            {} if not fp8 else {"k_scale": k_scale.to(DEVICE), "v_scale": v_scale.to(DEVICE)}
         )
+        reshape_and_cache(
+            k.view(t, kv_heads, head_size), v.view(t, kv_heads, head_size), cache, dev.slot_mapping,
+            **dev_scales,
+        )  # fmt: skip
         config = attention_config(
             device_arch(DEVICE)[0], head_size, heads // kv_heads, dev.max_query_len, dtype
         )
         paged_attention(
             q.view(t, heads, head_size), cache[0], cache[1], out.view(t, heads, head_size),
             dev.query_start_loc, dev.seq_lens, dev.block_table, scale, sliding_window, config,
-            splits,
+            splits, **dev_scales,
         )  # fmt: skip
     check(out, ref_out, dtype)
     written = cache.cpu().view(2, -1, kv_heads * head_size)[:, metadata.slot_mapping]
-    if rotary:
+    if fp8:  # the same e4m3 bits as the reference's quantization (of the rotated keys)
+        if rotary and dtype != torch.float32:  # see test_rotary_and_cache_into_an_fp8_cache
+            assert_fp8_close(written[0], quantize_kv(ref_k, k_scale), max_fraction=0.01)
+        else:
+            assert_same_fp8(written[0], quantize_kv(ref_k if rotary else k.cpu(), k_scale))
+        assert_same_fp8(written[1], quantize_kv(v.cpu(), v_scale))
+    elif rotary:
         check(written[0], ref_k, dtype)
         assert torch.equal(written[1], v.cpu())
     else:
@@ -428,6 +579,31 @@ def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
 @pytest.mark.parametrize("window", [None, 700])
 def test_split_kv_with_window_and_mixed_batch(window: int | None) -> None:
     run_attention(MIXED, KV_HEADS * 4, KV_HEADS, 64, torch.float16, window, splits=4)
+
+
+KV_SCALES = (0.37, 1.9)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("group", [1, 3])
+def test_mixed_batch_over_an_fp8_cache(dtype: torch.dtype, group: int) -> None:
+    run_attention(MIXED, KV_HEADS * group, KV_HEADS, 64, dtype, kv_scales=KV_SCALES)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_fused_rotary_over_an_fp8_cache(dtype: torch.dtype) -> None:
+    run_attention(MIXED, KV_HEADS * 3, KV_HEADS, 64, dtype, rotary=True, kv_scales=KV_SCALES)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("window", [None, 50])
+def test_decode_only_batch_over_an_fp8_cache(dtype: torch.dtype, window: int | None) -> None:
+    run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, dtype, window, kv_scales=KV_SCALES)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+def test_split_kv_decode_over_an_fp8_cache(dtype: torch.dtype) -> None:
+    run_attention(DECODES, KV_HEADS * 3, KV_HEADS, 128, dtype, splits=4, kv_scales=KV_SCALES)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the heuristic needs the GPU's multiprocessor count")

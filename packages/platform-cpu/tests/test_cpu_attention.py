@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvik.attention.backend import AttentionMetadata
+from kvik.attention.kv_quant import FP8_E4M3, dequantize_kv, quantize_kv
 from kvik_cpu import isa
 from kvik_cpu.attention import TorchSdpaBackend
 from kvik_cpu.isa import CpuIsa
@@ -55,6 +56,71 @@ def backends() -> list:
 def test_batch_matches_dense_attention(backend, dtype, requests, heads, kv_heads, window):
     """(context length, new tokens) per request; fresh random inputs, shuffled block ids."""
     check_against_dense(backend, dtype, requests, heads, kv_heads, window, d=32)
+
+
+# (k_scale, v_scale): 1.0 (no scales in the checkpoint), a checkpoint's, and a k_scale so small
+# that many keys saturate at e4m3's 448.
+KV_SCALES = [(1.0, 1.0), (0.37, 1.9), (0.004, 0.5)]
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("requests", [MIXED, DECODES], ids=["mixed", "decodes"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("kv_scales", KV_SCALES, ids=lambda s: f"k{s[0]}-v{s[1]}")
+def test_fp8_kv_cache_matches_dense_attention_over_dequantized_keys(
+    backend, dtype, requests, window, kv_scales
+):
+    """An FP8 cache: the new keys and values stored as kv_quant quantizes them (bit for bit), and
+    attention equal to dense attention over the quantized-then-dequantized context."""
+    check_against_dense(backend, dtype, requests, 9, 3, window, d=32, kv_scales=kv_scales)
+
+
+def test_the_cpu_kernel_takes_fp8_with_its_scales_and_refuses_it_without():
+    """The C++ kernel's FP8 path through its op (the one-call decode loop calls the same
+    function): a missing scale is a clear error, not a crash."""
+    from kvik_cpu import extension
+
+    if (failure := extension.load()) is not None:
+        pytest.skip(f"kvik_cpu's C++ ops did not build: {failure}")
+    cache = torch.zeros(2, 4, BLOCK, 1, 32, dtype=FP8_E4M3)
+    q, k, v, out = (torch.ones(1, 32) for _ in range(4))
+    slots, table = torch.tensor([0]), torch.zeros(1, 4, dtype=torch.int32)
+    request, position = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    args = (q, k, v, cache, slots, table, request, position, 1.0, 0, 0, out)
+    with pytest.raises(RuntimeError, match="an fp8 KV cache needs k_scale"):
+        torch.ops.kvik_cpu.paged_attention(*args)
+    with pytest.raises(RuntimeError, match="it must be positive"):
+        torch.ops.kvik_cpu.paged_attention(*args, torch.tensor(0.0), torch.tensor(1.0))
+    torch.ops.kvik_cpu.paged_attention(*args, torch.tensor(0.5), torch.tensor(0.25))
+    assert torch.equal(cache[0, 0, 0, 0].float(), torch.full((32,), 2.0))  # 1 / 0.5
+    assert torch.equal(out, torch.ones(1, 32))  # one key: its value, 4 * 0.25
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_cpu_kernel_reads_every_e4m3_value_exactly(dtype):
+    """One key per request: the output is its value, so every e4m3 code (subnormals, both
+    zeros, 448) written and read back through the kernel comes out as torch reads it."""
+    from kvik_cpu import extension
+
+    if (failure := extension.load()) is not None:
+        pytest.skip(f"kvik_cpu's C++ ops did not build: {failure}")
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_E4M3).float()
+    values = torch.where(codes.isnan(), 0.0, codes).view(8, 32)  # 8 requests, head size 32
+    cache = torch.zeros(2, 8, BLOCK, 1, 32, dtype=FP8_E4M3)
+    q = torch.randn(8, 32).to(dtype)
+    out = torch.empty_like(q)
+    table = torch.arange(8, dtype=torch.int32).view(8, 1)
+    slots = torch.arange(8) * BLOCK
+    args = (q, q, values.to(dtype), cache, slots, table, torch.arange(8, dtype=torch.int32))
+    one = torch.tensor(1.0)
+    torch.ops.kvik_cpu.paged_attention(
+        *args, torch.zeros(8, dtype=torch.int32), 1.0, 0, 0, out, one, one
+    )
+    if dtype == torch.float32:
+        assert torch.equal(out, values)
+    else:  # bf16 holds every e4m3 value
+        assert torch.equal(out.float(), values)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -114,14 +180,33 @@ def test_the_kernel_refuses_a_path_its_build_lacks():
 
 
 def check_against_dense(
-    backend, dtype, requests, heads, kv_heads, window, d, in_order=False, with_output=False
+    backend,
+    dtype,
+    requests,
+    heads,
+    kv_heads,
+    window,
+    d,
+    in_order=False,
+    with_output=False,
+    kv_scales=None,
 ):
     """Runs ``backend`` on one step of ``requests`` against ``dense_reference``; returns the impl
-    (and, ``with_output``, the output)."""
+    (and, ``with_output``, the output). With ``kv_scales`` (k_scale, v_scale) the cache is FP8,
+    and the reference attends over the keys and values quantized and dequantized with them."""
     torch.manual_seed(d)
     scale = d**-0.5
     num_blocks = sum(-(-seq_len // BLOCK) for seq_len, _ in requests) + 8
-    kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d, dtype=dtype)
+    cache_dtype = dtype if kv_scales is None else FP8_E4M3
+    kv_cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, d, dtype=cache_dtype)
+    k_scale, v_scale = (None, None) if kv_scales is None else map(torch.tensor, kv_scales)
+
+    def stored(x, scale):  # what the cache holds for x (bf16 or fp32 keys or values)
+        return x if kv_scales is None else quantize_kv(x, scale)
+
+    def read_back(x, scale):  # what attention sees of x: through the cache and back, in float64
+        return x if kv_scales is None else dequantize_kv(stored(x, scale), scale, torch.float64)
+
     free = list(range(num_blocks))[::-1] if in_order else torch.randperm(num_blocks).tolist()
     tables, contexts, qs, ks, vs, slots = [], [], [], [], [], []
     for seq_len, new in requests:
@@ -131,7 +216,8 @@ def check_against_dense(
         v_all = torch.randn(seq_len, kv_heads, d).to(dtype)
         for pos in range(seq_len - new):  # the cached context, written before this step
             b, o = blocks[pos // BLOCK], pos % BLOCK
-            kv_cache[0, b, o], kv_cache[1, b, o] = k_all[pos], v_all[pos]
+            kv_cache[0, b, o] = stored(k_all[pos], k_scale)
+            kv_cache[1, b, o] = stored(v_all[pos], v_scale)
         contexts.append((k_all, v_all))
         qs.append(torch.randn(new, heads, d).to(dtype))
         ks.append(k_all[seq_len - new :])
@@ -158,19 +244,25 @@ def check_against_dense(
             block_size=BLOCK,
         )
     )
-    impl = backend.impl_class()(heads, d, scale, kv_heads, window)
+    impl = backend.impl_class()(heads, d, scale, kv_heads, window, k_scale, v_scale)
     q = torch.cat(qs).flatten(1)
     out = torch.full_like(q, float("nan"))
     impl.forward(q, torch.cat(ks).flatten(1), torch.cat(vs).flatten(1), kv_cache, metadata, out)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     start = 0
     for (k_all, v_all), q_r in zip(contexts, qs):
-        want = dense_reference(q_r, k_all, v_all, scale, window).float().flatten(1)
+        k_seen, v_seen = read_back(k_all, k_scale), read_back(v_all, v_scale)
+        want = dense_reference(q_r, k_seen, v_seen, scale, window).float().flatten(1)
         got = out[start : start + q_r.shape[0]].float()
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
         start += q_r.shape[0]
     # The new keys and values landed in their slots.
     flat = kv_cache.view(2, num_blocks * BLOCK, kv_heads, d)
-    torch.testing.assert_close(flat[0, torch.tensor(slots)], torch.cat(ks))
-    torch.testing.assert_close(flat[1, torch.tensor(slots)], torch.cat(vs))
+    if kv_scales is None:
+        torch.testing.assert_close(flat[0, torch.tensor(slots)], torch.cat(ks))
+        torch.testing.assert_close(flat[1, torch.tensor(slots)], torch.cat(vs))
+    else:  # quantized as kvik.attention.kv_quant does, to the bit
+        for half, new, s in ((0, ks, k_scale), (1, vs, v_scale)):
+            got = flat[half, torch.tensor(slots)].view(torch.uint8)
+            assert torch.equal(got, stored(torch.cat(new), s).view(torch.uint8))
     return (impl, out) if with_output else impl

@@ -37,6 +37,22 @@ SCHEDULING_POLICIES: tuple[str, ...] = get_args(SchedulingPolicy)
 OpsDispatch = Literal["torch_ops", "direct"]
 OPS_DISPATCHES: tuple[str, ...] = get_args(OpsDispatch)
 
+#: What the KV cache stores, as vLLM's ``--kv-cache-dtype``: "auto" (the model's dtype), or FP8
+#: e4m3 ("fp8" and "fp8_e4m3" are one format) with per-layer k/v scales (kvik.attention.kv_quant).
+KvCacheDtype = Literal["auto", "fp8", "fp8_e4m3"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the KV cache for the ``kv_cache_dtype`` option ``cache_dtype``."""
+    if cache_dtype == "auto":
+        return model_dtype
+    if cache_dtype in ("fp8", "fp8_e4m3"):
+        return torch.float8_e4m3fn
+    raise ValueError(
+        f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {cache_dtype!r}"
+    )
+
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
@@ -108,6 +124,8 @@ class CacheConfig:
     num_blocks: int | None = None  # exact count; else from kv_cache_memory_bytes or the platform
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    #: The ``kv_cache_dtype`` option: "auto" (the model's dtype) or "fp8" / "fp8_e4m3".
+    cache_dtype: str = "auto"
     # The share of an accelerator's memory the engine may use in all (weights, activations and the
     # KV cache), as vLLM's; the KV cache gets what a profiling forward pass leaves of it.
     gpu_memory_utilization: float = 0.9

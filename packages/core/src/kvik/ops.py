@@ -242,22 +242,32 @@ def _(hidden, router_logits, w13, w2, top_k, renormalize) -> Tensor:
 
 
 @torch.library.custom_op("kvik::reshape_and_cache", mutates_args=("kv_cache",))
-def reshape_and_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+def reshape_and_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
     """Write key/value [T, Hk, D] into kv_cache [2, num_blocks, block_size, Hk, D] at slots [T].
 
-    A slot is block_id * block_size + offset; a negative slot (padding) is skipped.
+    A slot is block_id * block_size + offset; a negative slot (padding) is skipped. An FP8 cache
+    stores key / k_scale and value / v_scale (kvik.attention.kv_quant), so it needs both scales.
     """
+    from kvik.attention.kv_quant import write_slots
+
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, num_blocks * block_size, *kv_cache.shape[3:])
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    write_slots(flat[0], slot_mapping, key, k_scale)
+    write_slots(flat[1], slot_mapping, value, v_scale)
 
 
 @reshape_and_cache.register_fake
-def _(key, value, kv_cache, slot_mapping) -> None:
+def _(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 

@@ -8,7 +8,8 @@ the hot path free of Python loops over requests.
 Everything that depends only on the step (the flat block list, the query layout, the masks) is built
 once per step in ``build_metadata``, not once per layer: a layer runs the cache write, the gather and
 SDPA, about eight PyTorch calls. A step of decodes only (one query token per request) needs no query
-padding, and a single request's context needs no mask at all.
+padding, and a single request's context needs no mask at all. An FP8 KV cache is quantized as it is
+written and dequantized after the gather (kvik.attention.kv_quant).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kvik.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from kvik.attention.kv_quant import FP8_E4M3, from_cache, is_fp8, write_slots
 
 
 @dataclass
@@ -73,8 +75,8 @@ class TorchSdpaImpl(AttentionImpl):
         # the CPU runner never pads, so every slot is valid).
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
         flat = kv_cache.view(2, num_blocks * block_size, hk * d)
-        flat[0].index_copy_(0, c.slot_mapping, key[:t].to(kv_cache.dtype))
-        flat[1].index_copy_(0, c.slot_mapping, value[:t].to(kv_cache.dtype))
+        write_slots(flat[0], c.slot_mapping, key[:t], self.k_scale)
+        write_slots(flat[1], c.slot_mapping, value[:t], self.v_scale)
 
         r, nb = metadata.key_block_table.shape
         # index_select over flattened blocks is about twice as fast as advanced indexing here.
@@ -88,6 +90,9 @@ class TorchSdpaImpl(AttentionImpl):
         if metadata.single_request_len is not None and metadata.mask(self.sliding_window) is None:
             k = k[:, :, : metadata.single_request_len]
             v = v[:, :, : metadata.single_request_len]
+        if is_fp8(kv_cache.dtype):  # dequantized after the gather, which moves a byte an element
+            k = from_cache(k, query.dtype, self.k_scale)
+            v = from_cache(v, query.dtype, self.v_scale)
         if metadata.decode_only:
             q = query[:t].view(t, h, 1, d)  # [R, H, 1, D]
         else:
@@ -109,6 +114,7 @@ class TorchSdpaImpl(AttentionImpl):
 
 class TorchSdpaBackend(AttentionBackend):
     name = "TORCH_SDPA"
+    supported_kv_cache_dtypes = (FP8_E4M3,)
 
     @classmethod
     def build_metadata(cls, common: AttentionMetadata) -> SdpaMetadata:

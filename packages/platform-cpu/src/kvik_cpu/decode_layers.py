@@ -101,6 +101,8 @@ class DecodeLayers:
             self.intermediate_size,
             [layer.attention.kv_cache for layer in layers],
             self.sliding_windows,
+            [layer.attention.k_scale for layer in layers],  # used where the KV cache is FP8
+            [layer.attention.v_scale for layer in layers],
             self.scale,
             metadata.common.slot_mapping,
             metadata.block_table,

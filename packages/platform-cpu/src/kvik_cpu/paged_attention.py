@@ -11,7 +11,8 @@ token is computed by the same kernel whatever else its step holds (the two round
 bf16, and a request's output should not depend on its batch). The kernel runs float32 and
 bfloat16, in bfloat16 on the engine's kernel path (kvik_cpu.isa: portable loops, AVX512-BF16, or
 AMX scores); the backend is unavailable, and TORCH_SDPA chosen instead, where it cannot be built
-(kvik_cpu.extension).
+(kvik_cpu.extension). An FP8 KV cache (``--kv-cache-dtype fp8``) is written and read by the same
+kernel (its portable loops), dequantized as it reads.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from kvik.attention.backend import AttentionImpl, AttentionMetadata
+from kvik.attention.kv_quant import FP8_E4M3
 from kvik_cpu import isa
 from kvik_cpu.attention import SdpaMetadata, TorchSdpaBackend, TorchSdpaImpl
 
@@ -92,12 +94,15 @@ class CpuPagedImpl(TorchSdpaImpl):
             self.sliding_window or 0,
             int(self.path),
             output,
+            self.k_scale,
+            self.v_scale,
         )
 
 
 class CpuPagedBackend(TorchSdpaBackend):
     name = "CPU_PAGED"
     supported_dtypes = (torch.float32, torch.bfloat16)
+    supported_kv_cache_dtypes = (FP8_E4M3,)
 
     @classmethod
     def unsupported_reason(cls, dtype: torch.dtype, head_size: int, block_size: int) -> str | None:

@@ -63,7 +63,15 @@ class AttentionMetadataBuilder:
 
 class AttentionImpl(ABC):
     """One layer's attention. ``forward`` writes the new keys and values into the paged cache and
-    attends each query token over its request's context, causally (and within the sliding window)."""
+    attends each query token over its request's context, causally (and within the sliding window).
+
+    ``k_scale`` and ``v_scale`` are the layer's fp32 scalars (``Attention.k_scale``/``v_scale``,
+    on the device): where the cache is FP8 (``kv_cache.dtype``), keys and values are stored
+    divided by them and multiplied back when read (kvik.attention.kv_quant). The runner sets them
+    on each impl it builds."""
+
+    k_scale: Tensor | None = None
+    v_scale: Tensor | None = None
 
     def __init__(
         self,
@@ -72,12 +80,16 @@ class AttentionImpl(ABC):
         scale: float,
         num_kv_heads: int,
         sliding_window: int | None = None,
+        k_scale: Tensor | None = None,
+        v_scale: Tensor | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.k_scale = k_scale
+        self.v_scale = v_scale
 
     @abstractmethod
     def forward(
@@ -120,6 +132,8 @@ class AttentionBackend(ABC):
     )
     #: None means any head size.
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None
+    #: KV cache dtypes beyond the model's own (which every backend stores), e.g. FP8 e4m3.
+    supported_kv_cache_dtypes: ClassVar[tuple[torch.dtype, ...]] = ()
 
     @classmethod
     def unsupported_reason(cls, dtype: torch.dtype, head_size: int, block_size: int) -> str | None:

@@ -22,6 +22,7 @@ from kvik.config import (
     CompilationConfig,
     CudagraphMode,
     EngineConfig,
+    KvCacheDtype,
     LoadFormat,
     OpsDispatch,
     SchedulingPolicy,
@@ -89,6 +90,12 @@ class EngineArgs:
         None,
         "bytes for the KV cache (default: the platform's; on a GPU, what a profiling forward "
         "pass leaves of gpu_memory_utilization)",
+    )
+    kv_cache_dtype: KvCacheDtype = option(
+        "auto",
+        "what the KV cache stores: auto (the model's dtype), or fp8 / fp8_e4m3 (float8 e4m3 "
+        "with the checkpoint's per-layer k/v scales, else 1.0: one byte an element, so twice "
+        "the tokens of a bf16 cache in the same memory)",
     )
     gpu_memory_utilization: float = option(
         0.9,
@@ -196,6 +203,7 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
             ),
             scheduler=SchedulerConfig(

@@ -16,6 +16,11 @@ class Attention(nn.Module):
 
     The runner binds ``impl`` (from the chosen backend) and ``kv_cache`` before the first step and
     registers the layer by ``layer_name`` in the forward context.
+
+    ``k_scale`` and ``v_scale`` (fp32 scalars, 1.0 unless the checkpoint has them:
+    kvik.model_loader.kv_scales) are what an FP8 KV cache divides keys and values by. They are
+    buffers, not parameters: a checkpoint without them loads, and the tensors stay where the
+    kernels (and a captured CUDA graph) read them.
     """
 
     def __init__(
@@ -36,6 +41,9 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.impl: AttentionImpl | None = None
         self.kv_cache: Tensor | None = None
+        # fp32 whatever the model's default dtype is while it is built.
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
 
     def forward(
         self,

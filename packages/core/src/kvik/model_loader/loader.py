@@ -16,6 +16,7 @@ from kvik.model_loader.gguf_loader import (
     gguf_hf_config,
     iter_gguf_weights,
 )
+from kvik.model_loader.kv_scales import take_kv_scales
 from kvik.model_loader.resolve import resolve_model
 from kvik.model_loader.safetensors_loader import iterate_safetensors, safetensors_files
 from kvik.models.registry import get_model_class
@@ -98,13 +99,17 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """Build the model in its dtype directly on the device, then fill in its weights."""
+def load_model(
+    model_config: ModelConfig, device: torch.device | str, kv_cache_fp8: bool = False
+) -> nn.Module:
+    """Build the model in its dtype directly on the device, then fill in its weights; the
+    checkpoint's KV cache scales are set on the attention layers where the KV cache is FP8
+    (``kv_cache_fp8``), and otherwise ignored."""
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = model_class(model_config)
     if model_config.load_format == "dummy":
         load_dummy_weights(model, model_config.seed)
     else:
-        model.load_weights(iterate_weights(model_config))
+        model.load_weights(take_kv_scales(model, iterate_weights(model_config), kv_cache_fp8))
     return model.requires_grad_(False).eval()

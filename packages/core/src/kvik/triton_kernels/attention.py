@@ -1,6 +1,9 @@
 """The Triton attention backend ("TRITON_ATTN"): the paged KV cache write and mixed-batch paged
 attention as Triton kernels, over the same cache layout as the CPU backend.
 
+An FP8 KV cache (``--kv-cache-dtype fp8``) goes through the same kernels, each taking the layer's
+``k_scale`` and ``v_scale`` as device tensors.
+
 Every GPU platform that runs Triton registers this one class under the same name (kvik_cuda,
 kvik_rocm). The launch configuration is the platform's: when selected, it registers a chooser for
 the architectures it owns (``register_attention_configs("sm", ...)``), looked up by the device's
@@ -142,8 +145,9 @@ class TritonAttentionImpl(AttentionImpl):
         c = metadata.common
         t, hk, d = c.num_actual_tokens, self.num_kv_heads, self.head_size
         reshape_and_cache(
-            key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping
-        )
+            key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping,
+            self.k_scale, self.v_scale,
+        )  # fmt: skip
         self._attend(query, kv_cache, metadata, output)
 
     def forward_with_rotary(
@@ -162,7 +166,7 @@ class TritonAttentionImpl(AttentionImpl):
         rotated = rotary_and_cache(
             positions[:t], query[:t], key[:t], value[:t], kv_cache,
             metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
-            rotary_emb.is_neox,
+            rotary_emb.is_neox, self.k_scale, self.v_scale,
         )  # fmt: skip
         self._attend(rotated, kv_cache, metadata, output)
 
@@ -186,11 +190,14 @@ class TritonAttentionImpl(AttentionImpl):
             metadata.part_acc,
             metadata.part_max,
             metadata.part_sum,
+            self.k_scale,
+            self.v_scale,
         )
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "TRITON_ATTN"
+    supported_kv_cache_dtypes = (torch.float8_e4m3fn,)
 
     @classmethod
     def builder_class(cls) -> type[AttentionMetadataBuilder]:

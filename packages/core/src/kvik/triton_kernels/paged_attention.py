@@ -12,6 +12,11 @@ one segment of the key tiles, leaving its unnormalised accumulator, running max 
 scratch; ``reduce_splits_kernel`` merges the segments. It pays for long decode contexts, where a
 batch has too few (request, KV head) programs to fill the GPU.
 
+An FP8 cache (``KV_FP8``, kvik.attention.kv_quant) is read as e4m3 and widened to the queries' dtype
+(exactly: every e4m3 value is a bf16, fp16 and fp32 value) for the same products; its per-layer
+scales are never multiplied into a tile: the key scale joins the softmax scale, the value scale the
+final normalisation. They are read through pointers (device tensors, as a captured graph needs).
+
 The launch configuration (tile sizes, warps, stages) is each platform's choice for its architectures
 (``kvik_cuda.tuning``, ``kvik_rocm.tuning``), passed in as an ``AttentionConfig``. The PyTorch
 reference is the CPU backend's SDPA (``kvik_cpu.attention``), which the tests compare against
@@ -27,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kvik.triton_kernels.kv_cache import kv_scale_pointers
 
 LOG2E = 1.4426950408889634
 
@@ -59,6 +66,8 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_table_ptr,  # [R, max_blocks]
+    k_scale_ptr,  # [] fp32 (KV_FP8 only)
+    v_scale_ptr,  # [] fp32 (KV_FP8 only)
     num_reqs,
     scale_log2,  # softmax scale * log2(e)
     q_stride_t,
@@ -84,6 +93,7 @@ def paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,  # one query token per request: program r is request r's
+    KV_FP8: tl.constexpr,  # the cache holds e4m3 keys / k_scale and values / v_scale
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,6 +127,9 @@ def paged_attention_kernel(
         mask=row_valid[:, None] & d_valid[None, :],
         other=0.0,
     )  # [BLOCK_M, HEAD_PAD]
+    if KV_FP8:
+        # q . (k * k_scale) = (q . k) * k_scale: the key scale joins the softmax scale.
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr)
 
     # Keys this program can see: up to its last query position, from the window's start.
     kv_end = tl.minimum(seq_len, context_len + q_start + BLOCK_Q)
@@ -157,6 +170,9 @@ def paged_attention_kernel(
             mask=tl.trans(kv_mask),
             other=0.0,
         )  # [TILE_N, HEAD_PAD]
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -170,6 +186,8 @@ def paged_attention_kernel(
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         row_max = new_max
+    if KV_FP8:
+        acc = acc * tl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale), before any normalisation
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
@@ -266,6 +284,7 @@ def attention_constexprs(
     sliding_window: int | None,
     num_splits: int,
     decode_only: bool = False,
+    kv_fp8: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -282,6 +301,7 @@ def attention_constexprs(
         "SLIDING_WINDOW": sliding_window or 0,
         "NUM_SPLITS": num_splits,
         "DECODE_ONLY": decode_only,
+        "KV_FP8": kv_fp8,
     }
 
 
@@ -291,6 +311,8 @@ def _reduce_constexprs(attention: tuple) -> dict[str, int]:
 
 
 def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
+    """The reduction's constexprs from the attention kernel's (the partial results are fp32 and
+    already carry the value scale, so an FP8 cache changes nothing here)."""
     return {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
 
 
@@ -312,20 +334,24 @@ def paged_attention(
     part_acc: Tensor | None = None,
     part_max: Tensor | None = None,
     part_sum: Tensor | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
     query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32. With
     ``num_splits > 1``, the fp32 scratch ``part_acc [T, H, S, HEAD_PAD]``, ``part_max`` and
     ``part_sum [T, H, S]`` may be given (persistent buffers, as a captured graph needs); else it
-    is allocated."""
+    is allocated. An FP8 cache (float8_e4m3fn) needs ``k_scale`` and ``v_scale``, fp32 scalars
+    on the device."""
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
     # One token per request (every decode step, padded graphs included): the decode variant.
     decode_only = t == num_reqs
+    fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
-        decode_only,
+        decode_only, fp8,
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
@@ -342,10 +368,10 @@ def paged_attention(
     grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
-        seq_lens, block_table, num_reqs, scale * LOG2E, query.stride(0), query.stride(1),
-        output.stride(0), output.stride(1), *key_cache.stride()[:3], *value_cache.stride()[:3],
-        block_table.stride(0), **constexprs, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        seq_lens, block_table, k_scale, v_scale, num_reqs, scale * LOG2E, query.stride(0),
+        query.stride(1), output.stride(0), output.stride(1), *key_cache.stride()[:3],
+        *value_cache.stride()[:3], block_table.stride(0), **constexprs,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits_kernel[(t, num_heads)](

@@ -3,7 +3,9 @@ rotation fused with the paged KV cache write (``rotary_and_cache``), which the a
 uses so that a layer's new keys are rotated on their way into the cache.
 
 References: ``kvik.ops.rotary_embedding`` (then ``kvik.ops.reshape_and_cache``). ``cos_sin_cache`` [max_position, rot_dim] (fp32, cos then
-sin) already carries any frequency scaling (llama3), so the kernel only looks rows up.
+sin) already carries any frequency scaling (llama3), so the kernel only looks rows up. Into an FP8
+cache the rotated keys are rounded to the keys' dtype first, as the reference's rotation returns
+them, and then quantized as ``kv_cache.reshape_and_cache`` does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kvik.triton_kernels.kv_cache import kv_scale_pointers, quantize_e4m3
 
 
 @triton.jit
@@ -27,8 +31,12 @@ def _rotate_heads(
     HALF_PAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    dst_scale=1.0,
+    TO_FP8: tl.constexpr = False,
 ):
-    # cos, sin: [1, HALF_PAD]; this token's heads as [HEADS_PAD, HALF_PAD] pairs (x1, x2).
+    # cos, sin: [1, HALF_PAD]; this token's heads as [HEADS_PAD, HALF_PAD] pairs (x1, x2). With
+    # TO_FP8, dst is an FP8 cache: each result is rounded to src's dtype, then quantized with
+    # dst_scale.
     h = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
     mask = (h < HEADS) & (i < HALF)
@@ -39,13 +47,21 @@ def _rotate_heads(
     x1 = tl.load(src_ptr + h * HEAD_SIZE + d1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + h * HEAD_SIZE + d2, mask=mask, other=0.0).to(tl.float32)
     ty = dst_ptr.dtype.element_ty
-    tl.store(dst_ptr + h * HEAD_SIZE + d1, (x1 * cos - x2 * sin).to(ty), mask=mask)
-    tl.store(dst_ptr + h * HEAD_SIZE + d2, (x2 * cos + x1 * sin).to(ty), mask=mask)
+    o1 = x1 * cos - x2 * sin
+    o2 = x2 * cos + x1 * sin
+    if TO_FP8:
+        src_ty = src_ptr.dtype.element_ty
+        o1 = quantize_e4m3(o1.to(src_ty).to(tl.float32), dst_scale)
+        o2 = quantize_e4m3(o2.to(src_ty).to(tl.float32), dst_scale)
+    tl.store(dst_ptr + h * HEAD_SIZE + d1, o1.to(ty), mask=mask)
+    tl.store(dst_ptr + h * HEAD_SIZE + d2, o2.to(ty), mask=mask)
     if TAIL_PAD > 0:
         # Dims past rot_dim pass through unchanged.
         j = 2 * HALF + tl.arange(0, TAIL_PAD)[None, :]
         tail_mask = (h < HEADS) & (j < HEAD_SIZE)
         tail = tl.load(src_ptr + h * HEAD_SIZE + j, mask=tail_mask)
+        if TO_FP8:
+            tail = quantize_e4m3(tail.to(tl.float32), dst_scale).to(ty)
         tl.store(dst_ptr + h * HEAD_SIZE + j, tail, mask=tail_mask)
 
 
@@ -104,6 +120,8 @@ def rotary_and_cache_kernel(
     kv_cache_ptr,
     slot_ptr,
     cos_sin_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     q_stride,
     k_stride,
     v_stride,
@@ -119,9 +137,11 @@ def rotary_and_cache_kernel(
     HALF_PAD: tl.constexpr,
     TAIL_PAD: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # kv_cache [2, num_blocks, block_size, Hk, D]: a slot's [Hk, D] rows are contiguous, and the
     # values sit half_cache elements after the keys. A negative slot (padding) writes nothing.
+    # KV_FP8: an e4m3 cache, keys and values quantized with the scales behind k/v_scale_ptr.
     token = tl.program_id(0).to(tl.int64)
     cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, cos_sin_stride, token, HALF, HALF_PAD)
     _rotate_heads(
@@ -131,14 +151,23 @@ def rotary_and_cache_kernel(
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot >= 0:
         dst = kv_cache_ptr + slot * (NUM_KV_HEADS * HEAD_SIZE)
-        _rotate_heads(
-            k_ptr + token * k_stride, dst, cos, sin,
-            NUM_KV_HEADS, NUM_KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
-        )  # fmt: skip
+        if KV_FP8:
+            _rotate_heads(
+                k_ptr + token * k_stride, dst, cos, sin,
+                NUM_KV_HEADS, NUM_KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+                tl.load(k_scale_ptr), True,
+            )  # fmt: skip
+        else:
+            _rotate_heads(
+                k_ptr + token * k_stride, dst, cos, sin,
+                NUM_KV_HEADS, NUM_KV_HEADS_PAD, HEAD_SIZE, HALF, HALF_PAD, TAIL_PAD, IS_NEOX,
+            )  # fmt: skip
         h = tl.arange(0, NUM_KV_HEADS_PAD)[:, None]
         d = tl.arange(0, HEAD_PAD)[None, :]
         mask = (h < NUM_KV_HEADS) & (d < HEAD_SIZE)
         v = tl.load(v_ptr + token * v_stride + h * HEAD_SIZE + d, mask=mask)
+        if KV_FP8:
+            v = quantize_e4m3(v.to(tl.float32), tl.load(v_scale_ptr))
         ty = kv_cache_ptr.dtype.element_ty
         tl.store(dst + half_cache + h * HEAD_SIZE + d, v.to(ty), mask=mask)
 
@@ -196,13 +225,17 @@ def rotary_and_cache(
     head_size: int,
     cos_sin_cache: Tensor,
     is_neox: bool,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Rotates query [T, H*D] into a new tensor (returned) and key [T, Hk*D] into the paged
     ``kv_cache`` [2, num_blocks, block_size, Hk, D] at ``slot_mapping`` [T], value beside it. Rows
-    of query, key and value may be strided (views of a fused QKV output)."""
+    of query, key and value may be strided (views of a fused QKV output). An FP8 cache needs
+    ``k_scale`` and ``v_scale`` (fp32 scalars)."""
     t = query.shape[0]
     assert query.stride(-1) == 1 and key.stride(-1) == 1 and value.stride(-1) == 1
     assert kv_cache.is_contiguous() and cos_sin_cache.stride(-1) == 1
+    fp8, k_scale, v_scale = kv_scale_pointers(kv_cache, k_scale, v_scale)
     q_out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if t == 0:
         return q_out
@@ -210,9 +243,9 @@ def rotary_and_cache(
         query.shape[1] // head_size, key.shape[1] // head_size, head_size, cos_sin_cache.shape[-1]
     )
     rotary_and_cache_kernel[(t,)](
-        positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache,
-        query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
+        positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache, k_scale,
+        v_scale, query.stride(0), key.stride(0), value.stride(0), cos_sin_cache.stride(0),
         kv_cache[0].numel(), **constexprs, HEAD_PAD=triton.next_power_of_2(head_size),
-        IS_NEOX=is_neox, num_warps=ROTARY_WARPS,
+        IS_NEOX=is_neox, KV_FP8=fp8, num_warps=ROTARY_WARPS,
     )  # fmt: skip
     return q_out

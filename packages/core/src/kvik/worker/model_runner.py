@@ -22,7 +22,9 @@ from torch import Tensor, nn
 
 from kvik import ops
 from kvik.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from kvik.attention.kv_quant import is_fp8
 from kvik.attention.selector import select_attention_backend
+from kvik.config import kv_cache_torch_dtype
 from kvik.layers.attention import Attention
 from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
 from kvik.layers.sampler import LogprobTensors, Sampler, SamplingBatch, logprob_tensors
@@ -126,15 +128,19 @@ class ModelRunner:
         # The layers choose their small ops' implementation as they are built (kvik.ops): this
         # engine's choice, or its platform's, for this build only.
         config.ops_dispatch = config.ops_dispatch or platform.ops_dispatch
+        # What the KV cache stores: the model's dtype, or FP8 with the checkpoint's k/v scales.
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         with ops.ops_dispatch(config.ops_dispatch):
-            self.model: nn.Module = load_model(model_config, self.device)
+            self.model: nn.Module = load_model(
+                model_config, self.device, kv_cache_fp8=is_fp8(self.kv_cache_dtype)
+            )
         platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
         first = next(iter(self.attention_layers.values()))
         self.backend: type[AttentionBackend] = select_attention_backend(
-            platform, self.dtype, first.head_size, self.block_size
+            platform, self.dtype, first.head_size, self.block_size, self.kv_cache_dtype
         )
         for layer in self.attention_layers.values():
             layer.impl = self.backend.impl_class()(
@@ -144,6 +150,9 @@ class ModelRunner:
                 layer.num_kv_heads,
                 layer.sliding_window,
             )
+            # The layer's own scale tensors (read where the cache is FP8), set after construction
+            # so that an impl whose __init__ predates them still builds.
+            layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
         scheduler = config.scheduler
         self.max_num_seqs = scheduler.max_num_seqs
         # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
@@ -215,7 +224,7 @@ class ModelRunner:
             2 * self.block_size * layer.num_kv_heads * layer.head_size
             for layer in self.attention_layers.values()
         )
-        return per_layer * self.dtype.itemsize
+        return per_layer * self.kv_cache_dtype.itemsize
 
     def initialize_kv_cache(self, num_blocks: int, warm_up: bool = True) -> None:
         for layer in self.attention_layers.values():
@@ -224,7 +233,7 @@ class ModelRunner:
             )
             # Zeros, not empty: masked-out slots still meet a zero attention weight, and 0 * NaN
             # from uninitialised memory would poison the sum.
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
         if warm_up:
             self.step_runner.on_kv_cache_ready()
 

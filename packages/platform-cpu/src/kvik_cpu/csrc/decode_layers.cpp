@@ -30,15 +30,19 @@ at::Tensor llama_decode_layers(const at::Tensor& embedded, const at::Tensor& pos
                                const at::Tensor& cos_sin_cache, bool is_neox, int64_t num_heads,
                                int64_t num_kv_heads, int64_t head_size, int64_t intermediate_size,
                                at::TensorList kv_caches, at::IntArrayRef sliding_windows,
+                               at::TensorList k_scales, at::TensorList v_scales,
                                double scale, const at::Tensor& slot_mapping,
                                const at::Tensor& block_table, const at::Tensor& token_request,
                                const at::Tensor& token_position, int64_t max_isa) {
   namespace ops = kvik_cpu::ops;
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kPerLayer &&
-                  static_cast<int64_t>(sliding_windows.size()) == layers,
-              "llama_decode_layers: ", weights.size(), " weights and ", sliding_windows.size(),
-              " sliding windows for ", layers, " layers (want ", kPerLayer, " weights a layer)");
+                  static_cast<int64_t>(sliding_windows.size()) == layers &&
+                  static_cast<int64_t>(k_scales.size()) == layers &&
+                  static_cast<int64_t>(v_scales.size()) == layers,
+              "llama_decode_layers: ", weights.size(), " weights, ", sliding_windows.size(),
+              " sliding windows, ", k_scales.size(), " k scales and ", v_scales.size(),
+              " v scales for ", layers, " layers (want ", kPerLayer, " weights a layer)");
   TORCH_CHECK(embedded.dim() == 2, "llama_decode_layers: hidden must be [tokens, hidden]");
   const int64_t hidden_size = embedded.size(1);
   const int64_t q_size = num_heads * head_size, kv_size = num_kv_heads * head_size;
@@ -58,7 +62,8 @@ at::Tensor llama_decode_layers(const at::Tensor& embedded, const at::Tensor& pos
     at::Tensor attention = at::empty_like(q);
     at::Tensor cache = kv_caches[l];
     ops::paged_attention(q, k, parts[2], cache, slot_mapping, block_table, token_request,
-                         token_position, scale, sliding_windows[l], max_isa, attention);
+                         token_position, scale, sliding_windows[l], max_isa, attention,
+                         k_scales[l], v_scales[l]);
     hidden = ops::amx_linear(attention, w[3], hidden_size, bias_of(w[4]));
     std::tie(x, residual) = ops::fused_add_rms_norm(hidden, residual, w[5], eps);
     const at::Tensor gate_up = ops::amx_linear(x, w[6], 2 * intermediate_size, bias_of(w[7]));
@@ -74,6 +79,7 @@ TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
       "llama_decode_layers(Tensor embedded, Tensor positions, Tensor[] weights, Tensor final_norm, "
       "float eps, Tensor cos_sin_cache, bool is_neox, int num_heads, int num_kv_heads, "
       "int head_size, int intermediate_size, Tensor[] kv_caches, int[] sliding_windows, "
+      "Tensor[] k_scales, Tensor[] v_scales, "
       "float scale, Tensor slot_mapping, Tensor block_table, Tensor token_request, "
       "Tensor token_position, int max_isa) -> Tensor",
       &llama_decode_layers);

@@ -38,6 +38,7 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     int64_t max_isa, at::Tensor& output);
+                     int64_t max_isa, at::Tensor& output, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale);
 
 }  // namespace kvik_cpu::ops

@@ -9,11 +9,16 @@
 // (plain, and every float32 call), AVX512-BF16 dot products and exp (avx512bf16), and the same
 // with the query-key scores on AMX tiles (amx).
 //
+// An FP8 (e4m3) cache holds keys / k_scale and values / v_scale (kvik.attention.kv_quant): the
+// write quantizes as torch does (clamp to +-448, round to nearest even), and the portable loops
+// read it, with k_scale folded into the softmax scale and v_scale into the final normalisation.
+//
 // Built at run time by kvik_cpu.extension (torch.utils.cpp_extension), for the host's CPU.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -28,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -35,6 +41,25 @@ namespace {
 
 inline float load(float x) { return x; }
 inline float load(c10::BFloat16 x) { return static_cast<float>(x); }
+// An FP8 cache is read and written as its bytes, the e4m3 bits: GCC vectorises no loop over
+// c10::Float8_e4m3fn values (nor over a struct wrapping the byte, where a loop stores elsewhere).
+using E4m3 = uint8_t;
+
+// e4m3 -> fp32 with integer operations and a select, which vectorise (c10's conversion branches),
+// and with no fp32 subnormal on the way (one in a vector makes Intel CPUs take a slow microcode
+// path for the whole instruction). Exponent e and mantissa m go to fp32's places, the exponent
+// rebiased from 7 to 127: 2^(e - 7) (1 + m / 8); where e = 0 the value is m 2^-9 instead. (The
+// NaN codes, which the cache never holds, read as +-480.)
+inline float load(E4m3 bits) {
+  const uint32_t magnitude = bits & 0x7F;
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80) << 24;
+  const uint32_t subnormal =
+      __builtin_bit_cast(uint32_t, static_cast<float>(magnitude) * 0x1p-9f);
+  const uint32_t normal = (magnitude << 20) + (120u << 23);
+  return __builtin_bit_cast(float, (magnitude < 8 ? subnormal : normal) | sign);
+}
+
+constexpr float kFp8Max = 448.f;  // e4m3's largest finite value
 
 template <typename T>
 T from_float(float x) {
@@ -62,15 +87,27 @@ class SlotCursor {
   int64_t block_, offset_, block_size_;
 };
 
+// A cache row as the loops below read it: in place, or for an FP8 cache widened to fp32 into
+// `widened` once, for all the query heads that share it.
+template <typename C>
+const C* readable(const C* row, int64_t, float*) {
+  return row;
+}
+inline const float* readable(const E4m3* row, int64_t head_size, float* widened) {
+#pragma omp simd
+  for (int64_t d = 0; d < head_size; ++d) widened[d] = load(row[d]);
+  return widened;
+}
+
 // scores[h * n + j] = scale * (query head h . key first + j), for the KV head at head_offset.
-template <typename T>
-void score_keys(const T* qrow, const T* k_cache, const int32_t* table, int64_t first, int64_t n,
+template <typename T, typename C>
+void score_keys(const T* qrow, const C* k_cache, const int32_t* table, int64_t first, int64_t n,
                 int64_t block_size, int64_t row, int64_t head_offset, int64_t group,
-                int64_t head_size, float scale, float* qf, float* scores) {
+                int64_t head_size, float scale, float* qf, float* widened, float* scores) {
   for (int64_t i = 0; i < group * head_size; ++i) qf[i] = load(qrow[i]) * scale;
   SlotCursor slot(table, first, block_size);
   for (int64_t j = 0; j < n; ++j) {
-    const T* krow = k_cache + slot.next() * row + head_offset;
+    const auto* krow = readable(k_cache + slot.next() * row + head_offset, head_size, widened);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = qf + h * head_size;
       float s = 0.f;
@@ -100,13 +137,14 @@ inline void softmax_rows(float* scores, int64_t group, int64_t n, float* sums) {
 }
 
 // acc[h] += weights[h * n + j] * value first + j, over the n values.
-template <typename T>
-void accumulate_values(const float* weights, const T* v_cache, const int32_t* table,
+template <typename C>
+void accumulate_values(const float* weights, const C* v_cache, const int32_t* table,
                        int64_t first, int64_t n, int64_t block_size, int64_t row,
-                       int64_t head_offset, int64_t group, int64_t head_size, float* acc) {
+                       int64_t head_offset, int64_t group, int64_t head_size, float* widened,
+                       float* acc) {
   SlotCursor slot(table, first, block_size);
   for (int64_t j = 0; j < n; ++j) {
-    const T* vrow = v_cache + slot.next() * row + head_offset;
+    const auto* vrow = readable(v_cache + slot.next() * row + head_offset, head_size, widened);
     for (int64_t h = 0; h < group; ++h) {
       const float w = weights[h * n + j];
       float* ah = acc + h * head_size;
@@ -343,12 +381,22 @@ void accumulate_values_avx512(const float* weights, const c10::BFloat16* v_cache
 }
 #endif
 
-template <typename T>
+// x / scale into e4m3: clamped to its finite range, then c10's conversion (round to nearest even),
+// the one torch's .to(torch.float8_e4m3fn) uses.
+inline E4m3 quantize_fp8(float x, float scale) {
+  return c10::Float8_e4m3fn(std::clamp(x / scale, -kFp8Max, kFp8Max)).x;
+}
+
+// T: queries, keys, values and output (float or bf16); C: the cache's elements (T, or E4m3 with
+// k_scale and v_scale).
+template <typename T, typename C>
 void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                           const at::Tensor& block_table, const at::Tensor& token_request,
                           const at::Tensor& token_position, double scale_d,
-                          int64_t sliding_window, int64_t max_isa, at::Tensor& output) {
+                          int64_t sliding_window, int64_t max_isa, at::Tensor& output,
+                          float k_scale, float v_scale) {
+  constexpr bool kFp8Cache = std::is_same_v<C, E4m3>;
   const int64_t num_tokens = slot_mapping.size(0);
   const int64_t block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3);
@@ -358,10 +406,11 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   const int64_t row = kv_heads * head_size;  // one token's keys (or values) in the cache
   const int64_t cache_half = kv_cache.size(1) * block_size * row;
   const int64_t max_blocks = block_table.size(1);
-  const float scale = static_cast<float>(scale_d);
+  // Scores are q . (k_q * k_scale) * scale: with an FP8 cache, k_scale joins the softmax scale.
+  const float scale = static_cast<float>(scale_d) * (kFp8Cache ? k_scale : 1.f);
 
-  T* k_cache = kv_cache.data_ptr<T>();
-  T* v_cache = k_cache + cache_half;
+  C* k_cache = static_cast<C*>(kv_cache.data_ptr());
+  C* v_cache = k_cache + cache_half;
   const T* q = query.data_ptr<T>();
   const T* k = key.data_ptr<T>();
   const T* v = value.data_ptr<T>();
@@ -377,8 +426,15 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t];
     if (slot < 0) continue;
-    std::memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(T));
-    std::memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(T));
+    if constexpr (kFp8Cache) {
+      for (int64_t i = 0; i < row; ++i) {
+        k_cache[slot * row + i] = quantize_fp8(load(k[t * k_stride + i]), k_scale);
+        v_cache[slot * row + i] = quantize_fp8(load(v[t * v_stride + i]), v_scale);
+      }
+    } else {
+      std::memcpy(k_cache + slot * row, k + t * k_stride, row * sizeof(T));
+      std::memcpy(v_cache + slot * row, v + t * v_stride, row * sizeof(T));
+    }
   }
 
   // 2. Attention, one (token, KV head) item at a time.
@@ -386,8 +442,9 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   using kvik_cpu::ops::kAvx512Bf16;
   bool fast_bf16 = false;
 #if defined(__AVX512BF16__)
-  fast_bf16 = max_isa >= kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> && head_size % 32 == 0 &&
-              head_size <= 32 * kMaxChunks && group <= kMaxGroup;
+  fast_bf16 = max_isa >= kAvx512Bf16 && std::is_same_v<T, c10::BFloat16> &&
+              std::is_same_v<C, T> && head_size % 32 == 0 && head_size <= 32 * kMaxChunks &&
+              group <= kMaxGroup;
 #endif
   bool amx_scores = false;
 #ifdef KVIK_HAVE_AMX
@@ -399,6 +456,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
     if (amx_scores) configure_score_tiles();
 #endif
     std::vector<float> qf(group * head_size), acc(group * head_size), sums(group), scores;
+    std::vector<float> widened(kFp8Cache ? head_size : 0);  // an FP8 cache row, as fp32
     std::vector<int64_t> rows;  // cache offsets of the item's key (and value) rows
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / kv_heads, g = item % kv_heads;
@@ -409,7 +467,7 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
       const int64_t head_offset = g * head_size;
       scores.resize(group * n);
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
         if (fast_bf16) {
           rows.resize(n);
           SlotCursor slot(table, first, block_size);
@@ -427,14 +485,14 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
 #endif
       if (!fast_bf16) score_keys(q + t * q_stride + g * group * head_size, k_cache, table, first, n,
                                  block_size, row, head_offset, group, head_size, scale, qf.data(),
-                                 scores.data());
+                                 widened.data(), scores.data());
 #if defined(__AVX512BF16__)
       if (fast_bf16) softmax_rows_avx512(scores.data(), group, n, sums.data());
 #endif
       if (!fast_bf16) softmax_rows(scores.data(), group, n, sums.data());
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
         if (fast_bf16) {
           accumulate_values_avx512(scores.data(), v_cache, rows.data(), n, group, head_size,
                                    acc.data());
@@ -442,9 +500,10 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
       }
 #endif
       if (!fast_bf16) accumulate_values(scores.data(), v_cache, table, first, n, block_size, row,
-                                        head_offset, group, head_size, acc.data());
+                                        head_offset, group, head_size, widened.data(), acc.data());
       for (int64_t h = 0; h < group; ++h) {
-        const float inv = 1.f / sums[h];
+        // The values' scale multiplies the weighted sum once, with the softmax's normalisation.
+        const float inv = kFp8Cache ? v_scale / sums[h] : 1.f / sums[h];
         T* o = out + t * out_stride + (g * group + h) * head_size;
         for (int64_t d = 0; d < head_size; ++d) o[d] = from_float<T>(acc[h * head_size + d] * inv);
       }
@@ -455,11 +514,23 @@ void paged_attention_impl(const at::Tensor& query, const at::Tensor& key, const 
   });
 }
 
+// A KV cache scale: one fp32 element, positive (the cache's keys or values are divided by it).
+float cache_scale(const std::optional<at::Tensor>& scale, const char* name) {
+  TORCH_CHECK(scale.has_value(), "paged_attention: an fp8 KV cache needs ", name);
+  TORCH_CHECK(scale->numel() == 1 && scale->scalar_type() == at::kFloat && scale->is_cpu(),
+              "paged_attention: ", name, " must be one float32 element on the CPU");
+  const float value = *scale->data_ptr<float>();
+  TORCH_CHECK(std::isfinite(value) && value > 0.f, "paged_attention: ", name, " is ", value,
+              "; it must be positive");
+  return value;
+}
+
 void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     int64_t max_isa, at::Tensor& output) {
+                     int64_t max_isa, at::Tensor& output, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(max_isa >= kvik_cpu::ops::kPlain && max_isa <= kvik_cpu::ops::built_isa(),
               "paged_attention: kernel path ", max_isa, " is not in this build (0 plain, ",
               "1 avx512bf16, 2 amx; this build and CPU run up to ", kvik_cpu::ops::built_isa(), ")");
@@ -468,9 +539,12 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   const int64_t head_size = kv_cache.size(4), kv_heads = kv_cache.size(3);
   TORCH_CHECK(query.dim() == 2 && query.size(1) % (kv_heads * head_size) == 0,
               "query must be [tokens, heads * head_size] with heads a multiple of kv_heads");
+  const bool fp8_cache = kv_cache.scalar_type() == at::kFloat8_e4m3fn;
   for (const at::Tensor* x : {&query, &key, &value, static_cast<const at::Tensor*>(&output)}) {
     TORCH_CHECK(x->dim() == 2 && x->stride(1) == 1, "rows of q, k, v and output must be dense");
-    TORCH_CHECK(x->scalar_type() == kv_cache.scalar_type(), "q, k, v, output and cache differ in dtype");
+    TORCH_CHECK(x->scalar_type() == query.scalar_type() &&
+                    (fp8_cache || x->scalar_type() == kv_cache.scalar_type()),
+                "q, k, v, output and cache differ in dtype (the cache may be float8_e4m3fn)");
   }
   TORCH_CHECK(key.size(1) == kv_heads * head_size && value.size(1) == kv_heads * head_size,
               "key and value must be [tokens, kv_heads * head_size]");
@@ -480,17 +554,28 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
     TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous(),
                 "block_table, token_request and token_position must be contiguous int32");
   }
-  if (kv_cache.scalar_type() == at::kFloat) {
-    paged_attention_impl<float>(query, key, value, kv_cache, slot_mapping, block_table,
-                                token_request, token_position, scale, sliding_window, max_isa,
-                                output);
-  } else if (kv_cache.scalar_type() == at::kBFloat16) {
-    paged_attention_impl<c10::BFloat16>(query, key, value, kv_cache, slot_mapping, block_table,
-                                        token_request, token_position, scale, sliding_window,
-                                        max_isa, output);
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "kvik_cpu::paged_attention supports float32 and bfloat16, not ", dtype);
+  if (fp8_cache) {
+    const float ks = cache_scale(k_scale, "k_scale"), vs = cache_scale(v_scale, "v_scale");
+    if (dtype == at::kFloat) {
+      paged_attention_impl<float, E4m3>(
+          query, key, value, kv_cache, slot_mapping, block_table, token_request, token_position,
+          scale, sliding_window, max_isa, output, ks, vs);
+    } else {
+      paged_attention_impl<c10::BFloat16, E4m3>(
+          query, key, value, kv_cache, slot_mapping, block_table, token_request, token_position,
+          scale, sliding_window, max_isa, output, ks, vs);
+    }
+  } else if (dtype == at::kFloat) {
+    paged_attention_impl<float, float>(query, key, value, kv_cache, slot_mapping, block_table,
+                                       token_request, token_position, scale, sliding_window,
+                                       max_isa, output, 1.f, 1.f);
   } else {
-    TORCH_CHECK(false, "kvik_cpu::paged_attention supports float32 and bfloat16, not ",
-                kv_cache.scalar_type());
+    paged_attention_impl<c10::BFloat16, c10::BFloat16>(
+        query, key, value, kv_cache, slot_mapping, block_table, token_request, token_position,
+        scale, sliding_window, max_isa, output, 1.f, 1.f);
   }
 }
 
@@ -501,9 +586,10 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      at::Tensor& kv_cache, const at::Tensor& slot_mapping,
                      const at::Tensor& block_table, const at::Tensor& token_request,
                      const at::Tensor& token_position, double scale, int64_t sliding_window,
-                     int64_t max_isa, at::Tensor& output) {
+                     int64_t max_isa, at::Tensor& output, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale) {
   ::paged_attention(query, key, value, kv_cache, slot_mapping, block_table, token_request,
-                    token_position, scale, sliding_window, max_isa, output);
+                    token_position, scale, sliding_window, max_isa, output, k_scale, v_scale);
 }
 }  // namespace kvik_cpu::ops
 
@@ -511,7 +597,8 @@ TORCH_LIBRARY(kvik_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) kv_cache, "
       "Tensor slot_mapping, Tensor block_table, Tensor token_request, Tensor token_position, "
-      "float scale, int sliding_window, int max_isa, Tensor(b!) output) -> ()");
+      "float scale, int sliding_window, int max_isa, Tensor(b!) output, Tensor? k_scale=None, "
+      "Tensor? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvik_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

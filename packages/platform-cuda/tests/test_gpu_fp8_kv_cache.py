@@ -1,0 +1,86 @@
+"""``--kv-cache-dtype fp8`` on a CUDA GPU through the Triton backend; skipped without CUDA.
+
+The random-weight Llama and Qwen3 of test_gpu_e2e.py, with calibrated per-layer k/v scales in the
+checkpoint, run with a bf16 and an FP8 KV cache, eagerly and in FULL CUDA graphs (which replay
+with the scales' device tensors): greedy tokens agree within the FP8 rounding rule of
+tests/test_fp8_kv_cache.py. A profiled cache holds about twice the blocks of a bf16 one.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Helpers from test_gpu_e2e.py beside this file and from the repository's top-level tests/.
+sys.path[:0] = [
+    str(Path(__file__).resolve().parent),
+    str(Path(__file__).resolve().parents[3] / "tests"),
+]
+from test_fp8_kv_cache import (  # noqa: E402
+    assert_tokens_within_fp8_rounding,
+    calibrated_scales,
+    with_tensors,
+)
+from test_gpu_e2e import _free_gpu_memory, make_llm, models  # noqa: F401, E402  (fixtures)
+from tiny_models import ragged_prompts  # noqa: E402
+
+from kvik import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MODES = {
+    "eager": dict(enforce_eager=True),
+    "full-graphs": dict(cudagraph_mode="full"),
+}
+
+
+@pytest.fixture(scope="module")
+def scaled_models(models, tmp_path_factory):  # noqa: F811 (the fixture from test_gpu_e2e)
+    """The GPU test models with calibrated FP8 KV cache scales in their checkpoints."""
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            source = models(kind)
+            folder = tmp_path_factory.mktemp(f"fp8-{kind}") / kind
+            made[kind] = with_tensors(source, folder, calibrated_scales(source))
+        return made[kind]
+
+    return make
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_fp8_cache_generates_the_tokens_of_the_bf16_cache(kind, mode, scaled_models):
+    folder = scaled_models(kind)
+    prompts = ragged_prompts(8, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outputs = {}
+    for cache_dtype in ("auto", "fp8"):
+        llm = make_llm(
+            folder, "bfloat16", max_num_batched_tokens=64, kv_cache_dtype=cache_dtype,
+            **MODES[mode],
+        )  # fmt: skip
+        layers = list(llm.engine.runner.attention_layers.values())
+        want = torch.float8_e4m3fn if cache_dtype == "fp8" else torch.bfloat16
+        assert all(layer.kv_cache.dtype == want for layer in layers)
+        assert all(layer.impl.k_scale.device.type == "cuda" for layer in layers)
+        outputs[cache_dtype] = llm.generate(prompts, params, use_tqdm=False)
+        del llm
+    assert_tokens_within_fp8_rounding(outputs["auto"], outputs["fp8"])
+
+
+def test_a_profiled_fp8_cache_holds_twice_the_blocks(models):  # noqa: F811
+    blocks = {}
+    for cache_dtype in ("auto", "fp8"):
+        llm = make_llm(
+            models("llama"), "bfloat16", num_kv_blocks=None, gpu_memory_utilization=0.03,
+            max_num_batched_tokens=2048, kv_cache_dtype=cache_dtype,
+        )  # fmt: skip
+        blocks[cache_dtype] = llm.engine.num_kv_blocks
+        del llm
+    ratio = blocks["fp8"] / blocks["auto"]
+    assert 1.9 <= ratio <= 2.1, blocks
