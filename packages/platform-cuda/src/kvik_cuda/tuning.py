@@ -14,6 +14,7 @@ import torch
 import triton
 
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
+from kvik.triton_kernels.fp8_linear import CublasBlockwise
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -116,8 +117,19 @@ def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
     return FP8_GEMV_CANDIDATES["n8 g4 pre"]
 
 
-def fp8_block_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+#: From this many rows a block-FP8 product runs on cuBLAS's blockwise scaling where it takes the
+#: shape: at M = 4096, N = K = 8192 on the H200 it reached 72% of the FP8 peak against 48% for the
+#: Triton tiled kernel (docs/benchmarks.md, issue 14).
+FP8_CUBLAS_MIN_ROWS = 128
+
+
+def fp8_block_config(
+    arch: str, m: int, n: int, k: int
+) -> Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise:
     """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows."""
     if m <= FP8_GEMV_MAX_ROWS:
         return fp8_gemv_config(arch, n, k)
-    return fp8_gemm_config(arch, m, n, k)
+    config = fp8_gemm_config(arch, m, n, k)
+    if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
+        return CublasBlockwise(config)
+    return config
