@@ -241,16 +241,18 @@ class LlamaForCausalLM(nn.Module):
 
     def _shards_of(self, param: str) -> set[int | str]:
         """The shard ids of the packed module ``param`` belongs to (empty if it is not packed)."""
-        module = param.rsplit(".", 2)[-2] if param.count(".") >= 1 else ""
+        module = param.rsplit(".", 2)[-2] if "." in param else ""
         return {sid for packed, sid in self.packed_modules_mapping.values() if packed == module}
 
     def _checkpoint_module(self, param: str, shard_id: int | str) -> str:
-        packed = param.rsplit(".", 2)[-2]
-        return next(
+        """The checkpoint module that holds shard ``shard_id`` of the packed ``param``."""
+        parent, packed = param.rsplit(".", 2)[:2]
+        module = next(
             module
             for module, (target, sid) in self.packed_modules_mapping.items()
             if (target, sid) == (packed, shard_id)
         )
+        return f"{parent}.{module}"
 
     def _packed_name(self, name: str) -> tuple[str, int | str | None]:
         for module, (packed, shard_id) in self.packed_modules_mapping.items():
