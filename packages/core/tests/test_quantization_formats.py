@@ -472,6 +472,18 @@ def test_online_fp8_quantizes_an_unquantized_checkpoint_per_channel(tmp_path):
     assert_close_to_emulation(got, hf_logprobs(emulated_hf, PROMPT), hf_logprobs(hf, PROMPT))
 
 
+@pytest.mark.parametrize("name", ["hf-fp8-block", "ct-tensor-static"])
+def test_bf16_activations_follow_fp32_ones(checkpoints, name):
+    """The same checkpoint with bf16 activations (the CPU's default where it has bf16): the FP8
+    kernels return the activations' dtype and the unquantized layers run on packed weights."""
+    folder, _, _ = checkpoints("qwen3", name)
+    options = dict(num_kv_blocks=16, enable_prefix_caching=False)
+    fp32 = teacher_forced_logprobs(LLM(str(folder), dtype="float32", **options), PROMPT)
+    bf16 = teacher_forced_logprobs(LLM(str(folder), dtype="bfloat16", **options), PROMPT)
+    assert torch.isfinite(bf16).all()
+    assert (bf16 - fp32).abs().mean() < 0.1
+
+
 def test_random_weights_of_a_quantized_checkpoint_are_finite(checkpoints):
     folder, _, _ = checkpoints("llama", "hf-fp8-block")
     llm = LLM(str(folder), dtype="float32", load_format="dummy", num_kv_blocks=16)
