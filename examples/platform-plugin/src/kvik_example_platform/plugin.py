@@ -28,7 +28,11 @@ tried on any machine.
    no device context, and your device's ``total_memory_bytes()`` and ``free_memory_bytes()`` (the
    KV cache is sized from them). Register your kernels in ``on_selected()``, which kvik calls once
    your platform is chosen, never on import; ops you register no kernel for run kvik's PyTorch
-   references. Everything else has a default in ``Platform``; override only what differs.
+   references. Everything else has a default in ``Platform``; override only what differs. For
+   quantized models, list the methods you run in ``supported_quantization`` (the example lists
+   none, so ``--quantization fp8`` is refused on it by name) and return your own kernels from
+   ``linear_kernel(scheme, layer)`` where you have them; the default runs kvik's PyTorch ones
+   (docs/architecture.md, "Quantization").
 
 5. **Register what you implement** through the ``kvik_register_*`` hooks. Each receives a
    ``register(name, target)`` callable; the target is an import path ("pkg.module:Attr") or a

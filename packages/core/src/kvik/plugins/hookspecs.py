@@ -68,10 +68,13 @@ def kvik_register_attention_backends(register: Callable[[str, Target], None]) ->
 
 @hookspec
 def kvik_register_quantization_methods(register: Callable[[str, Target], None]) -> None:
-    """Register quantization methods: ``register("fp8", "kvik_cuda.quant.fp8:Fp8Config")``.
+    """Register quantization methods: ``register("fp8", "kvik.quantization.fp8:Fp8Config")``.
 
-    The target resolves to the method's config class; it is imported only when a model asks for
-    that method.
+    The target resolves to the method's config class, a ``kvik.quantization.QuantizationConfig``
+    subclass (built from a checkpoint's ``quantization_config`` or from ``--quantization NAME``; it
+    gives each linear layer its ``LinearMethod``); it is imported only when a model asks for that
+    method, or ``kvik env`` asks which platforms run it. Core registers its own methods through
+    this hook too (its entry point ``quantization``).
     """
 
 

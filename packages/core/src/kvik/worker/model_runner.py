@@ -132,7 +132,10 @@ class ModelRunner:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.cache.cache_dtype, self.dtype)
         with ops.ops_dispatch(config.ops_dispatch):
             self.model: nn.Module = load_model(
-                model_config, self.device, kv_cache_fp8=is_fp8(self.kv_cache_dtype)
+                model_config,
+                self.device,
+                platform,
+                kv_cache_fp8=is_fp8(self.kv_cache_dtype),
             )
         platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
