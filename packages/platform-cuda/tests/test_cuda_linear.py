@@ -54,3 +54,17 @@ def test_the_gemv_kernel_computes_the_layer_product_on_other_shapes() -> None:
     kernel.process_weights_after_loading(layer)
     x = torch.randn(3, 16)
     torch.testing.assert_close(kernel.apply(layer, x), layer(x))
+
+
+def test_fp8_schemes_run_on_kvik_cudas_kernels() -> None:
+    """The FP8 schemes' kernels on this platform are kvik_cuda.fp8's (Triton and cuBLAS's scaled
+    products), not core's PyTorch references."""
+    from kvik.quantization.kernels import Fp8BlockKernel, Fp8ScaledKernel
+    from kvik_cuda import fp8
+    from kvik_cuda.platform import CudaPlatform
+
+    layer = Linear(256, 256)
+    block = CudaPlatform.linear_kernel("fp8_block", layer)
+    scaled = CudaPlatform.linear_kernel("fp8_scaled", layer)
+    assert isinstance(block, Fp8BlockKernel) and block.function is fp8.fp8_block_linear
+    assert isinstance(scaled, Fp8ScaledKernel) and scaled.function is fp8.fp8_scaled_linear

@@ -194,7 +194,15 @@ class CudaPlatform(Platform):
     @classmethod
     def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:
         """Unquantized batch-1 decode products on the one-row GEMV where it beats cuBLAS
-        (kvik_cuda.linear); everything else on core's PyTorch kernels (cuBLAS for unquantized)."""
+        (kvik_cuda.linear), other unquantized products on cuBLAS (core's kernel); the FP8 schemes
+        on kvik's Triton kernels and cuBLAS's scaled products as kvik_cuda.fp8 chooses them."""
+        if scheme in ("fp8_block", "fp8_scaled"):
+            from kvik.quantization.kernels import Fp8BlockKernel, Fp8ScaledKernel
+            from kvik_cuda import fp8
+
+            if scheme == "fp8_block":
+                return Fp8BlockKernel(fp8.fp8_block_linear)
+            return Fp8ScaledKernel(fp8.fp8_scaled_linear)
         if scheme == "unquantized":
             from kvik.triton_kernels.attention import device_arch
             from kvik_cuda.linear import one_row_gemv_kernel
