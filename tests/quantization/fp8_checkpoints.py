@@ -8,7 +8,7 @@ no CPU library here, so its documented layout is written directly.
 
 The originals are random, but not i.i.d.: every 128 x 128 block of every linear weight, and
 every output row, gets its own magnitude (a power of two drawn per block and a smaller factor
-per row), and each projection its own overall scale. With i.i.d. weights all block and shard
+per row), and the shards of each fused projection overall scales four times apart. With i.i.d. weights all block and shard
 scales come out nearly equal, so a loader that transposes block scales or swaps the scales of
 two fused shards would compute almost the right thing and no accuracy test could catch it.
 """
@@ -66,6 +66,11 @@ def is_quantized_projection(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in QUANTIZED_PROJECTIONS and ".layers." in f".{name}"
 
 
+#: Each projection's overall weight scale: the shards of each fused layer (q/k/v, gate/up)
+#: four times apart, so that a per-tensor scale in the wrong shard is a large error.
+_PROJECTION_SCALES = {"q_proj": 1.0, "k_proj": 2.0, "v_proj": 0.5, "o_proj": 1.0, "gate_proj": 2.0, "up_proj": 0.5, "down_proj": 1.0}  # fmt: skip
+
+
 @torch.no_grad()
 def _give_blocks_distinct_magnitudes(model: torch.nn.Module, generator: torch.Generator) -> None:
     for name, module in model.named_modules():
@@ -75,7 +80,7 @@ def _give_blocks_distinct_magnitudes(model: torch.nn.Module, generator: torch.Ge
         n, k = w.shape
         blocks = 2.0 ** torch.empty(n // BLOCK, k // BLOCK).uniform_(-1.5, 1.5, generator=generator)
         rows = 2.0 ** torch.empty(n, 1).uniform_(-0.5, 0.5, generator=generator)
-        overall = 2.0 ** torch.empty(()).uniform_(-1.0, 1.0, generator=generator)
+        overall = _PROJECTION_SCALES[name.rsplit(".", 1)[-1]]
         grid = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         w.mul_(grid * rows * overall)
 
@@ -375,3 +380,13 @@ def plant_swapped_shard_scales(src: Path, dst: Path, scale_name: str = "weight_s
                 tensors[ka], tensors[kb] = tensors[kb], tensors[ka]
 
     return _rewrite_tensors(src, dst, change)
+
+
+#: bug name -> (the format it is planted in, planter(clean folder, output folder)).
+PLANTED_BUGS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
+    "block-scales-transposed": ("hf-block-llama", plant_transposed_block_scales),
+    "per-tensor-shard-scales-swapped": ("ct-tensor-static-llama", plant_swapped_shard_scales),
+    "per-channel-shard-scales-swapped": ("ct-channel-dynamic-qwen3", plant_swapped_shard_scales),
+    # Not the input scales: the shards of a fused layer share their input, and so its scale.
+    "modelopt-shard-scales-swapped": ("modelopt-tensor-llama", plant_swapped_shard_scales),
+}
