@@ -45,7 +45,15 @@ _COMMON = dict(
     eos_token_id=2,
 )
 #: The projections each format quantizes; the embeddings, norms and lm_head stay unquantized.
-QUANTIZED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
 #: Each original is saved in the dtype real checkpoints of its family ship in: Llama in fp32,
 #: Qwen3 in bf16 (so compressed-tensors writes bf16 scales for it, as it does for real models).
 ORIGINAL_DTYPES = {"llama": torch.float32, "qwen3": torch.bfloat16}

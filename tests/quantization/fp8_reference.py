@@ -252,7 +252,9 @@ def greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_disagreement(model, prompt: list[int], expected: list[int], got: list[int], tolerance: float):
+def greedy_disagreement(
+    model, prompt: list[int], expected: list[int], got: list[int], tolerance: float
+):
     """None when ``got`` (another implementation's greedy tokens) agrees with ``expected`` (the
     reference's), or diverges only at a near-tie: where the reference's two best tokens are
     closer in logprob than ``tolerance`` and ``got`` picked one of them. Else a message."""
