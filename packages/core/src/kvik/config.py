@@ -67,6 +67,12 @@ class ModelConfig:
     #: option "auto" (kvik.model_loader.generation_config).
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     name: str = ""  # what the user called it (an alias, a path or a hub id)
+    #: The quantization method's name (the checkpoint's, or the ``quantization`` option's), or
+    #: None for an unquantized model.
+    quantization: str | None = None
+    #: That method's ``kvik.quantization.QuantizationConfig`` for this model, which gives each
+    #: linear layer its method as the model is built; None for an unquantized model.
+    quant_config: Any = None
 
     @property
     def architecture(self) -> str:

@@ -21,6 +21,7 @@ from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
 if TYPE_CHECKING:
     from kvik.models.decoder_stack import DecoderStack
+    from kvik.quantization.base import QuantizationConfig
 
 
 def head_size(config: Any) -> int:
@@ -40,16 +41,35 @@ class LlamaAttention(nn.Module):
     #: Qwen2 has biases on q, k and v whatever its config says (it has no ``attention_bias``).
     qkv_bias: ClassVar[bool] = False
 
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
         self.head_size = head_size(config)
         self.q_size, self.kv_size = nh * self.head_size, nkv * self.head_size
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_size, nh, nkv, bias or self.qkv_bias
+            config.hidden_size,
+            self.head_size,
+            nh,
+            nkv,
+            bias or self.qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.o_proj = Linear(
+            self.q_size,
+            config.hidden_size,
+            bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
         self.rotary_emb = rotary_emb
         self.attn = Attention(
             nh,
@@ -74,12 +94,22 @@ class Qwen2Attention(LlamaAttention):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(
+        self, config: Any, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, [size, size], bias)
-        self.down_proj = Linear(size, config.hidden_size, bias)
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size,
+            [size, size],
+            bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = Linear(
+            size, config.hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -93,10 +123,14 @@ class LlamaDecoderLayer(nn.Module):
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         attention_cls: type[LlamaAttention],
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
-        self.self_attn = attention_cls(config, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = attention_cls(
+            config, layer_idx, rotary_emb, quant_config, prefix=f"{prefix}.self_attn"
+        )
+        self.mlp = LlamaMLP(config, quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,14 +148,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        attention_cls: type[LlamaAttention],
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "model",
+    ) -> None:
         super().__init__()
         d, base, scaling = head_size(config), *rope_config(config)
         # One cos/sin table shared by every layer (a long context makes it large).
         rotary_emb = get_rope(d, d, config.max_position_embeddings, base, scaling)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary_emb, attention_cls)
+            LlamaDecoderLayer(
+                config, i, rotary_emb, attention_cls, quant_config, prefix=f"{prefix}.layers.{i}"
+            )
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -149,7 +191,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf = config.hf_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        self.model = LlamaModel(hf, self.attention_cls)
+        # Linear layers get their quantization method from the checkpoint's (or the option's)
+        # config by their module names; the LM head stays unquantized.
+        self.model = LlamaModel(hf, self.attention_cls, config.quant_config, prefix="model")
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)

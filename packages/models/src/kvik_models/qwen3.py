@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -10,10 +10,20 @@ from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding
 from kvik_models.llama import LlamaAttention, LlamaForCausalLM
 
+if TYPE_CHECKING:
+    from kvik.quantization.base import QuantizationConfig
+
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(config, layer_idx, rotary_emb)
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(config, layer_idx, rotary_emb, quant_config, prefix)
         self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
 

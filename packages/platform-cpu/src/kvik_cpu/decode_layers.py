@@ -23,14 +23,23 @@ from torch import Tensor
 
 from kvik.models.decoder_stack import DecoderStack, decoder_stack
 from kvik.worker.step_runner import StepRunner
-from kvik_cpu.linear import AmxLinear
+from kvik_cpu.linear import AmxLinear, PackedLinearKernel
 from kvik_cpu.paged_attention import CpuPagedImpl, PagedMetadata
+
+
+def _amx_packed(linear) -> AmxLinear | None:
+    """A linear layer's AMX-packed weights, where its method runs on them (the CPU's kernel of the
+    unquantized method after packing), else None."""
+    kernel = getattr(linear.quant_method, "kernel", None)
+    if isinstance(kernel, PackedLinearKernel) and isinstance(kernel.packed, AmxLinear):
+        return kernel.packed
+    return None
 
 
 def _linear_weights(linear) -> list[Tensor]:
     """An AMX-packed linear's weight and bias (an empty tensor for none), as the C++ loop takes them."""
-    kernel = linear.kernel
-    return [kernel.weight, torch.empty(0) if kernel.bias is None else kernel.bias]
+    packed = _amx_packed(linear)
+    return [packed.weight, torch.empty(0) if packed.bias is None else packed.bias]
 
 
 class DecodeLayers:
@@ -44,7 +53,7 @@ class DecodeLayers:
         self.num_kv_heads = first.num_kv_heads
         self.head_size = first.head_size
         self.scale = first.scale
-        self.intermediate_size = stack.layers[0].gate_up_proj.kernel.out_features // 2
+        self.intermediate_size = stack.layers[0].gate_up_proj.out_features // 2
         self.eps = stack.final_norm.eps
         self.rotary = stack.rotary
         weights: list[Tensor] = []
@@ -68,7 +77,7 @@ class DecodeLayers:
         return first is not None and (
             stack.rotary._rotary_embedding is torch.ops.kvik.rotary_embedding
             and all(
-                isinstance(linear.kernel, AmxLinear)
+                _amx_packed(linear) is not None
                 and layer.attention.scale == first.scale
                 and layer.input_norm.eps == layer.post_attention_norm.eps == stack.final_norm.eps
                 for layer in stack.layers

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvik.layers.embedding import LMHead
-from kvik.layers.linear import Linear
+from kvik.layers.embedding import VocabEmbedding
+from kvik.quantization.kernels import UNQUANTIZED, LinearKernel
 from kvik_cpu.isa import CpuIsa
 
 #: The batch size oneDNN chooses its weight layout for. Layouts for 1, 32 and 512 rows differ
@@ -67,18 +67,35 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def pack_linear_weights(model: nn.Module, path: CpuIsa) -> int:
-    """Give each ``Linear`` and the LM head a packed kernel: AMX on the amx path, else oneDNN.
+class PackedLinearKernel(LinearKernel):
+    """The CPU's kernel of the unquantized scheme: the weight packed once after loading
+    (``AmxLinear`` or ``OneDnnLinear``), the product on the packed copy.
 
-    A packed ``Linear``'s dense weight is released (only the packed copy is read). The LM head keeps
-    its dense weight, which a tied embedding also looks tokens up in. Returns how many were packed.
-    """
-    kernel = AmxLinear if path >= CpuIsa.AMX else OneDnnLinear
-    packed = 0
-    for module in model.modules():
-        if isinstance(module, (LMHead, Linear)):
-            module.kernel = kernel(module.weight, getattr(module, "bias", None))
-            if isinstance(module, Linear):
-                module.weight.data = module.weight.data.new_empty(0)
-            packed += 1
-    return packed
+    A linear layer's dense weight is then released (only the packed copy is read); an
+    embedding-shaped layer (the LM head) keeps it, since a tied embedding looks tokens up in it."""
+
+    scheme = UNQUANTIZED
+
+    def __init__(self, product: type[AmxLinear] | type[OneDnnLinear]) -> None:
+        self.product_class = product
+        self.packed: AmxLinear | OneDnnLinear | None = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.packed = self.product_class(layer.weight, getattr(layer, "bias", None))
+        if not isinstance(layer, VocabEmbedding):
+            layer.weight.data = layer.weight.data.new_empty(0)
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        return self.packed(x)
+
+    def __repr__(self) -> str:
+        return f"PackedLinearKernel({self.product_class.__name__})"
+
+
+def packed_linear_kernel(layer: nn.Module, path: CpuIsa) -> PackedLinearKernel | None:
+    """The packed kernel of an unquantized layer on kernel path ``path``: AMX on the amx path,
+    oneDNN on avx512bf16, none on plain (F.linear: what a CPU without native bf16 runs) or where
+    oneDNN cannot run the weight's dtype."""
+    if path < CpuIsa.AVX512BF16 or not packed_linear_supported(layer.weight.dtype):
+        return None
+    return PackedLinearKernel(AmxLinear if path >= CpuIsa.AMX else OneDnnLinear)

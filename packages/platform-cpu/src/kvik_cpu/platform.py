@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kvik.config import EngineConfig
+    from kvik.quantization.kernels import LinearKernel
 
 # vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE=4): the KV cache gets 4 GiB unless told otherwise.
 DEFAULT_KV_CACHE_BYTES = 4 * 1024**3
@@ -44,6 +45,8 @@ class CpuPlatform(Platform):
     priority = 0
     supported_dtypes = ("float32", "bfloat16", "float16")
     attention_backends = ("CPU_PAGED", "TORCH_SDPA")
+    # Every FP8 format runs on core's PyTorch kernels (kvik.quantization.fp8_reference).
+    supported_quantization = ("fp8", "compressed-tensors", "modelopt")
     graph_support = "none"
     # Until on_selected() has built the C++ kernels of the small ops, the references are the CPU's
     # kernels, so the layers call them directly.
@@ -98,13 +101,16 @@ class CpuPlatform(Platform):
         return DEFAULT_KV_CACHE_BYTES
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
-        from kvik_cpu.linear import pack_linear_weights, packed_linear_supported
+    def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:
+        """Unquantized layers in bf16 on packed weights (kvik_cpu.linear); FP8 schemes and
+        everything else on core's PyTorch kernels."""
+        if scheme == "unquantized":
+            from kvik_cpu.linear import packed_linear_kernel
 
-        path = isa.engine_isa()
-        # The plain path keeps F.linear: what a CPU without native bf16 runs.
-        if path >= isa.CpuIsa.AVX512BF16 and packed_linear_supported(config.model.dtype):
-            pack_linear_weights(model, path)
+            kernel = packed_linear_kernel(layer, isa.engine_isa())
+            if kernel is not None:
+                return kernel
+        return super().linear_kernel(scheme, layer)
 
     @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type:

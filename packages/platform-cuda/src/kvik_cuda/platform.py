@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kvik.config import EngineConfig
+    from kvik.quantization.kernels import LinearKernel
     from kvik.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class CudaPlatform(Platform):
     priority = 100
     supported_dtypes = ("bfloat16", "float16", "float32")
     attention_backends = ("TRITON_ATTN",)
+    # Every FP8 format, on core's PyTorch kernels until faster ones are registered for its schemes
+    # in linear_kernel.
+    supported_quantization = ("fp8", "compressed-tensors", "modelopt")
     graph_support = "cuda_graphs"
 
     @classmethod
@@ -188,14 +192,18 @@ class CudaPlatform(Platform):
         register_kernels()
 
     @classmethod
-    def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
-        # Batch-1 decode products on the one-row GEMV where it beats cuBLAS (kvik_cuda.linear).
-        from kvik.triton_kernels.attention import device_arch
-        from kvik_cuda.linear import use_one_row_gemv
+    def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:
+        """Unquantized batch-1 decode products on the one-row GEMV where it beats cuBLAS
+        (kvik_cuda.linear); everything else on core's PyTorch kernels (cuBLAS for unquantized)."""
+        if scheme == "unquantized":
+            from kvik.triton_kernels.attention import device_arch
+            from kvik_cuda.linear import one_row_gemv_kernel
 
-        arch, _ = device_arch(next(model.parameters()).device)
-        count = use_one_row_gemv(model, arch)
-        logger.info("one-row GEMV for %d linear layers (batch-1 decode steps)", count)
+            arch, _ = device_arch(layer.weight.device)
+            kernel = one_row_gemv_kernel(layer, arch)
+            if kernel is not None:
+                return kernel
+        return super().linear_kernel(scheme, layer)
 
     @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:

@@ -50,6 +50,13 @@ class EngineArgs:
         "the dtype of weights and activations; auto: the platform's default",
         choices=DTYPE_NAMES,
     )
+    quantization: str | None = option(
+        None,
+        "the quantization method: by default the checkpoint's (its quantization_config); on an "
+        "unquantized checkpoint, a method to quantize it with as it loads (fp8: FP8 weights per "
+        "output channel, FP8 activations per token); `kvik env` lists each platform's methods",
+        metavar="METHOD",
+    )
     seed: int = option(0, "the engine's random seed (sampling without a per-request seed)")
     load_format: LoadFormat = option(
         "auto",
@@ -151,6 +158,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from kvik.model_loader.loader import load_model_config
         from kvik.platforms.selection import select_platform
+        from kvik.quantization.resolve import check_platform_supports
         from kvik.scheduler.scheduler import SchedulerConfig
 
         # Fields may have been set after construction: check them again.
@@ -166,7 +174,9 @@ class EngineArgs:
             seed=self.seed,
             tokenizer=self.tokenizer,
             generation_config=self.generation_config,
+            quantization=self.quantization,
         )
+        check_platform_supports(platform, model_config.quantization)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS

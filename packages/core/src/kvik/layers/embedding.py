@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from kvik.quantization.unquantized import UnquantizedLinearMethod
 
 
 class VocabEmbedding(nn.Module):
@@ -19,15 +19,18 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(VocabEmbedding):
-    """Hidden states to logits; ``tie(embedding)`` shares the embedding's weight. A platform may set
-    ``kernel`` after loading to compute the product its own way (as ``Linear.kernel``)."""
+    """Hidden states to logits; ``tie(embedding)`` shares the embedding's weight.
 
-    kernel: Callable[[Tensor], Tensor] | None = None
+    The product runs through an unquantized linear method, as a ``Linear``'s does, so the
+    platform's unquantized kernel computes it (the CPU's packed weights); the weight is the
+    embedding's layout, so it stays unquantized (as vLLM keeps it for the FP8 formats)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.quant_method = UnquantizedLinearMethod()
 
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: Tensor) -> Tensor:
-        if self.kernel is not None:
-            return self.kernel(hidden)
-        return F.linear(hidden, self.weight)  # [N, vocab]
+        return self.quant_method.apply(self, hidden)  # [N, vocab]

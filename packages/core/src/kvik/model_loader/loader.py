@@ -19,6 +19,8 @@ from kvik.model_loader.gguf_loader import (
 from kvik.model_loader.resolve import resolve_model
 from kvik.model_loader.safetensors_loader import iterate_safetensors, safetensors_files
 from kvik.models.registry import get_model_class
+from kvik.platforms.base import Platform
+from kvik.quantization.resolve import resolve_quantization
 
 
 def load_model_config(
@@ -30,10 +32,12 @@ def load_model_config(
     seed: int = 0,
     tokenizer: str | None = None,
     generation_config: str = "auto",
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Resolve ``model`` (None: the default model) and read its config, checked against what was
     asked for. ``dtype="auto"`` means the platform's default; ``generation_config`` chooses where
-    sampling defaults come from (kvik.model_loader.generation_config)."""
+    sampling defaults come from (kvik.model_loader.generation_config); ``quantization`` names a
+    quantization method: the checkpoint's (checked), or one to apply as it loads."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
@@ -62,6 +66,13 @@ def load_model_config(
             f"max_model_len {max_model_len} must be in 1..{max_position} "
             f"(the model's max_position_embeddings)"
         )
+    model_class = get_model_class(_architecture(hf_config, path))
+    method, quant_config = resolve_quantization(
+        hf_config,
+        path if resolved.kind != "gguf" else None,
+        quantization,
+        getattr(model_class, "packed_modules_mapping", {}),
+    )
     config = ModelConfig(
         path=path,
         hf_config=hf_config,
@@ -73,12 +84,20 @@ def load_model_config(
         generation_config=model_generation_config,
         sampling_defaults=sampling_defaults(generation_config, model_generation_config),
         name=resolved.display_name,
+        quantization=method,
+        quant_config=quant_config,
     )
-    # Fail here, before an engine is built, on an unsupported architecture or missing weights.
-    get_model_class(config.architecture)
+    # Fail here, before an engine is built, on missing weights.
     if load_format == "safetensors":
         safetensors_files(path)
     return config
+
+
+def _architecture(hf_config, path) -> str:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{path}/config.json names no architecture ('architectures')")
+    return archs[0]
 
 
 def iterate_weights(model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
@@ -98,8 +117,14 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
-    """Build the model in its dtype directly on the device, then fill in its weights."""
+def load_model(
+    model_config: ModelConfig,
+    device: torch.device | str,
+    platform: type[Platform] = Platform,
+) -> nn.Module:
+    """Build the model in its dtype directly on the device, fill in its weights, then let each
+    layer's quantization method put them in the layout of ``platform``'s kernels (the base
+    ``Platform``: core's PyTorch kernels)."""
     model_class = get_model_class(model_config.architecture)
     with torch.device(device), _default_dtype(model_config.dtype):
         model = model_class(model_config)
@@ -107,4 +132,15 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
         load_dummy_weights(model, model_config.seed)
     else:
         model.load_weights(iterate_weights(model_config))
-    return model.requires_grad_(False).eval()
+    model.requires_grad_(False).eval()
+    process_weights_after_loading(model, platform)
+    return model
+
+
+def process_weights_after_loading(model: nn.Module, platform: type[Platform]) -> None:
+    """Each layer with a quantization method (linear layers, the LM head) processes its loaded
+    weights for ``platform``."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module, platform)

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from kvik.config import EngineConfig, OpsDispatch
+    from kvik.quantization.kernels import LinearKernel
     from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_runner import StepRunner
 
@@ -32,6 +33,8 @@ class Platform:
     #: Higher wins automatic selection. CPU is 0; accelerators use 100; vendors choose their own.
     priority: ClassVar[int] = 0
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32",)
+    #: Quantization methods (registered names) this platform runs; a method may also name the
+    #: platforms it runs on itself (``QuantizationConfig.platforms``).
     supported_quantization: ClassVar[tuple[str, ...]] = ()
     #: Attention backend names in order of preference.
     attention_backends: ClassVar[tuple[str, ...]] = ()
@@ -100,9 +103,19 @@ class Platform:
         return cls.default_kv_cache_bytes(config)
 
     @classmethod
+    def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:
+        """The kernel that computes ``layer``'s product in ``scheme`` ("unquantized",
+        "fp8_block", "fp8_scaled": kvik.quantization.kernels) on this platform, asked once per
+        layer after loading. By default core's PyTorch kernel; a platform returns its own where it
+        has a faster one (for the layer's shape, if it likes)."""
+        from kvik.quantization.kernels import reference_kernel
+
+        return reference_kernel(scheme)
+
+    @classmethod
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
-        """After loading: adapt the weights to this platform's kernels (repack them, set
-        ``Linear.kernel``)."""
+        """After loading, once the layers' quantization methods have processed their weights
+        (``linear_kernel``): anything else this platform does to a loaded model."""
 
     @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type[StepRunner]:

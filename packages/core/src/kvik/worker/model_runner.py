@@ -127,7 +127,7 @@ class ModelRunner:
         # engine's choice, or its platform's, for this build only.
         config.ops_dispatch = config.ops_dispatch or platform.ops_dispatch
         with ops.ops_dispatch(config.ops_dispatch):
-            self.model: nn.Module = load_model(model_config, self.device)
+            self.model: nn.Module = load_model(model_config, self.device, platform)
         platform.prepare_model(self.model, config)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)

@@ -1,0 +1,118 @@
+"""Linear kernels: how a platform computes one *scheme* of linear layer.
+
+A linear method (kvik.quantization.base) decides a layer's parameters and, after loading, puts
+them in its scheme's layout; the platform then gives the kernel that computes the product
+(``Platform.linear_kernel(scheme, layer)``). The schemes and the tensors their kernels read from
+the layer after processing:
+
+============  =========================================================================
+scheme        layer tensors (as ``process_weights_after_loading`` leaves them)
+============  =========================================================================
+unquantized   ``weight`` [N, K] in the activations' dtype, ``bias`` [N] or None
+fp8_block     ``weight`` e4m3 [N, K], ``weight_scale`` fp32 [ceil(N/128), ceil(K/128)], ``bias``
+fp8_scaled    ``weight`` e4m3 [N, K], ``weight_scale`` fp32 [1] or [N], ``input_scale`` fp32 [1]
+              or None (dynamic per-token activations), ``bias``
+============  =========================================================================
+
+Core's kernels here run each scheme in PyTorch (kvik.quantization.fp8_reference): the default of
+every platform, the CPU's FP8 path and the oracle of faster kernels. A platform with its own
+function of a scheme's signature (``fp8_block_linear(x, weight, weight_scale, bias)``,
+``fp8_scaled_linear(x, weight, weight_scale, input_scale, bias)``) wraps it in the same class:
+``Fp8BlockKernel(my_triton_fp8_block_linear)``. A kernel that repacks the weights (the CPU's AMX
+layout) overrides ``process_weights_after_loading``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kvik.quantization import fp8_reference
+
+UNQUANTIZED = "unquantized"
+FP8_BLOCK = "fp8_block"
+FP8_SCALED = "fp8_scaled"
+SCHEMES = (UNQUANTIZED, FP8_BLOCK, FP8_SCALED)
+
+
+class LinearKernel:
+    """One layer's product on one platform. ``process_weights_after_loading`` runs once, after
+    the method has put the layer's tensors in the scheme's layout; ``apply`` runs every step."""
+
+    scheme: str = ""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Adapt the layer's tensors to this kernel (repack them); by default read as they are."""
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class TorchLinearKernel(LinearKernel):
+    """unquantized: ``F.linear``."""
+
+    scheme = UNQUANTIZED
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        return F.linear(x, layer.weight, getattr(layer, "bias", None))
+
+
+class _FunctionKernel(LinearKernel):
+    """A scheme computed by one function of the scheme's signature."""
+
+    def __init__(self, function: Callable[..., Tensor]) -> None:
+        self.function = function
+
+    def __repr__(self) -> str:
+        name = getattr(self.function, "__module__", "?") + "." + self.function.__qualname__
+        return f"{type(self).__name__}({name})"
+
+
+class Fp8BlockKernel(_FunctionKernel):
+    """fp8_block: ``function(x, weight, weight_scale, bias)``."""
+
+    scheme = FP8_BLOCK
+
+    def __init__(self, function: Callable[..., Tensor] = fp8_reference.fp8_block_linear) -> None:
+        super().__init__(function)
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        return self.function(x, layer.weight, layer.weight_scale, getattr(layer, "bias", None))
+
+
+class Fp8ScaledKernel(_FunctionKernel):
+    """fp8_scaled: ``function(x, weight, weight_scale, input_scale, bias)``."""
+
+    scheme = FP8_SCALED
+
+    def __init__(self, function: Callable[..., Tensor] = fp8_reference.fp8_scaled_linear) -> None:
+        super().__init__(function)
+
+    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
+        return self.function(
+            x,
+            layer.weight,
+            layer.weight_scale,
+            getattr(layer, "input_scale", None),
+            getattr(layer, "bias", None),
+        )
+
+
+_REFERENCES: dict[str, Callable[[], LinearKernel]] = {
+    UNQUANTIZED: TorchLinearKernel,
+    FP8_BLOCK: Fp8BlockKernel,
+    FP8_SCALED: Fp8ScaledKernel,
+}
+
+
+def reference_kernel(scheme: str, layer: Any = None) -> LinearKernel:
+    """Core's PyTorch kernel of ``scheme`` (what ``Platform.linear_kernel`` returns by default)."""
+    if scheme not in _REFERENCES:
+        raise ValueError(f"unknown linear scheme {scheme!r}; kvik's schemes: {', '.join(SCHEMES)}")
+    return _REFERENCES[scheme]()

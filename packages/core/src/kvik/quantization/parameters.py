@@ -1,0 +1,96 @@
+"""Parameters created by linear methods, each with the ``weight_loader`` that writes checkpoint
+tensors into it.
+
+A loader is called as ``weight_loader(param, loaded, shard_id)``: ``shard_id`` is None for a
+checkpoint tensor that covers the whole layer, or the id of one shard of a fused layer (q/k/v,
+gate/up: ``Linear.shards``). Two layouts cover every tensor so far:
+
+- ``row_loader``: dim 0 follows the layer's output rows, ``rows_per_entry`` rows to one entry
+  (weights, biases and per-channel scales: 1; block scales: 128). A shard lands at its rows.
+- ``shard_scalar_loader``: one value per shard (per-tensor scales), ``[number of shards]``.
+
+Tensor parallelism will narrow ``loaded`` to this rank's part (rows for column-parallel layers,
+dim 1 for row-parallel ones) before the same writes: the loaders take the checkpoint tensor whole
+today and know which dim is the output one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from kvik.layers.linear import Linear
+
+WeightLoader = Callable[[Tensor, Tensor, "int | str | None"], None]
+
+
+def default_weight_loader(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+    """Copy a checkpoint tensor into a parameter (or a shard's view of one), cast to its dtype.
+    Parameters without a ``weight_loader`` of their own load with this one (never sharded)."""
+    if param.shape != loaded.shape:
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)
+
+
+def new_parameter(
+    shape: tuple[int, ...] | list[int],
+    dtype: torch.dtype,
+    loader: WeightLoader,
+    dummy_value: float | None = None,
+) -> nn.Parameter:
+    """An uninitialised parameter (on the current default device) with its loader.
+    ``dummy_value``: what random-weight loading (kvik.model_loader.dummy) fills it with instead of
+    random values (scales must be positive and fit their weights)."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    if dummy_value is not None:
+        param.dummy_value = dummy_value
+    return param
+
+
+def shard_index(layer: Linear, shard_id: int | str) -> int:
+    if shard_id not in layer.shards:
+        raise ValueError(f"layer has no shard {shard_id!r} (its shards: {list(layer.shards)})")
+    return list(layer.shards).index(shard_id)
+
+
+def row_loader(layer: Linear, rows_per_entry: int = 1) -> WeightLoader:
+    """Loads tensors whose dim 0 follows the layer's output rows, ``rows_per_entry`` to an entry
+    (the last entry of a layer may cover fewer). A shard must start and, unless it is the
+    layer's last, end on an entry boundary (the methods check this when they build a layer)."""
+
+    def load(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+        target = param.data
+        if shard_id is not None:
+            shard_index(layer, shard_id)
+            offset, size = layer.shards[shard_id]
+            target = target.narrow(0, offset // rows_per_entry, -(-size // rows_per_entry))
+        if loaded.dim() == target.dim() + 1 and loaded.shape[-1] == 1:
+            loaded = loaded.squeeze(-1)  # per-channel scales stored as [N, 1]
+        default_weight_loader(target, loaded)
+
+    return load
+
+
+def shard_scalar_loader(layer: Linear) -> WeightLoader:
+    """Loads one value per shard (a per-tensor scale, stored as ``[]`` or ``[1]``) into entry
+    ``shard index`` of a ``[max(1, number of shards)]`` parameter."""
+
+    def load(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(f"expected one per-tensor scale, got shape {tuple(loaded.shape)}")
+        index = 0 if shard_id is None else shard_index(layer, shard_id)
+        if shard_id is None and param.numel() != 1:
+            raise ValueError(
+                f"a fused layer of {param.numel()} shards takes one scale per shard, "
+                "not one for the whole layer"
+            )
+        param.data[index] = loaded.reshape(()).to(param.dtype)
+
+    return load
