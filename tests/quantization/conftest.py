@@ -14,6 +14,7 @@ from fp8_reference import (
     GREEDY_TOKENS,
     ReferenceModel,
     greedy,
+    mean_abs_delta,
     scored_sequences,
     teacher_forced_logprobs,
 )
@@ -33,7 +34,15 @@ class Fp8Case:
 
     @property
     def reference_error(self) -> float:
-        return float((self.reference - self.original).abs().mean())
+        return mean_abs_delta(self.reference, self.original)
+
+    @property
+    def weights_only(self) -> torch.Tensor:
+        """Teacher-forced logprobs of the reference without its activation rounding."""
+        if not hasattr(self, "_weights_only"):
+            model = ReferenceModel(self.folder, round_activations=False)
+            self._weights_only = teacher_forced_logprobs(model, self.sequences)
+        return self._weights_only
 
     @property
     def near_tie_tolerance(self) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fp8_checkpoints import FORMATS, PLANTED_BUGS
-from fp8_reference import BAR, GREEDY_PROMPTS, GREEDY_TOKENS, greedy_disagreement
+from fp8_reference import BAR, GREEDY_PROMPTS, GREEDY_TOKENS, greedy_disagreement, mean_abs_delta
 
 from kvik import LLM, SamplingParams
 
@@ -59,11 +59,11 @@ def kvik_on(fp8_case):
 def test_logprob_error_within_the_bar(name, fp8_case, kvik_on):
     case = fp8_case(name)
     got = kvik_logprobs(kvik_on(name), case.sequences)
-    error = float((got - case.original).abs().mean())
+    error = mean_abs_delta(got, case.original)
     report = (
         f"{name}: kvik's mean |delta logprob| against the original {error:.4f}, the reference's "
         f"{case.reference_error:.4f} (bar {BAR}x); kvik against the reference "
-        f"{float((got - case.reference).abs().mean()):.4f}"
+        f"{mean_abs_delta(got, case.reference):.4f}"
     )
     print(report)
     assert error <= BAR * case.reference_error, report
@@ -91,7 +91,7 @@ def test_planted_bug_fails_the_bar(bug, planted_bug):
     loader would; the accuracy bar must catch it."""
     case, folder = planted_bug(bug)
     got = kvik_logprobs(kvik_llm(folder), case.sequences)
-    error = float((got - case.original).abs().mean())
+    error = mean_abs_delta(got, case.original)
     assert error > BAR * case.reference_error, (
         f"{bug}: kvik's error {error:.4f} is within the bar of the reference's {case.reference_error:.4f}"  # fmt: skip
     )

@@ -15,6 +15,7 @@ from fp8_reference import (
     FP8,
     ActivationScheme,
     ReferenceModel,
+    mean_abs_delta,
     read_checkpoint,
     round_to_e4m3,
     teacher_forced_logprobs,
@@ -144,8 +145,7 @@ def test_transformers_block_fp8_equals_reference_without_activation_rounding(nam
     with its activation rounding off computes the same logprobs (fp32 against float64)."""
     case = fp8_case(name)
     got = teacher_forced_logprobs(_Logits(_transformers_model(case.folder)), case.sequences)
-    weights_only = teacher_forced_logprobs(ReferenceModel(case.folder, round_activations=False), case.sequences)  # fmt: skip
-    torch.testing.assert_close(got, weights_only, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, case.weights_only, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if n.startswith("ct-")])
@@ -156,12 +156,12 @@ def test_compressed_tensors_forward_agrees_with_reference(name, fp8_case):
     agree token by token too."""
     case = fp8_case(name)
     library = teacher_forced_logprobs(_Logits(_transformers_model(case.folder)), case.sequences)
-    library_error = float((library - case.original).abs().mean())
+    library_error = mean_abs_delta(library, case.original)
     report = f"{name}: compressed-tensors {library_error:.4f}, reference {case.reference_error:.4f}"
     assert library_error <= BAR * case.reference_error, report
     assert case.reference_error <= BAR * library_error, report
     if "static" in name:
-        assert float((library - case.reference).abs().mean()) < 0.1 * case.reference_error, report
+        assert mean_abs_delta(library, case.reference) < 0.1 * case.reference_error, report
 
 
 def test_modelopt_maker_quantizes_as_compressed_tensors(fp8_case):
@@ -181,8 +181,7 @@ def test_reference_error_is_what_fp8_rounding_costs(name, fp8_case):
     """Weight rounding alone and activation rounding on top each cost the reference something,
     and not more than FP8 plausibly does: the test model is neither insensitive nor broken."""
     case = fp8_case(name)
-    weights_only = teacher_forced_logprobs(ReferenceModel(case.folder, round_activations=False), case.sequences)  # fmt: skip
-    weights_error = float((weights_only - case.original).abs().mean())
+    weights_error = mean_abs_delta(case.weights_only, case.original)
     print(f"{name}: weights only {weights_error:.4f}, weights and activations {case.reference_error:.4f}")  # fmt: skip
     assert 0.01 < weights_error < case.reference_error < 0.3
 
@@ -193,5 +192,5 @@ def test_planted_bug_fails_the_bar_in_the_reference(bug, planted_bug):
     ones the accuracy metric on these models can see."""
     case, folder = planted_bug(bug)
     buggy = teacher_forced_logprobs(ReferenceModel(folder), case.sequences)
-    error = float((buggy - case.original).abs().mean())
+    error = mean_abs_delta(buggy, case.original)
     assert error > 2 * BAR * case.reference_error, f"{bug}: {error:.4f} against {case.reference_error:.4f}"  # fmt: skip
