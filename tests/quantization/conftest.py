@@ -13,7 +13,9 @@ from fp8_reference import (
     GREEDY_PROMPTS,
     GREEDY_TOKENS,
     ReferenceModel,
+    TransformersModel,
     greedy,
+    independent_reference,
     mean_abs_delta,
     scored_sequences,
     teacher_forced_logprobs,
@@ -22,15 +24,26 @@ from fp8_reference import (
 
 @dataclass
 class Fp8Case:
-    """One quantized checkpoint and what its float64 reference says about it."""
+    """One quantized checkpoint and what its independent reference (independent_reference:
+    transformers' loader or the float64 emulation) says about it."""
 
     name: str
     kind: str
     folder: Path
     sequences: torch.Tensor
     original: torch.Tensor  # teacher-forced logprobs of the unquantized original
-    reference: torch.Tensor  # the same, of the reference (the format's rounding emulated)
-    reference_model: ReferenceModel
+    reference: torch.Tensor  # the same, of the reference
+    reference_model: ReferenceModel | TransformersModel
+
+    @property
+    def emulation(self) -> torch.Tensor:
+        """Teacher-forced logprobs of the float64 emulation (the reference itself, or beside
+        transformers' loader where that is the reference)."""
+        if isinstance(self.reference_model, ReferenceModel):
+            return self.reference
+        if not hasattr(self, "_emulation"):
+            self._emulation = teacher_forced_logprobs(ReferenceModel(self.folder), self.sequences)
+        return self._emulation
 
     @property
     def reference_error(self) -> float:
@@ -38,7 +51,7 @@ class Fp8Case:
 
     @property
     def weights_only(self) -> torch.Tensor:
-        """Teacher-forced logprobs of the reference without its activation rounding."""
+        """Teacher-forced logprobs of the float64 emulation without its activation rounding."""
         if not hasattr(self, "_weights_only"):
             model = ReferenceModel(self.folder, round_activations=False)
             self._weights_only = teacher_forced_logprobs(model, self.sequences)
@@ -46,8 +59,10 @@ class Fp8Case:
 
     @property
     def near_tie_tolerance(self) -> float:
-        """Twice the largest logprob change the format's rounding makes on the scored tokens:
-        a greedy choice between two tokens closer than that may go either way."""
+        """Twice the largest logprob change the format's rounding makes on the scored tokens
+        (the reference's, against the original): where the reference scores another
+        implementation's greedy choice less than that below its own, the choice is a near-tie
+        that rounding may tip either way."""
         return 2 * float((self.reference - self.original).abs().max())
 
     def reference_greedy(self) -> list[list[int]]:
@@ -85,7 +100,7 @@ def fp8_case(tmp_path_factory, fp8_originals, original_logprobs):
         if name not in made:
             kind, maker = FORMATS[name]
             folder = maker(fp8_originals[kind], root / name)
-            reference_model = ReferenceModel(folder)
+            reference_model = independent_reference(folder)
             sequences = scored_sequences()
             made[name] = Fp8Case(
                 name=name,

@@ -215,6 +215,36 @@ class ReferenceModel:
         return self.model(ids).logits
 
 
+class TransformersModel:
+    """A checkpoint as transformers' own loader runs it, in fp32 on the CPU: for
+    compressed-tensors its quantizer decompresses the weights and compressed-tensors' forward
+    rounds each input through FP8 as the scheme says (the format's library as the reference);
+    fine-grained FP8 a CPU runs as dequantized weights only."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, attn_implementation="eager"
+        ).eval()
+        self.logits(torch.tensor([[3, 4, 5]]))  # compressed-tensors decompresses on the first call
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
+def independent_reference(folder: Path) -> ReferenceModel | TransformersModel:
+    """The reference the accuracy bar is measured against: transformers' own loader where it
+    runs the format with its activation rounding on a CPU (compressed-tensors), else the float64
+    emulation (fine-grained FP8, whose CPU path in transformers skips activation rounding, and
+    ModelOpt, which transformers does not read)."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    if config["quantization_config"]["quant_method"] == "compressed-tensors":
+        return TransformersModel(folder)
+    return ReferenceModel(folder)
+
+
 # --- metrics --------------------------------------------------------------------------------
 
 
@@ -244,7 +274,9 @@ def mean_abs_delta(logprobs: torch.Tensor, original: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def greedy(model: ReferenceModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+def greedy(
+    model: ReferenceModel | TransformersModel, prompt: list[int], max_new_tokens: int
+) -> list[int]:
     """The reference's greedy continuation, one token a step through transformers' KV cache
     (every activation scale is per token or static, so that is exactly the full recomputation)."""
     out = model.model(torch.tensor([prompt]), use_cache=True)

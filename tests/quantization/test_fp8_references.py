@@ -15,6 +15,7 @@ from fp8_reference import (
     FP8,
     ActivationScheme,
     ReferenceModel,
+    TransformersModel,
     mean_abs_delta,
     read_checkpoint,
     round_to_e4m3,
@@ -107,33 +108,13 @@ def test_checkpoint_layout(name, fp8_case):
         assert hf_quant["producer"]["name"] == "modelopt"
 
 
-def _transformers_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    with torch.no_grad():
-        model(torch.tensor([[3, 4, 5]]))  # compressed-tensors decompresses on the first call
-    return model
-
-
-class _Logits:
-    def __init__(self, model):
-        self.model = model
-
-    @torch.no_grad()
-    def logits(self, ids):
-        return self.model(ids).logits
-
-
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if not n.startswith("modelopt")])
 def test_transformers_reads_the_weights_the_reference_reads(name, fp8_case):
     """transformers' own loader (FineGrainedFP8 dequantizes on a CPU; compressed-tensors
     decompresses) gives every quantized projection the weight the reference dequantized."""
     case = fp8_case(name)
-    model = _transformers_model(case.folder)
-    for module, layer in case.reference_model.layers.items():
+    model = TransformersModel(case.folder).model
+    for module, layer in read_checkpoint(case.folder)[2].items():
         weight = model.get_submodule(module).weight
         assert weight.dtype == torch.float32
         torch.testing.assert_close(weight.double(), layer.dense_weight, rtol=2**-23, atol=0)
@@ -144,24 +125,24 @@ def test_transformers_block_fp8_equals_reference_without_activation_rounding(nam
     """On a CPU transformers runs fine-grained FP8 as dequantized weights only: the reference
     with its activation rounding off computes the same logprobs (fp32 against float64)."""
     case = fp8_case(name)
-    got = teacher_forced_logprobs(_Logits(_transformers_model(case.folder)), case.sequences)
+    got = teacher_forced_logprobs(TransformersModel(case.folder), case.sequences)
     torch.testing.assert_close(got, case.weights_only, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", [n for n in FORMAT_NAMES if n.startswith("ct-")])
-def test_compressed_tensors_forward_agrees_with_reference(name, fp8_case):
-    """compressed-tensors' own forward (decompressed weights, its activation fake quantization,
-    in fp32) and the float64 reference: each one's mean |delta logprob| against the original
-    within the bar of the other's. Static scales round identically in both, so there the two
-    agree token by token too."""
+def test_compressed_tensors_forward_agrees_with_emulation(name, fp8_case):
+    """compressed-tensors' own forward through transformers' loader (the reference of these
+    formats: decompressed weights, its activation fake quantization, fp32) and the float64
+    emulation: each one's mean |delta logprob| against the original within the bar of the
+    other's. Static scales round identically in both, so there they agree token by token too."""
     case = fp8_case(name)
-    library = teacher_forced_logprobs(_Logits(_transformers_model(case.folder)), case.sequences)
-    library_error = mean_abs_delta(library, case.original)
-    report = f"{name}: compressed-tensors {library_error:.4f}, reference {case.reference_error:.4f}"
-    assert library_error <= BAR * case.reference_error, report
-    assert case.reference_error <= BAR * library_error, report
+    assert isinstance(case.reference_model, TransformersModel)
+    emulation_error = mean_abs_delta(case.emulation, case.original)
+    report = f"{name}: compressed-tensors {case.reference_error:.4f}, emulation {emulation_error:.4f}"  # fmt: skip
+    assert emulation_error <= BAR * case.reference_error, report
+    assert case.reference_error <= BAR * emulation_error, report
     if "static" in name:
-        assert mean_abs_delta(library, case.reference) < 0.1 * case.reference_error, report
+        assert mean_abs_delta(case.emulation, case.reference) < 0.1 * case.reference_error, report
 
 
 def test_modelopt_maker_quantizes_as_compressed_tensors(fp8_case):
@@ -182,8 +163,9 @@ def test_reference_error_is_what_fp8_rounding_costs(name, fp8_case):
     and not more than FP8 plausibly does: the test model is neither insensitive nor broken."""
     case = fp8_case(name)
     weights_error = mean_abs_delta(case.weights_only, case.original)
-    print(f"{name}: weights only {weights_error:.4f}, weights and activations {case.reference_error:.4f}")  # fmt: skip
-    assert 0.01 < weights_error < case.reference_error < 0.3
+    error = mean_abs_delta(case.emulation, case.original)
+    print(f"{name}: weights only {weights_error:.4f}, weights and activations {error:.4f}")
+    assert 0.01 < weights_error < error < 0.3
 
 
 @pytest.mark.parametrize("bug", list(PLANTED_BUGS))
@@ -192,5 +174,5 @@ def test_planted_bug_fails_the_bar_in_the_reference(bug, planted_bug):
     ones the accuracy metric on these models can see."""
     case, folder = planted_bug(bug)
     buggy = teacher_forced_logprobs(ReferenceModel(folder), case.sequences)
-    error = mean_abs_delta(buggy, case.original)
-    assert error > 2 * BAR * case.reference_error, f"{bug}: {error:.4f} against {case.reference_error:.4f}"  # fmt: skip
+    error, clean = mean_abs_delta(buggy, case.original), mean_abs_delta(case.emulation, case.original)  # fmt: skip
+    assert error > 2 * BAR * clean, f"{bug}: {error:.4f} against {clean:.4f}"
