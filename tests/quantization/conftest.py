@@ -1,5 +1,5 @@
 """Fixtures of the FP8 accuracy tests: the checkpoints of every format, made once per session,
-and each one's float64 reference numbers."""
+and each one's reference numbers."""
 
 from __future__ import annotations
 
