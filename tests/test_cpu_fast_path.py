@@ -17,6 +17,8 @@ from tiny_models import load_hf, ragged_prompts
 
 import kvik.ops as ops
 from kvik import LLM, SamplingParams
+from kvik.layers.linear import Linear
+from kvik.quantization.kernels import TorchLinearKernel
 from kvik_cpu import extension, isa
 from kvik_cpu.isa import CpuIsa
 from kvik_cpu.linear import AmxLinear, OneDnnLinear, packed_linear_supported
@@ -189,15 +191,17 @@ def test_bf16_engine_takes_the_forced_path_and_agrees_with_transformers(tiny_mod
     folder = tiny_model("qwen2")
     llm = LLM(str(folder), dtype="bfloat16", num_kv_blocks=64)
     model = llm.engine.runner.model
-    kernels = [m.kernel for m in model.modules() if hasattr(m, "kernel")]
+    # Each layer's product, as its (unquantized) method computes it.
+    kernels = [m.quant_method.kernel for m in model.modules() if hasattr(m, "quant_method")]
     expected = PATH_KERNEL[cpu_path]
     assert len(kernels) == 1 + 4 * len(model.model.layers)  # the LM head, 4 matmuls a layer
     if expected is None:
-        assert all(k is None for k in kernels)
+        assert all(type(k) is TorchLinearKernel for k in kernels)
     else:
         if not packed_linear_supported(torch.bfloat16):
             pytest.skip("oneDNN has no bf16 on this CPU")
-        assert all(isinstance(k, expected) for k in kernels)
+        assert all(isinstance(k.packed, expected) for k in kernels)
+        assert all(m.weight.numel() == 0 for m in model.modules() if isinstance(m, Linear))
     assert model.model.embed_tokens.weight.numel() > 0  # still looked up
     impls = [layer.self_attn.attn.impl for layer in model.model.layers]
     assert all(type(i) is CpuPagedImpl and i.path is cpu_path for i in impls)

@@ -6,8 +6,9 @@ example for a vendor and names things that do not exist):
 
 - dotted names rooted at a kvik package (``kvik.ops.small_op``, ``kvik_server.app.create_app``):
   the longest importable module prefix is imported and the rest looked up as attributes;
-- names qualified by a kvik class (``ModelRunner.launch``, ``Linear.kernel``): the class has the
-  member, as a class attribute, an annotation or an attribute its methods assign (``self.kernel =``);
+- names qualified by a kvik class (``ModelRunner.launch``, ``Linear.quant_method``): the class has the
+  member, as a class attribute, an annotation or an attribute its methods assign
+  (``self.quant_method =``);
 - the arguments of a call (``create_app(engine_args, settings=None)``): some callable of that name
   takes parameters of those names (arguments that are not plain names are not checked);
 - bare CamelCase names (``StepRunner``, ``LLM``), calls (``select_platform(device=None)``) and
@@ -391,9 +392,9 @@ A `kvik.ops.no_such_op`, a `kvik_nothing.module` (not a kvik package: skipped), 
 `kvik::no_such_op`, a backend `NO_SUCH_ATTN`, a variable `KVIK_NO_SUCH_VAR`, a file
 `kvik/no_such_file.py`, a route `/v1/no_such_route`, a flag `--no-such-flag`, a command
 `kvik no-such-command`, a flag of the wrong command `kvik env --enforce-eager`, and real ones:
-`kvik.ops`, `kvik_models`, `Linear.kernel`, `kvik bench throughput | latency --output-json`,
+`kvik.ops`, `kvik_models`, `Linear.quant_method`, `kvik bench throughput | latency --output-json`,
 `--device`, `TORCH_SDPA`, `KVIK_DEVICE`, `KVIK_PLUGINS=a,b`, `noxfile.py`, `/v1/models`,
-`is_present()`, `LLM`, `LMHead.kernel`, `ops_dispatch`, `selection_error`, and what is not checked:
+`is_present()`, `LLM`, `LMHead.quant_method`, `ops_dispatch`, `selection_error`, and what is not checked:
 `torch.compile`, `ValueError`, `len(x)`, `FastAPI`, `name`. Wrong ones again: a field `no_such_field`,
 a stale signature `kvik_server.app.create_app(async_llm)`, a class `NOSUCHCLASS`, a variable `$KVIK_NO_SUCH_CACHE/x`, a member `Platform.no_such_member`, a
 command that wraps onto the next line `kvik env

@@ -204,9 +204,12 @@ def test_platform_installed_alone_with_its_extra(
 
     report = json.loads(run(python, "-m", "kvik", "env", "--json", env=env))
     assert report["errors"] == []
-    assert {p["name"] for p in report["plugins"]} == {extra, "models"}
+    # core's own plugin registers its quantization methods
+    assert {p["name"] for p in report["plugins"]} == {extra, "models", "quantization"}
     [platform] = report["platforms"]
     assert platform["name"] == extra and platform["present"] and platform["selected"]
+    expected_methods = [] if extra == "rocm" else ["compressed-tensors", "fp8", "modelopt"]
+    assert platform["quantization_methods"] == expected_methods
     assert report["selected_platform"] == extra
     registered = {b["name"]: b for b in report["attention_backends"]}
     assert platform["attention_backends"]

@@ -68,6 +68,15 @@ def test_env_json_lists_the_built_ins() -> None:
         "target": "kvik_cpu.attention:TorchSdpaBackend",
     } in (report["attention_backends"])
     assert "LlamaForCausalLM" in {m["name"] for m in report["models"]}
+    # core registers its quantization methods through the hook, as its plugin "quantization"
+    assert plugins["quantization"]["module"] == "kvik.quantization.plugin"
+    assert {
+        "name": "fp8",
+        "plugin": "quantization",
+        "target": "kvik.quantization.fp8:Fp8Config",
+    } in (report["quantization_methods"])
+    assert platforms["cpu"]["quantization_methods"] == ["compressed-tensors", "fp8", "modelopt"]
+    assert platforms["rocm"]["quantization_methods"] == []
 
 
 def test_env_text_through_the_console_script() -> None:
@@ -79,6 +88,9 @@ def test_env_text_through_the_console_script() -> None:
     assert result.returncode == 0, result.stderr
     assert f"kvik {kvik.__version__}" in result.stdout
     assert "* cpu" in result.stdout and "selected: cpu" in result.stdout
+    # each platform's quantization methods, under its name
+    cpu_section = result.stdout.split("* cpu", 1)[1]
+    assert "quantization: compressed-tensors, fp8, modelopt" in cpu_section.splitlines()[1]
 
 
 def test_env_reports_an_absent_explicit_device() -> None:

@@ -150,6 +150,26 @@ def test_checkpoint_that_lacks_a_weight_is_an_error(tmp_path: Path) -> None:
         load_model(load_model_config(str(tmp_path)), torch.device("cpu"))
 
 
+def test_checkpoint_that_lacks_one_shard_of_a_fused_layer_is_an_error(tmp_path: Path) -> None:
+    """gate_up_proj's weight written by up_proj alone would leave the gate rows uninitialised."""
+    from safetensors.torch import load_file, save_file
+
+    save_tiny(CONFIGS["qwen3"], tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    del (
+        weights["model.layers.1.mlp.gate_proj.weight"],
+        weights["model.layers.0.self_attn.k_proj.bias"],
+    )
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as error:
+        load_model(load_model_config(str(tmp_path)), torch.device("cpu"))
+    message = str(error.value)
+    assert "model.layers.1.mlp.gate_up_proj.weight (from model.layers.1.mlp.gate_proj)" in message
+    assert (
+        "model.layers.0.self_attn.qkv_proj.bias (from model.layers.0.self_attn.k_proj)" in message
+    )
+
+
 def run_stack(stack: DecoderStack, input_ids: Tensor, positions: Tensor) -> Tensor:
     """The pre-norm decoder as kvik.models.decoder_stack declares it, from the stack's parts."""
     x, residual = stack.embed_tokens(input_ids), None

@@ -1,12 +1,15 @@
-"""Which layers the CUDA platform gives the one-row GEMV (kvik_cuda.linear, kvik_cuda.tuning)."""
+"""Which layers the CUDA platform's unquantized kernel puts on the one-row GEMV
+(kvik_cuda.linear, kvik_cuda.tuning)."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from kvik.layers.embedding import LMHead
 from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from kvik.triton_kernels.gemv import OneRowLinear
-from kvik_cuda.linear import use_one_row_gemv
+from kvik_cuda.linear import OneRowGemvKernel, one_row_gemv_kernel
 from kvik_cuda.tuning import GEMV_MAX_K, gemv_config
 
 
@@ -23,21 +26,31 @@ class Block(nn.Module):
 
 def test_hopper_layers_with_short_inner_dimensions_take_the_gemv() -> None:
     block = Block()
-    assert use_one_row_gemv(block, "sm90") == 3
-    for layer in (block.qkv_proj, block.o_proj, block.gate_up_proj):
-        assert isinstance(layer.kernel, OneRowLinear)
-        assert layer.kernel.weight is layer.weight
-    assert block.down_proj.kernel is None  # K past GEMV_MAX_K: cuBLAS
+    kernels = {name: one_row_gemv_kernel(layer, "sm90") for name, layer in block.named_children()}
+    assert kernels["down_proj"] is None  # K past GEMV_MAX_K: cuBLAS
+    for name in ("qkv_proj", "o_proj", "gate_up_proj"):
+        kernel, layer = kernels[name], getattr(block, name)
+        assert isinstance(kernel, OneRowGemvKernel)
+        kernel.process_weights_after_loading(layer)
+        assert isinstance(kernel.product, OneRowLinear)
+        assert kernel.product.weight is layer.weight  # read in place
     # Wide layers take wide programs.
-    assert block.gate_up_proj.kernel.config.block_n > block.o_proj.kernel.config.block_n
+    assert kernels["gate_up_proj"].config.block_n > kernels["o_proj"].config.block_n
 
 
-def test_unmeasured_architectures_and_prepared_layers_keep_their_kernels() -> None:
+def test_unmeasured_architectures_and_the_lm_head_stay_on_cublas() -> None:
     block = Block()
-    assert use_one_row_gemv(block, "sm100") == 0
-    assert all(m.kernel is None for m in block.modules() if isinstance(m, Linear))
-    marker = object.__new__(OneRowLinear)
-    block.o_proj.kernel = marker
-    assert use_one_row_gemv(block, "sm90") == 2
-    assert block.o_proj.kernel is marker
+    assert all(one_row_gemv_kernel(layer, "sm100") is None for layer in block.children())
+    assert one_row_gemv_kernel(LMHead(1000, 409), "sm90") is None
     assert gemv_config("gfx942", 4096, 4096) is None
+
+
+def test_the_gemv_kernel_computes_the_layer_product_on_other_shapes() -> None:
+    """Rows that are not one contiguous row fall back to F.linear inside the kernel."""
+    layer = Linear(16, 8, bias=True)
+    nn.init.normal_(layer.weight)
+    nn.init.normal_(layer.bias)
+    kernel = one_row_gemv_kernel(layer, "sm90")
+    kernel.process_weights_after_loading(layer)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(kernel.apply(layer, x), layer(x))

@@ -212,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: dict[str, set[int | str | None]] = {}  # parameter -> the shards written
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (
                 self.tie_word_embeddings and name == "lm_head.weight"
@@ -228,9 +228,31 @@ class LlamaForCausalLM(nn.Module):
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint weight {name!r}: {e}") from None
-            loaded.add(target)
-        if missing := sorted(params.keys() - loaded):
+            loaded.setdefault(target, set()).add(shard_id)
+        missing = sorted(params.keys() - loaded.keys())
+        # A fused parameter written by some of its shards only (its other rows or scales would
+        # stay uninitialised).
+        for target, shards in sorted(loaded.items()):
+            if None not in shards and (absent := self._shards_of(target) - shards):
+                names = ", ".join(sorted(self._checkpoint_module(target, s) for s in absent))
+                missing.append(f"{target} (from {names})")
+        if missing:
             raise ValueError(f"checkpoint has no weights for {', '.join(missing)}")
+
+    def _shards_of(self, param: str) -> set[int | str]:
+        """The shard ids of the packed module ``param`` belongs to (empty if it is not packed)."""
+        module = param.rsplit(".", 2)[-2] if "." in param else ""
+        return {sid for packed, sid in self.packed_modules_mapping.values() if packed == module}
+
+    def _checkpoint_module(self, param: str, shard_id: int | str) -> str:
+        """The checkpoint module that holds shard ``shard_id`` of the packed ``param``."""
+        parent, packed = param.rsplit(".", 2)[:2]
+        module = next(
+            module
+            for module, (target, sid) in self.packed_modules_mapping.items()
+            if (target, sid) == (packed, shard_id)
+        )
+        return f"{parent}.{module}"
 
     def _packed_name(self, name: str) -> tuple[str, int | str | None]:
         for module, (packed, shard_id) in self.packed_modules_mapping.items():

@@ -1,9 +1,9 @@
 """``kvik env``: what this installation found.
 
 Versions of kvik, Python and torch; every plugin with its entry-point name, distribution and
-version; every platform with whether it is present and selected and its details; what the plugins
-registered; and every plugin that failed to load. It selects a platform but does not call its
-``on_selected()``, so no kernel module (and no triton) is imported.
+version; every platform with whether it is present and selected, the quantization methods it runs
+and its details; what the plugins registered; and every plugin that failed to load. It selects a
+platform but does not call its ``on_selected()``, so no kernel module (and no triton) is imported.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import kvik
 from kvik.platforms.selection import PlatformError, select_platform, survey
 from kvik.plugins.manager import KvikPluginManager, get_plugin_manager
 from kvik.plugins.registry import Registry
+from kvik.quantization.resolve import supported_methods
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,7 @@ def collect(device: str | None = None, manager: KvikPluginManager | None = None)
             "device_type": s.cls.device_type,
             "dist_backend": s.cls.dist_backend,
             "attention_backends": list(s.cls.attention_backends),
+            "quantization_methods": supported_methods(s.cls, manager),
             "details": _details(s.cls),
         }
         if s.error is not None:
@@ -111,6 +113,7 @@ def format_text(report: dict[str, Any]) -> str:
         lines.append(f"{mark} {p['name']:<12} {state}, priority {p['priority']}")
         if "error" in p:
             lines.append(f"    error: {p['error']}")
+        lines.append(f"    quantization: {', '.join(p['quantization_methods']) or 'none'}")
         lines += [f"    {key}: {value}" for key, value in p["details"].items()]
     lines.append("")
     if report["selection_error"]:

@@ -9,7 +9,9 @@ Checkpoint layouts:
   ``modules_to_not_convert`` lists the layers left unquantized.
 - Per-tensor FP8 (vLLM's and AutoFP8's ``fp8`` checkpoints, no ``weight_block_size``): ``weight``,
   ``weight_scale`` ([] or [1]) and, with ``"activation_scheme": "static"``, ``input_scale``;
-  ``ignored_layers`` lists the layers left unquantized.
+  ``ignored_layers`` lists the layers left unquantized. The config does not say how dynamic
+  activations are scaled; kvik scales them per token (vLLM's default is one scale per tensor, which
+  rounds coarser).
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> 
 
 
 class OneRowLinear:
-    """A ``Linear.kernel``: the GEMV for one-row inputs (a batch-1 decode step, eager or in its
-    CUDA graph), ``F.linear`` for every other shape."""
+    """The GEMV for one-row inputs (a batch-1 decode step, eager or in its CUDA graph),
+    ``F.linear`` for every other shape: the CUDA platform's unquantized kernel for the layers its
+    tuning accepts (kvik_cuda.linear)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> None:
         self.weight = weight

@@ -1,0 +1,98 @@
+"""Quantized models on a CUDA GPU (skipped without one): online FP8 through the engine, eager and
+in FULL CUDA graphs, computing what the CPU computes for the same checkpoint, and the unquantized
+layers' kernels chosen by the platform (the one-row GEMV on Hopper)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvik import LLM, SamplingParams
+from kvik.layers.linear import Linear
+from kvik.quantization.fp8_methods import OnlineFp8LinearMethod
+from kvik.triton_kernels.attention import device_arch
+from kvik_cuda.linear import OneRowGemvKernel
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+VOCAB = 256
+PROMPT = [1, *torch.randint(3, VOCAB, (60,), generator=torch.Generator().manual_seed(3)).tolist()]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.05,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    folder = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def logprobs(llm: LLM) -> torch.Tensor:
+    """Teacher-forced log-probabilities of PROMPT's positions, [len - 1, vocab]."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=-1)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    rows = []
+    for entry in out.prompt_logprobs[1:]:
+        row = torch.full((VOCAB,), float("-inf"))
+        for token, logprob in entry.items():
+            row[token] = logprob.logprob
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def test_online_fp8_on_the_gpu_computes_what_the_cpu_does(llama):
+    options = dict(dtype="float32", quantization="fp8", num_kv_blocks=64, max_model_len=256)
+    cpu = logprobs(LLM(str(llama), device="cpu", **options))
+    plain = logprobs(LLM(str(llama), device="cpu", dtype="float32", num_kv_blocks=64))
+    gpu_llm = LLM(str(llama), device="cuda", **options)
+    layers = [m for m in gpu_llm.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert all(isinstance(m.quant_method, OnlineFp8LinearMethod) for m in layers)
+    assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight.is_cuda for m in layers)
+    gpu = logprobs(gpu_llm)
+    # FP8 rounding flips where the devices compute an input in different last bits; far less
+    # than what FP8 itself changes.
+    fp8_effect = (cpu - plain).abs().mean()
+    assert (gpu - cpu).abs().mean() < 0.4 * fp8_effect
+    # Decode steps replay FULL CUDA graphs with the FP8 layers inside.
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (out,) = gpu_llm.generate([{"prompt_token_ids": PROMPT[:9]}], greedy, use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 16
+
+
+def test_hopper_unquantized_layers_take_the_platform_gemv(llama):
+    llm = LLM(str(llama), device="cuda", dtype="bfloat16", num_kv_blocks=64, max_model_len=256)
+    model = llm.engine.runner.model
+    arch, _ = device_arch(next(model.parameters()).device)
+    kernels = {
+        name: type(m.quant_method.kernel).__name__
+        for name, m in model.named_modules()
+        if isinstance(m, Linear)
+    }
+    on_gemv = {name for name, kernel in kernels.items() if kernel == OneRowGemvKernel.__name__}
+    # K <= 8192 everywhere in this model: every projection on Hopper, none elsewhere.
+    assert on_gemv == (set(kernels) if arch == "sm90" else set())
+    assert type(model.lm_head.quant_method.kernel).__name__ == "TorchLinearKernel"
