@@ -32,7 +32,9 @@ def install_kvik(session: nox.Session, extras: str = "") -> None:
 def tests(session: nox.Session) -> None:
     install_kvik(session, "[test]")
     # hatchling: tests/test_example_plugin.py builds plugin packages without build isolation.
-    session.install("hatchling", "hypothesis", "pytest")
+    # compressed-tensors, accelerate: tests/quantization makes compressed-tensors checkpoints
+    # with the library, and reads them and fine-grained FP8 ones back through transformers.
+    session.install("hatchling", "hypothesis", "pytest", "compressed-tensors>=0.20.1", "accelerate")
     session.run("pytest", *sorted(glob.glob("packages/*/tests")), "tests", *session.posargs)
 
 
