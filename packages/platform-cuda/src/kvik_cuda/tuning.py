@@ -14,7 +14,6 @@ import torch
 import triton
 
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
-from kvik.triton_kernels.fp8_linear import CublasBlockwise
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -117,19 +116,13 @@ def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
     return FP8_GEMV_CANDIDATES["n8 g4 pre"]
 
 
-#: From this many rows a block-FP8 product runs on cuBLAS's blockwise scaling where it takes the
-#: shape: at M = 4096, N = K = 8192 on the H200 it reached 72% of the FP8 peak against 48% for the
-#: Triton tiled kernel (docs/benchmarks.md, issue 14).
-FP8_CUBLAS_MIN_ROWS = 128
+def fp8_block_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+    """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows.
 
-
-def fp8_block_config(
-    arch: str, m: int, n: int, k: int
-) -> Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise:
-    """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows."""
+    cuBLAS's blockwise scaling (``CublasBlockwise``) reached 72% of the FP8 peak at M = 4096,
+    N = K = 8192 on the H200 against 48% for the Triton tiled kernel, but in the engine (Llama-3.1-8B
+    shapes, prefill and decode batches of 128+ rows) cuBLAS answered CUBLAS_STATUS_NOT_SUPPORTED
+    for some product (docs/benchmarks.md, issue 14), so it is not chosen until that is understood."""
     if m <= FP8_GEMV_MAX_ROWS:
         return fp8_gemv_config(arch, n, k)
-    config = fp8_gemm_config(arch, m, n, k)
-    if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
-        return CublasBlockwise(config)
-    return config
+    return fp8_gemm_config(arch, m, n, k)
