@@ -104,8 +104,13 @@ def _add_routes(app: FastAPI) -> None:
         return Response(status_code=200 if _engine(request).is_healthy else 503)
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": kvik.__version__}
+    async def version(request: Request) -> dict[str, str | None]:
+        # Beside vLLM's one key, where the engine runs: `kvik bench serve` takes the roofline's
+        # device from here.
+        info = _engine(request).client.ready_info
+        return {"version": kvik.__version__} | {
+            key: info.get(key) for key in ("platform", "device", "dtype")
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
