@@ -4,6 +4,10 @@ Requests go to ``/v1/completions`` with the prompt as token ids, streamed, greed
 ignored. They arrive as a Poisson process at ``--request-rate`` (or all at once, ``inf``), at most
 ``--max-concurrency`` in flight. Per request: time to first token (TTFT), time per output token
 after the first (TPOT), the gaps between streamed chunks (ITL) and end-to-end latency (E2EL).
+
+Beside them: the roofline of the work done (kvik.bench.roofline, on the device the server names at
+``/version``), and where the server has kvik's ``/metrics`` histograms, the server's own median, p99
+and mean of each over the same requests (scraped before and after the run), with the client's.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kvik.bench.roofline import (
     measure_cpu,
     roofline_fields,
 )
+from kvik.bench.server_metrics import comparison, scrape, server_figures
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -125,6 +130,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             return result
 
+        metrics_before = await scrape(client)
         start = time.perf_counter()
         tasks = []
         for prompt, output_len in zip(workload.prompts, workload.output_lens):
@@ -134,6 +140,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+        metrics_after = await scrape(client)
     for r, want in zip(results, workload.output_lens):
         if r.ok and not args.no_ignore_eos and r.output_tokens != want:
             r.ok, r.error = False, f"produced {r.output_tokens} tokens, expected {want}"
@@ -142,6 +149,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     fields, line = serve_roofline(args, config, server, device, results, duration)
     result.update(fields)
     print(line, file=sys.stderr)
+    # The server's own histograms over the same requests, beside the client's figures.
+    result["server_metrics"] = server_figures(metrics_before, metrics_after)
+    if result["server_metrics"]:
+        print(comparison(result, result["server_metrics"]), file=sys.stderr)
     return result
 
 
