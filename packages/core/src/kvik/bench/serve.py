@@ -27,9 +27,11 @@ from kvik.bench.common import (
     add_workload_arguments,
     base_result,
     cpu_model,
+    git_commit,
     mean,
     percentiles,
     random_workload,
+    utc_now,
     write_json,
 )
 from kvik.bench.roofline import (
@@ -166,8 +168,8 @@ def model_config_of(model: str) -> Any:
     """The served model's config (kvik.config.ModelConfig), read where this client runs."""
     from kvik.model_loader.loader import load_model_config
 
-    try:
-        return load_model_config(model)
+    try:  # only the config is read: a folder of dummy-weight shapes (no weights) will do
+        return load_model_config(model, load_format="dummy")
     except Exception as e:
         raise ValueError(f"cannot read {model!r}'s vocabulary size ({e}): pass --vocab-size") from e
 
@@ -302,6 +304,8 @@ def summarize(
     }
     result = {
         **base_result("kvik-bench-serve", model),
+        "date": utc_now(),
+        "commit": git_commit(),
         "base_url": args.base_url,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,
