@@ -48,7 +48,7 @@ OUT="${OUT:-$ROOT/gpu-results}"
 mkdir -p "$OUT"
 URL="http://127.0.0.1:$PORT"
 STAMP="$(date -u +%Y-%m-%dT%H%MZ)"
-SYSTEM="kvik${SERVE_ARGS:+-$(echo "$SERVE_ARGS" | tr -cs 'A-Za-z0-9.' '-' | sed 's/-$//')}"
+SYSTEM="kvik${SERVE_ARGS:+-$(echo "$SERVE_ARGS" | tr -cs 'A-Za-z0-9.' '-' | sed 's/^-*//; s/-$//')}"
 RESULT="$OUT/${STAMP}_serve-${RATE}rps_${SYSTEM}.json"
 LOG="$OUT/${STAMP}_serve-${RATE}rps_server.log"
 export TQDM_DISABLE=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
