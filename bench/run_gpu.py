@@ -20,9 +20,9 @@ Every run's JSON (the fields of ``kvik bench throughput --output-json``: system,
 input_len, output_len, output_tok_s, total_tok_s, device, date, commit, engine_args, ...) goes into
 --out ($OUT, else ./gpu-results) and --results-dir (benchmarks/results), named
 ``<date>_<workload>_<system>.json``; then a markdown table for docs/benchmarks.md is printed. The
-limit column is the roofline of the workload on an H200: prefill at H200_FLOP_PER_S, then each
-decode step reading every weight and each request's KV cache at H200_BYTES_PER_S (or its FLOPs, if
-more).
+limit column is the roofline of the workload, all prompts at once, on the run's device
+(kvik.bench.roofline: prefill at the device's FLOP/s, then each decode step reading every weight and
+each request's KV cache at its bandwidth, or its FLOPs, if more).
 
 Engine options run_gpu does not know (``--enforce-eager``, ``--no-async-scheduling``, ...) go to
 kvik; its JSON then lists them in engine_args and its system is named after them
@@ -47,15 +47,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvik.bench.roofline import ModelCost, device_limits, workload_roofline
+
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
 DEFAULT_MODEL = ROOT / "bench" / "models" / "llama-3.1-8b"
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 
-#: The H200's figures the rooflines use, rounded down from what was measured on the GPU machine
-#: (docs/benchmarks.md: a device-to-device copy, and a bf16 8192^3 matmul).
-H200_BYTES_PER_S = 4.3e12
-H200_FLOP_PER_S = 790e12
+#: The H200's figures the limit column uses, from kvik.bench.roofline's table (which says where
+#: they come from); `kvik bench throughput` computes its own roofline with the same code.
+H200 = device_limits("NVIDIA H200")
 
 #: Engine options the harness sets itself (or that would change what is measured).
 RESERVED_KVIK_OPTIONS = ("model", "tokenizer", "device", "dtype", "load_format", "seed")
@@ -375,13 +376,18 @@ def finish_record(
     record["run"] = run
     record["command"] = shlex.join(command)
     record["wall_s"] = round(wall_s, 1)
-    record["limit_basis"] = "roofline on an H200: 4.3 TB/s, 790 TFLOP/s (bench/run_gpu.py)"
-    record["limit_output_tok_s"] = round(
-        roofline_output_tok_s(
-            config, workload.num_prompts, workload.input_len, workload.output_len
-        ),
-        1,
-    )
+    limits = device_limits(record["device"])
+    if limits is None:
+        record["limit_basis"] = f"none: kvik.bench.roofline has no figures for {record['device']}"
+        record["limit_device"] = record["limit_output_tok_s"] = None
+        return record
+    roofline = workload_roofline(
+        ModelCost.from_config(config), limits, record["num_prompts"], record["input_len"],
+        record["output_len"],
+    )  # fmt: skip
+    record["limit_basis"] = f"roofline on {limits.name} (kvik.bench.roofline): {limits.source}"
+    record["limit_device"] = limits.name
+    record["limit_output_tok_s"] = round(roofline.limit_output_tok_s, 1)
     return record
 
 
@@ -396,46 +402,6 @@ def record_filename(record: dict[str, Any]) -> str:
 def write_record(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
-
-
-def parameter_count(config: dict[str, Any]) -> int:
-    """A Llama-family decoder's parameters, from its config.json."""
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head = config.get("head_dim") or hidden // heads
-    attention = hidden * head * (2 * heads + 2 * kv_heads)
-    mlp = 3 * hidden * config["intermediate_size"]
-    layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return config["num_hidden_layers"] * layer + embeddings + hidden
-
-
-def roofline_output_tok_s(
-    config: dict[str, Any],
-    num_prompts: int,
-    input_len: int,
-    output_len: int,
-    bytes_per_s: float = H200_BYTES_PER_S,
-    flop_per_s: float = H200_FLOP_PER_S,
-    dtype_bytes: int = 2,
-) -> float:
-    """The most output tokens/s the workload allows: the prompts' FLOPs (2 per parameter and
-    token) at ``flop_per_s``, then ``output_len - 1`` decode steps, each reading every weight and
-    each request's KV cache at ``bytes_per_s`` or doing its FLOPs, whichever takes longer. Attention
-    FLOPs and activations are left out, so the true limit is a little lower. Weights count whole,
-    the embedding table too (as docs/benchmarks.md's limit column does)."""
-    params = parameter_count(config)
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head = config.get("head_dim") or config["hidden_size"] // heads
-    kv_bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head * dtype_bytes
-    weight_bytes = params * dtype_bytes
-    seconds = max(num_prompts * input_len * 2 * params / flop_per_s, weight_bytes / bytes_per_s)
-    for step in range(1, output_len):
-        read = weight_bytes + num_prompts * (input_len + step) * kv_bytes_per_token
-        seconds += max(read / bytes_per_s, num_prompts * 2 * params / flop_per_s)
-    return num_prompts * output_len / seconds
 
 
 def command_line(argv: list[str] | None) -> str:
@@ -508,8 +474,9 @@ def table(records: list[dict[str, Any]]) -> str:
             ):
                 name = f"{key}: {some['num_prompts']} x ({some['input_len']}, {some['output_len']})"
             limit = (some or {}).get("limit_output_tok_s")
-            if "H200" not in str((some or {}).get("device")):
-                limit = None  # the roofline is the H200's
+            limits = device_limits((some or {}).get("device"))
+            if limits is None or (some or {}).get("limit_device", H200.name) != limits.name:
+                limit = None  # the record's limit is another device's
             kvik_tok = kvik["output_tok_s"] if kvik else None
             peer_tok = peer["output_tok_s"] if peer else None
             peer_cell = _number(peer_tok)

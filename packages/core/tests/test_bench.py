@@ -27,6 +27,7 @@ from kvik.bench.common import (
     random_workload,
     warmup_workload,
 )
+from kvik.bench.roofline import ModelCost, parameter_count, workload_roofline
 from kvik.bench.throughput import check_output_lens
 from kvik.cli.main import main
 
@@ -357,16 +358,18 @@ def test_llama_config_loads_as_dummy_weights_and_rooflines() -> None:
     shape = (hf_config.num_hidden_layers, hf_config.num_key_value_heads, hf_config.head_dim)
     assert shape == (32, 8, 128)
     hf = json.loads((run_gpu.DEFAULT_MODEL / "config.json").read_text())
-    assert run_gpu.parameter_count(hf) == 8_030_261_248  # Llama-3.1-8B's
+    assert parameter_count(hf) == 8_030_261_248  # Llama-3.1-8B's
     a, b = run_gpu.WORKLOADS["A"], run_gpu.WORKLOADS["B"]
     assert (a.num_prompts, a.input_len, a.output_len) == (1, 128, 256) and a.peer_static_cache
     assert (b.num_prompts, b.input_len, b.output_len) == (256, 128, 1024)
     assert not b.peer_static_cache
     # By hand: 16.06 GB of weights a step at 4.3 TB/s is 268 tok/s at batch 1, less the KV reads
     # and the prefill; 26,000-29,000 at 256 x (128, 1024).
-    limit_a = run_gpu.roofline_output_tok_s(hf, 1, 128, 256)
+    cost = ModelCost.from_config(hf)
+    limit_a = workload_roofline(cost, run_gpu.H200, 1, 128, 256).limit_output_tok_s
     assert 265 < limit_a < 268
-    assert 26_000 < run_gpu.roofline_output_tok_s(hf, 256, 128, 1024) < 29_000
+    limit_b = workload_roofline(cost, run_gpu.H200, 256, 128, 1024).limit_output_tok_s
+    assert 26_000 < limit_b < 29_000
 
 
 def fake_record(run_gpu, key: str, system: str, out: float, **extra) -> dict:

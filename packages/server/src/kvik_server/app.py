@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -58,6 +60,11 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = await AsyncLLM.create(engine_args, [stat_logger])
+        # What start-up made (torch, transformers, the tokenizer, the app) lives as long as the
+        # server: out of the collector's sight, an old-generation collection while streaming
+        # walks only what requests make, rather than pausing every stream for all of it.
+        gc.collect()
+        gc.freeze()
         app.state.engine = engine
         app.state.completions = Completions(engine, model_name)
         app.state.chat = ChatCompletions(engine, model_name, settings.chat_template)
@@ -80,10 +87,31 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
     _add_routes(app)
-    # Outermost first: every request is authenticated before anything reads its body.
+    # Each add_middleware wraps what is there, so the last added runs first: the arrival time is
+    # noted, then every request is authenticated before anything reads its body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(ArrivalTimeMiddleware)
     return app
+
+
+def _arrival_time(request: Request) -> float | None:
+    return request.scope.get(ArrivalTimeMiddleware.KEY)
+
+
+class ArrivalTimeMiddleware:
+    """Outermost: notes when each request came in (``time.monotonic()``), before its body is read
+    and validated, so that the server's latency metrics start where the client's clock does."""
+
+    KEY = "kvik.arrival_time"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[self.KEY] = time.monotonic()
+        await self.app(scope, receive, send)
 
 
 def _engine(request: Request) -> AsyncLLM:
@@ -104,8 +132,13 @@ def _add_routes(app: FastAPI) -> None:
         return Response(status_code=200 if _engine(request).is_healthy else 503)
 
     @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": kvik.__version__}
+    async def version(request: Request) -> dict[str, str | None]:
+        # Beside vLLM's one key, where the engine runs: `kvik bench serve` takes the roofline's
+        # device from here.
+        info = _engine(request).client.ready_info
+        return {"version": kvik.__version__} | {
+            key: info.get(key) for key in ("platform", "device", "dtype")
+        }
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -131,12 +164,14 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(request, body.model)
-        return await _respond(request, request.app.state.completions.create(body))
+        work = request.app.state.completions.create(body, _arrival_time(request))
+        return await _respond(request, work)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(request, body.model)
-        return await _respond(request, request.app.state.chat.create(body))
+        work = request.app.state.chat.create(body, _arrival_time(request))
+        return await _respond(request, work)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

@@ -79,20 +79,21 @@ def sampling_params(
 
 
 class _Choice:
-    """What has been sent of one choice so far, to turn cumulative outputs into deltas."""
+    """What has been sent of one streamed choice so far (its outputs are deltas)."""
 
     def __init__(self) -> None:
         self.text_len = 0
         self.num_tokens = 0
-        self.output: CompletionOutput | None = None
+        self.chunks_sent = 0
 
-    def advance(self, completion: CompletionOutput) -> tuple[str, list]:
-        text = completion.text[self.text_len :]
-        logprobs = (completion.logprobs or [])[self.num_tokens :]
-        self.text_len = len(completion.text)
-        self.num_tokens = len(completion.token_ids)
-        self.output = completion
-        return text, logprobs
+    def advance(self, delta: CompletionOutput) -> None:
+        self.text_len += len(delta.text)
+        self.num_tokens += len(delta.token_ids)
+
+
+def _worth_a_chunk(delta: CompletionOutput) -> bool:
+    """A chunk goes out only when it carries text, logprobs the client asked for, or the end."""
+    return bool(delta.text or delta.logprobs or delta.finish_reason is not None)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
@@ -168,7 +169,9 @@ class Completions:
             return [prompt]
         return list(prompt)
 
-    async def create(self, request: CompletionRequest) -> CompletionResponse | AsyncIterator[str]:
+    async def create(
+        self, request: CompletionRequest, arrival_time: float | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         if request.best_of is not None and request.best_of > 1:
             raise APIError("best_of > 1 is not supported", param="best_of")
         if request.suffix is not None:
@@ -178,8 +181,11 @@ class Completions:
         params = sampling_params(self.engine, request, request.max_tokens, 16, request.logprobs)
         request_id = random_id("cmpl")
         prompts = self._prompts(request)
+        kind = "delta" if request.stream else "final"
         streams = [
-            self.engine.generate(prompt, params, f"{request_id}-{i}", request.priority)
+            self.engine.generate(
+                prompt, params, f"{request_id}-{i}", request.priority, kind, arrival_time
+            )
             for i, prompt in enumerate(prompts)
         ]
         # Start (and so validate) every prompt before answering: a bad one is a 400, not a stream.
@@ -237,24 +243,26 @@ class Completions:
         prompt_tokens: dict[int, int] = {}
         async for i, out in events:
             prompt_tokens[i] = len(out.prompt_token_ids)
-            for completion in out.outputs:
-                index = self._choice_index(request, i, completion.index)
-                choice = sent.setdefault(index, _Choice())
-                offset = choice.text_len
-                if choice.output is None:
+            for delta in out.outputs:
+                index = self._choice_index(request, i, delta.index)
+                choice = sent.get(index)
+                if choice is None:
+                    choice = sent[index] = _Choice()
                     echo = self._echo(request, out)
                     if echo:
                         yield _sse(self._chunk(request_id, index, echo, None, None))
-                text, logprobs = choice.advance(completion)
-                if not text and not logprobs and completion.finish_reason is None:
+                offset = choice.text_len
+                choice.advance(delta)
+                if not _worth_a_chunk(delta):
                     continue
                 chunk_logprobs = (
-                    _completion_logprobs(logprobs, offset) if request.logprobs is not None else None
+                    _completion_logprobs(delta.logprobs, offset)
+                    if request.logprobs is not None
+                    else None
                 )
-                yield _sse(self._chunk(request_id, index, text, chunk_logprobs, completion))
+                yield _sse(self._chunk(request_id, index, delta.text, chunk_logprobs, delta))
         if request.stream_options and request.stream_options.include_usage:
-            finals = {index: (None, choice.output) for index, choice in sent.items()}
-            usage = _usage(prompt_tokens, finals)
+            usage = _stream_usage(prompt_tokens, sent)
             yield _sse(
                 CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage)
             )
@@ -299,7 +307,7 @@ class ChatCompletions:
         )
 
     async def create(
-        self, request: ChatCompletionRequest
+        self, request: ChatCompletionRequest, arrival_time: float | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         if request.tools:
             raise APIError("tools are not supported yet (kvik has no tool calling)", param="tools")
@@ -313,7 +321,10 @@ class ChatCompletions:
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = sampling_params(self.engine, request, max_tokens, None, logprobs)
         request_id = random_id("chatcmpl")
-        stream = self.engine.generate(self.prompt(request), params, request_id, request.priority)
+        kind = "delta" if request.stream else "final"
+        stream = self.engine.generate(
+            self.prompt(request), params, request_id, request.priority, kind, arrival_time
+        )
         (first,) = await _start_all([stream])
         events = _chain(first, stream)
         top = request.top_logprobs or 0
@@ -356,31 +367,26 @@ class ChatCompletions:
 
         async for out in events:
             num_prompt_tokens = len(out.prompt_token_ids)
-            for completion in out.outputs:
-                index = completion.index
-                if index not in sent:
-                    sent[index] = _Choice()
-                    yield chunk(
-                        ChatStreamChoice(
-                            index=index, delta=DeltaMessage(role="assistant", content="")
-                        )
-                    )
-                text, logprobs = sent[index].advance(completion)
-                if not text and not logprobs and completion.finish_reason is None:
+            for delta in out.outputs:
+                choice = sent.setdefault(delta.index, _Choice())
+                choice.advance(delta)
+                if not _worth_a_chunk(delta):
                     continue
-                finish = completion.finish_reason
+                # The role rides on the choice's first chunk rather than in an empty one.
+                first = choice.chunks_sent == 0
+                choice.chunks_sent += 1
+                finish = delta.finish_reason
                 yield chunk(
                     ChatStreamChoice(
-                        index=index,
-                        delta=DeltaMessage(content=text),
-                        logprobs=_chat_logprobs(logprobs, top) if request.logprobs else None,
+                        index=delta.index,
+                        delta=DeltaMessage(role="assistant" if first else None, content=delta.text),
+                        logprobs=_chat_logprobs(delta.logprobs, top) if request.logprobs else None,
                         finish_reason=finish,
-                        stop_reason=completion.stop_reason if finish else None,
+                        stop_reason=delta.stop_reason if finish else None,
                     )
                 )
         if request.stream_options and request.stream_options.include_usage:
-            finals = {index: (None, choice.output) for index, choice in sent.items()}
-            usage = _usage({0: num_prompt_tokens}, finals)
+            usage = _stream_usage({0: num_prompt_tokens}, sent)
             yield _sse(
                 ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
             )
@@ -416,6 +422,16 @@ def _usage(
     prompt_tokens: dict[int, int], finals: dict[int, tuple[Any, CompletionOutput | None]]
 ) -> Usage:
     completion_tokens = sum(len(c.token_ids) for _, c in finals.values() if c is not None)
+    prompt = sum(prompt_tokens.values())
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt + completion_tokens,
+    )
+
+
+def _stream_usage(prompt_tokens: dict[int, int], sent: dict[int, _Choice]) -> Usage:
+    completion_tokens = sum(choice.num_tokens for choice in sent.values())
     prompt = sum(prompt_tokens.values())
     return Usage(
         prompt_tokens=prompt,

@@ -20,6 +20,7 @@ from kvik.bench.common import (
     run_metadata,
     write_json,
 )
+from kvik.bench.roofline import engine_device_limits, engine_model_cost, roofline_fields
 from kvik.bench.throughput import check_output_lens, generate
 from kvik.cli.engine_args import add_engine_arguments, engine_kwargs
 
@@ -56,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
             )
             for i in range(args.num_iters_warmup + args.num_iters)
         ]
+        device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         latencies = []
         iterations = tqdm(batches, desc="iterations", unit="batch")
         for i, batch in enumerate(iterations):
@@ -88,9 +90,14 @@ def run(args: argparse.Namespace) -> int:
         "total_tok_s": round((batch_tokens + args.batch_size * args.input_len) / avg, 2),
         **run_metadata(llm, args),
     }
+    fields, line = roofline_fields(
+        engine_model_cost(llm), device, args.batch_size, args.input_len, args.output_len, avg
+    )
+    result.update(fields)
     print(
         f"latency over {args.num_iters} iterations: mean {avg:.3f} s, "
-        + ", ".join(f"{k} {v:.3f} s" for k, v in result["percentiles_s"].items()),
+        + ", ".join(f"{k} {v:.3f} s" for k, v in result["percentiles_s"].items())
+        + f"; {result['output_tok_s']:,.1f} output tok/s; {line}",
         file=sys.stderr,
     )
     write_json(result, args.output_json)

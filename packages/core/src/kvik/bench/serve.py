@@ -4,6 +4,10 @@ Requests go to ``/v1/completions`` with the prompt as token ids, streamed, greed
 ignored. They arrive as a Poisson process at ``--request-rate`` (or all at once, ``inf``), at most
 ``--max-concurrency`` in flight. Per request: time to first token (TTFT), time per output token
 after the first (TPOT), the gaps between streamed chunks (ITL) and end-to-end latency (E2EL).
+
+Beside them: the roofline of the work done (kvik.bench.roofline, on the device the server names at
+``/version``), and where the server has kvik's ``/metrics`` histograms, the server's own median, p99
+and mean of each over the same requests (scraped before and after the run), with the client's.
 """
 
 from __future__ import annotations
@@ -22,11 +26,22 @@ from tqdm.auto import tqdm
 from kvik.bench.common import (
     add_workload_arguments,
     base_result,
+    cpu_model,
+    git_commit,
     mean,
     percentiles,
     random_workload,
+    utc_now,
     write_json,
 )
+from kvik.bench.roofline import (
+    DeviceLimits,
+    ModelCost,
+    device_limits,
+    measure_cpu,
+    roofline_fields,
+)
+from kvik.bench.server_metrics import comparison, scrape, server_figures
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -63,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals")
+    parser.add_argument(
+        "--roofline-device",
+        default="auto",
+        help="the device whose limits the roofline line uses: 'auto' (the one a kvik server names "
+        "at /version; a CPU is probed here when it is this machine's), a name from "
+        "kvik.bench.roofline's table ('H200'), or 'none'",
+    )
     add_workload_arguments(parser, num_prompts=100)
 
 
@@ -91,7 +113,10 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
     ) as client:
         model = args.model or await first_model(client)
-        vocab = args.vocab_size or vocab_size_of(model)
+        config = None if args.vocab_size else model_config_of(model)
+        vocab = args.vocab_size or config.vocab_size
+        server = await server_info(client)
+        device = roofline_device(args.roofline_device, server)  # a CPU probe runs before the clock
         workload = random_workload(
             args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
         )
@@ -107,6 +132,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             return result
 
+        metrics_before = await scrape(client)
         start = time.perf_counter()
         tasks = []
         for prompt, output_len in zip(workload.prompts, workload.output_lens):
@@ -116,10 +142,20 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+        metrics_after = await scrape(client)
     for r, want in zip(results, workload.output_lens):
         if r.ok and not args.no_ignore_eos and r.output_tokens != want:
             r.ok, r.error = False, f"produced {r.output_tokens} tokens, expected {want}"
-    return summarize(args, model, results, duration)
+    result = summarize(args, model, results, duration)
+    result["server"] = server
+    fields, line = serve_roofline(args, config, server, device, results, duration)
+    result.update(fields)
+    print(line, file=sys.stderr)
+    # The server's own histograms over the same requests, beside the client's figures.
+    result["server_metrics"] = server_figures(metrics_before, metrics_after)
+    if result["server_metrics"]:
+        print(comparison(result, result["server_metrics"]), file=sys.stderr)
+    return result
 
 
 async def first_model(client: Any) -> str:
@@ -128,13 +164,81 @@ async def first_model(client: Any) -> str:
     return response.json()["data"][0]["id"]
 
 
-def vocab_size_of(model: str) -> int:
+def model_config_of(model: str) -> Any:
+    """The served model's config (kvik.config.ModelConfig), read where this client runs."""
     from kvik.model_loader.loader import load_model_config
 
-    try:
-        return load_model_config(model).vocab_size
+    try:  # only the config is read: a folder of dummy-weight shapes (no weights) will do
+        return load_model_config(model, load_format="dummy")
     except Exception as e:
         raise ValueError(f"cannot read {model!r}'s vocabulary size ({e}): pass --vocab-size") from e
+
+
+async def server_info(client: Any) -> dict[str, Any]:
+    """What the server says of itself at /version (a kvik server: version, platform, device,
+    dtype); empty where it says nothing."""
+    try:
+        response = await client.get("/version")
+        info = response.json() if response.status_code == 200 else {}
+    except Exception:  # another server, or none at that route: no roofline, the run goes on
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def roofline_device(choice: str, server: dict[str, Any]) -> DeviceLimits | None:
+    """The limits of --roofline-device: none, a table entry by name, or the server's own device
+    (a CPU is measured here, only when it is this machine's CPU)."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        limits = device_limits(choice)
+        if limits is None:
+            raise ValueError(f"--roofline-device {choice!r} is not in kvik.bench.roofline's table")
+        return limits
+    name = server.get("device")
+    if server.get("platform") == "cpu":
+        if name != cpu_model():
+            return None  # another machine's CPU: this one's figures would say nothing of it
+        import torch
+
+        return measure_cpu(name, getattr(torch, server.get("dtype") or "float32", None))
+    return device_limits(name)
+
+
+def serve_roofline(
+    args: argparse.Namespace,
+    config: Any,
+    server: dict[str, Any],
+    device: DeviceLimits | None,
+    results: list[RequestResult],
+    duration: float,
+) -> tuple[dict[str, Any], str]:
+    """The roofline of the requests that completed, run as many at a time as were in flight on
+    average (their summed latency over the run's time, by Little's law)."""
+    done = [r for r in results if r.ok]
+    if not done:
+        return {"roofline": None}, "roofline: none (no request completed)"
+    if device is None:
+        where = server.get("device") or "the server's device (not named at /version)"
+        return {"roofline": None}, f"roofline: none (no figures for {where})"
+    if config is None:
+        return {"roofline": None}, "roofline: none (--vocab-size given: the model is not read)"
+    in_flight = max(1, round(sum(r.e2el for r in done) / duration))
+    dtype_bytes = {"float32": 4}.get(server.get("dtype"), 2)
+    try:
+        cost = ModelCost.from_config(config.hf_config, dtype_bytes)
+    except (KeyError, TypeError, AttributeError):
+        cost = None
+    input_len = round(sum(r.prompt_len for r in done) / len(done))
+    output_len = round(sum(r.output_tokens for r in done) / len(done))
+    fields, line = roofline_fields(
+        cost, device, len(done), input_len, max(1, output_len), duration, in_flight
+    )
+    return fields, line + (
+        f"; {in_flight} requests in flight on average"
+        + (" (an arrival rate below the device's keeps a run under its limit)"
+        if args.request_rate != float("inf") else "")
+    )  # fmt: skip
 
 
 async def send(
@@ -200,6 +304,8 @@ def summarize(
     }
     result = {
         **base_result("kvik-bench-serve", model),
+        "date": utc_now(),
+        "commit": git_commit(),
         "base_url": args.base_url,
         "num_prompts": args.num_prompts,
         "input_len": args.input_len,

@@ -23,6 +23,7 @@ from kvik.bench.common import (
     warmup_workload,
     write_json,
 )
+from kvik.bench.roofline import engine_device_limits, engine_model_cost, roofline_fields
 from kvik.cli.engine_args import add_engine_arguments, engine_kwargs
 
 
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
                 args.num_warmup_prompts, args.input_len, vocab, args.seed, args.warmup_output_len
             )
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
+        device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         start = time.perf_counter()
         produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)
         elapsed = time.perf_counter() - start
@@ -66,6 +68,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvik bench throughput: {short}", file=sys.stderr)
         return 1
     result = throughput_result(llm, args, workload, produced, elapsed)
+    # The engine runs at most max_num_seqs requests at a time; the roofline's batches are as big.
+    concurrency = llm.config.scheduler.max_num_seqs
+    fields, line = roofline_fields(
+        engine_model_cost(llm), device, args.num_prompts, args.input_len, args.output_len,
+        elapsed, concurrency,
+    )  # fmt: skip
+    result.update(fields)
+    print(
+        f"throughput: {result['output_tok_s']:,.1f} output tok/s, "
+        f"{result['total_tok_s']:,.1f} total tok/s; {line}",
+        file=sys.stderr,
+    )
     write_json(result, args.output_json)
     return 0
 

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kvik.config import EngineConfig
 from kvik.engine.args import EngineArgs
@@ -25,7 +25,21 @@ from kvik.outputs import RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import SchedulerStats
 
-__all__ = ["AsyncLLM", "EngineDeadError", "IterationStats", "FinishedRequestStats", "StatLogger"]
+__all__ = [
+    "AsyncLLM",
+    "EngineDeadError",
+    "IterationStats",
+    "FinishedRequestStats",
+    "OutputKind",
+    "StatLogger",
+]
+
+#: What each RequestOutput of ``AsyncLLM.generate`` holds (vLLM's RequestOutputKind):
+#: "cumulative": everything so far; "delta": only what is new since the previous one (no copy of
+#: what was sent before, so a long stream costs the same per token throughout); "final": one
+#: output, when every completion has finished (its consumer is not woken before).
+OutputKind = Literal["cumulative", "delta", "final"]
+_OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +84,9 @@ class _Stream:
 
     output: RequestOutput
     states: list[RequestState]
+    kind: OutputKind = "cumulative"
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -129,24 +145,31 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        output_kind: OutputKind = "cumulative",
+        arrival_time: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's progress. Each RequestOutput holds the completions that changed
-        (cumulative text, tokens and logprobs; text held back while it may still be the start of a
-        stop string); the last one has ``finished`` set. Raises ValueError for invalid input and
-        EngineDeadError when the engine is down. Leaving the iteration early aborts the request."""
+        (text, tokens and logprobs as ``output_kind`` says; text held back while it may still be
+        the start of a stop string); the last one has ``finished`` set. Raises ValueError for
+        invalid input and EngineDeadError when the engine is down. Leaving the iteration early
+        aborts the request. ``arrival_time`` (``time.monotonic()``; default now): when the request
+        arrived, e.g. when its HTTP request came in, before its body was read and validated, so
+        that the latency metrics count what the client waited for."""
         if not self.is_healthy:
             raise self.client.error or EngineDeadError("the engine is shutting down")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if output_kind not in _OUTPUT_KINDS:
+            raise ValueError(f"output_kind must be one of {_OUTPUT_KINDS}, got {output_kind!r}")
         prompt_text, token_ids, params = self.input_processor.process(prompt, params)
         children = child_requests(request_id, params)
         # Build every engine request before sending any, so invalid input leaves nothing behind.
-        now = time.monotonic()
+        now = time.monotonic() if arrival_time is None else min(arrival_time, time.monotonic())
         requests = [
             self.input_processor.make_request(child_id, token_ids, child_params, priority, now)
             for child_id, child_params in children
         ]
-        stream = _Stream(RequestOutput(request_id, prompt_text, token_ids), [])
+        stream = _Stream(RequestOutput(request_id, prompt_text, token_ids), [], output_kind)
         self._streams[request_id] = stream
         try:
             for index, ((child_id, child_params), request) in enumerate(zip(children, requests)):
@@ -177,14 +200,21 @@ class AsyncLLM:
 
     def _request_output(self, stream: _Stream, changed: list[RequestState]) -> RequestOutput:
         out = replace(stream.output, outputs=[])
-        for state in sorted(changed, key=lambda s: s.index):
-            completion = state.completion()
-            completion.text = completion.text[: state.streamable_text_len()]
-            if completion.logprobs is not None:  # a snapshot: the state's list keeps growing
-                completion.logprobs = list(completion.logprobs)
+        states = stream.states if stream.kind == "final" else changed
+        for state in sorted(states, key=lambda s: s.index):
+            if stream.kind == "delta":
+                completion = state.delta_completion()
+            else:
+                completion = state.completion()
+                completion.text = completion.text[: state.streamable_text_len()]
+                if completion.logprobs is not None:  # a snapshot: the state's list keeps growing
+                    completion.logprobs = list(completion.logprobs)
             out.outputs.append(completion)
         out.num_cached_tokens = max(state.num_cached_tokens for state in stream.states)
-        out.prompt_logprobs = stream.states[0].prompt_logprobs
+        prompt_logprobs = stream.states[0].prompt_logprobs
+        if stream.kind != "delta" or not stream.prompt_logprobs_sent:
+            out.prompt_logprobs = prompt_logprobs
+            stream.prompt_logprobs_sent = prompt_logprobs is not None
         out.finished = stream.finished
         return out
 
@@ -237,7 +267,10 @@ class AsyncLLM:
             parent_id = self._parent_of.get(state.request_id)
             if parent_id is None:
                 continue
-            self._streams[parent_id].queue.put_nowait(state)
+            stream = self._streams[parent_id]
+            # A "final" consumer is woken once, when its last completion finishes.
+            if stream.kind != "final" or stream.finished:
+                stream.queue.put_nowait(state)
             if state.finished:
                 self._parent_of.pop(state.request_id)
                 timing = self._timings.pop(state.request_id)

@@ -41,6 +41,7 @@ class EngineCoreClient:
         self.process: multiprocessing.process.BaseProcess | None = None
         self.error: EngineDeadError | None = None
         self.on_death: Callable[[EngineDeadError], None] | None = None
+        self.ready_info: dict = {}  # what the core said when ready: pid, platform, device, dtype
         self._folder = Path(tempfile.mkdtemp(prefix="kvik-engine-"))
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
@@ -78,7 +79,7 @@ class EngineCoreClient:
         if kind != "ready":
             self._die(EngineDeadError(f"the engine core failed to start: {_text(payload)}"))
             raise self.error
-        info = msgspec.msgpack.decode(payload)
+        info = self.ready_info = msgspec.msgpack.decode(payload)
         logger.info("engine core ready in process %d", info["pid"])
         return info
 

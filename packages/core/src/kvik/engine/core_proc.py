@@ -3,7 +3,8 @@
 Wire format (msgspec msgpack), each message a ``(kind, payload)`` pair:
 
 - front end -> core: ``("add", EngineCoreRequest)``, ``("abort", [request ids])``, ``("shutdown", None)``;
-- core -> front end: ``("ready", {"pid", "num_kv_blocks"})`` once the engine is built,
+- core -> front end: ``("ready", {"pid", "num_kv_blocks", "platform", "device", "dtype"})`` once
+  the engine is built (``device`` as torch names it, e.g. "NVIDIA H200"),
   ``("outputs", EngineCoreOutputs)`` after every step (and after aborts), ``("error", message)``
   before the process exits on an exception.
 
@@ -116,9 +117,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         # which it must not pin, so only the engine's own process does this.)
         gc.collect()
         gc.freeze()
-        output_socket.send(
-            encode("ready", {"pid": os.getpid(), "num_kv_blocks": engine.num_kv_blocks})
-        )
+        output_socket.send(encode("ready", _ready_info(engine)))
         EngineCoreProc(engine, input_socket, output_socket).run()
     except BaseException as e:
         logger.exception("engine core failed")
@@ -129,6 +128,23 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.close(linger=1000)
         input_socket.close(linger=0)
         context.term()
+
+
+def _ready_info(engine: Any) -> dict[str, Any]:
+    from kvik.bench.common import device_name
+
+    platform = engine.platform
+    try:  # asked here, where the device is already in use (the front end never touches it)
+        device = device_name(platform.device_type)
+    except Exception as e:  # a platform torch cannot name: say so rather than fail the start
+        device = f"unknown ({type(e).__name__})"
+    return {
+        "pid": os.getpid(),
+        "num_kv_blocks": engine.num_kv_blocks,
+        "platform": platform.name,
+        "device": device,
+        "dtype": str(engine.config.model.dtype).removeprefix("torch."),
+    }
 
 
 class EngineCoreProc:

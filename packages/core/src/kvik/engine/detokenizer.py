@@ -24,27 +24,30 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.backend = getattr(tokenizer, "_tokenizer", None)  # a fast tokenizer's Rust core
-        self.output_ids: list[int] = []
-        self.text = ""
+        prime = list(prompt_token_ids[-_PRIME_TOKENS:])
         if self.backend is not None:
-            prime = list(prompt_token_ids[-_PRIME_TOKENS:])
             self.stream = DecodeStream(ids=prime, skip_special_tokens=skip_special_tokens)
+        else:
+            # Slow tokenizers: a window of ids (primed as the fast path is) decoded twice a token,
+            # up to the text already handed out and up to the newest token; the window moves on
+            # once a token completes text, so a token costs the same at any output length.
+            self.ids = prime
+            self.prefix_offset = 0
+            self.read_offset = len(prime)
 
     def step(self, token_id: int) -> str:
         """Take one new token; return the text it completes (maybe empty)."""
-        self.output_ids.append(token_id)
         if self.backend is not None:
-            chunk = self.stream.step(self.backend, token_id) or ""
-        else:
-            # Slow tokenizers: decode everything and keep back an incomplete trailing character.
-            full = self.tokenizer.decode(
-                self.output_ids, skip_special_tokens=self.skip_special_tokens
-            )
-            if full.endswith("\ufffd"):
-                return ""
-            chunk = full[len(self.text) :]
-        self.text += chunk
-        return chunk
+            return self.stream.step(self.backend, token_id) or ""
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        skip = self.skip_special_tokens
+        done = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=skip)
+        now = decode(self.ids[self.prefix_offset :], skip_special_tokens=skip)
+        if len(now) <= len(done) or now.endswith("\ufffd"):
+            return ""  # nothing new yet, or an incomplete character kept back
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return now[len(done) :]
 
 
 def find_stop_string(

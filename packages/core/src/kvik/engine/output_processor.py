@@ -32,6 +32,9 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # What delta_completion() has handed out so far.
+    sent_text_len: int = 0
+    sent_num_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -44,6 +47,23 @@ class RequestState:
             return len(self.text)
         hold = max(len(stop) for stop in self.params.stop) - 1
         return max(0, len(self.text) - hold)
+
+    def delta_completion(self) -> CompletionOutput:
+        """What is new since the previous call: the streamable text, token ids and logprobs not
+        handed out yet (slices of what is new only). The cumulative logprob stays cumulative."""
+        end = max(self.sent_text_len, self.streamable_text_len())
+        text = self.text[self.sent_text_len : end]
+        first = self.sent_num_tokens
+        self.sent_text_len, self.sent_num_tokens = end, len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[first:],
+            cumulative_logprob=self.cumulative_logprob,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=None if self.logprobs is None else self.logprobs[first:],
+        )
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(

@@ -1,0 +1,51 @@
+"""Incremental detokenisation of the default model's byte-level BPE: the fast path (the Rust
+DecodeStream) and the slow-tokenizer path give the same text, whole characters only, and the slow
+path decodes a bounded window of ids per token however long the output grows."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvik.engine.detokenizer import IncrementalDetokenizer
+from kvik.engine.input_processor import load_tokenizer
+from kvik.model_loader.default_model import default_model_path
+
+TEXT = ("Zürich — 東京 🙂 naïve café. " * 20) + "The end."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_model_path())
+
+
+class DecodeOnly:
+    """A tokenizer as the slow path sees one: only ``decode`` (no Rust core), counting how many
+    ids each call decodes."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.lengths: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def test_slow_path_matches_the_fast_path_in_a_bounded_window(tokenizer) -> None:
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert len(ids) > 200
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # characters split over tokens
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    fast = IncrementalDetokenizer(tokenizer, prompt)
+    slow_tokenizer = DecodeOnly(tokenizer)
+    slow = IncrementalDetokenizer(slow_tokenizer, prompt)
+    assert fast.backend is not None and slow.backend is None
+    fast_chunks = [fast.step(i) for i in ids]
+    slow_chunks = [slow.step(i) for i in ids]
+    assert all("\ufffd" not in c for c in fast_chunks + slow_chunks)
+    assert "".join(slow_chunks) == "".join(fast_chunks)
+    assert "".join(slow_chunks).strip() == TEXT.strip()
+    # Two decodes a token, each of a few ids: the window moves on as text completes, so no step
+    # re-decodes the output so far.
+    assert len(slow_tokenizer.lengths) == 2 * len(ids)
+    assert max(slow_tokenizer.lengths) <= 16

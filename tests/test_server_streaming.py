@@ -1,0 +1,174 @@
+"""Streaming through the official openai client against ``kvik serve`` on the default model: no
+empty chunks, concurrent streams that all complete with the texts the server gives unstreamed, and
+``/metrics`` histograms that count what the client saw."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+from kvik.bench.server_metrics import SERVER_HISTOGRAMS, parse_histograms
+from kvik.model_loader.default_model import ALIAS
+
+KEY = "streaming-key"
+PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    # fp32: the texts of concurrent and lone requests are compared exactly.
+    server = ServerProcess(ALIAS, "--max-model-len", "512", "--dtype", "float32", api_key=KEY)
+    server.wait_ready(timeout_s=600)
+    yield server
+    server.stop_and_check()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def test_completion_stream_has_no_empty_chunks(client):
+    chunks = list(
+        client.completions.create(
+            model=ALIAS, prompt=PROMPTS[0], max_tokens=24, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    *deltas, usage = chunks
+    assert usage.choices == [] and usage.usage.completion_tokens == 24
+    for chunk in deltas:
+        (choice,) = chunk.choices
+        assert choice.text or choice.finish_reason, chunk
+    assert deltas[-1].choices[0].finish_reason == "length"
+    full = client.completions.create(model=ALIAS, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    assert "".join(c.choices[0].text for c in deltas) == full.choices[0].text
+
+
+def test_chat_stream_has_no_empty_chunks_and_the_role_first(client):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chunks = list(
+        client.chat.completions.create(
+            model=ALIAS, messages=messages, max_tokens=20, temperature=0, stream=True,
+            logprobs=True, top_logprobs=2,
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        # Logprobs were asked for, so a chunk may carry them alone (a token with no whole
+        # character yet); otherwise text or the finish reason.
+        assert choice.delta.content or choice.finish_reason or choice.logprobs.content, chunk
+    tokens = sum(len(c.choices[0].logprobs.content) for c in chunks if c.choices[0].logprobs)
+    full = client.chat.completions.create(
+        model=ALIAS, messages=messages, max_tokens=20, temperature=0
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+        full.choices[0].message.content
+    )
+    assert tokens == full.usage.completion_tokens
+
+
+def test_concurrent_streams_complete_with_the_right_texts(server, client):
+    """Four streams of two choices each at once, and two plain requests among them: each stream's
+    chunks add up to the text the server gives the same prompt alone and unstreamed."""
+    alone = [
+        client.completions.create(model=ALIAS, prompt=p, max_tokens=16, temperature=0).choices[0]
+        for p in PROMPTS
+    ]
+
+    async def stream(aclient, prompt: str) -> tuple[list[str], list[str | None], int]:
+        texts, finish, chunks = ["", ""], [None, None], 0
+        response = await aclient.completions.create(
+            model=ALIAS, prompt=prompt, max_tokens=16, temperature=0, n=2, stream=True
+        )
+        async for chunk in response:
+            chunks += 1
+            for choice in chunk.choices:
+                assert choice.text or choice.finish_reason
+                texts[choice.index] += choice.text
+                finish[choice.index] = choice.finish_reason or finish[choice.index]
+        return texts, finish, chunks
+
+    async def plain(aclient, prompt: str) -> str:
+        response = await aclient.completions.create(
+            model=ALIAS, prompt=prompt, max_tokens=16, temperature=0
+        )
+        return response.choices[0].text
+
+    async def run():
+        aclient = async_client(server)
+        return await asyncio.gather(
+            *(stream(aclient, p) for p in PROMPTS), plain(aclient, PROMPTS[1]),
+            plain(aclient, PROMPTS[3]),
+        )  # fmt: skip
+
+    *streams, plain_1, plain_3 = asyncio.run(run())
+    for (texts, finish, chunks), want in zip(streams, alone):
+        assert texts == [want.text, want.text]
+        assert finish == [want.finish_reason, want.finish_reason]
+        assert chunks >= 2
+    assert (plain_1, plain_3) == (alone[1].text, alone[3].text)
+
+
+def histograms(server) -> dict:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=5).text
+    return parse_histograms(text)
+
+
+def test_metrics_histograms_count_what_the_client_saw(server):
+    # ms-level buckets below 50 ms, so a median near 10 ms is read to better than 10%.
+    before = histograms(server)
+    for name in SERVER_HISTOGRAMS.values():
+        bounds = sorted(before[name].buckets)
+        assert [b for b in bounds if b <= 0.02] == [i / 1000 for i in range(1, 21)]
+        gaps = [(hi - lo) / hi for lo, hi in zip(bounds, bounds[1:]) if 0.02 <= hi <= 10]
+        assert max(gaps) < 0.12
+    lengths = [5, 9, 17, 3]
+
+    async def one(aclient, prompt: str, max_tokens: int) -> tuple[int, float, float]:
+        start = time.monotonic()
+        response = await aclient.completions.create(
+            model=ALIAS, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        first, tokens = None, 0
+        async for chunk in response:
+            if chunk.choices and first is None:
+                first = time.monotonic() - start
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first, time.monotonic() - start
+
+    async def run():
+        aclient = async_client(server)
+        return await asyncio.gather(*(one(aclient, p, n) for p, n in zip(PROMPTS, lengths)))
+
+    seen = asyncio.run(run())
+    after = histograms(server)
+    assert [tokens for tokens, _, _ in seen] == lengths
+
+    def run_of(metric: str):
+        name = SERVER_HISTOGRAMS[metric]
+        return after[name].minus(before[name])
+
+    assert run_of("ttft").count == len(lengths)
+    assert run_of("e2el").count == len(lengths)
+    assert run_of("tpot").count == len(lengths)  # every request made more than one token
+    assert run_of("itl").count == sum(n - 1 for n in lengths)
+    # The server's clock starts when the HTTP request comes in and stops when the token leaves
+    # the engine, inside the client's: its sums are at most the client's.
+    assert 0 < run_of("ttft").sum <= sum(first for _, first, _ in seen)
+    assert 0 < run_of("e2el").sum <= sum(e2e for _, _, e2e in seen)
+    assert run_of("e2el").sum >= run_of("ttft").sum
