@@ -73,3 +73,36 @@ def test_split_at_attention_cuts_around_each_attention_call():
         assert [c.target for c in calls] == [torch.ops.kvik.unified_attention.default] or [
             c.target for c in calls
         ] == [torch.ops.kvik.unified_attention]
+
+
+def test_compiled_fp8_model_calls_the_fp8_op_and_gives_the_eager_tokens(
+    tiny_model, cache_dir, monkeypatch
+):
+    """Online FP8 (per-channel weights, dynamic per-token activations): compiled, its products are
+    the opaque ``kvik::fp8_scaled_linear`` op (a platform's Triton launchers are never traced),
+    and the tokens are the eager FP8 model's."""
+    import kvik.compilation.piecewise as piecewise
+
+    folder = str(tiny_model("llama"))
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(3, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", quantization="fp8", max_num_seqs=4)
+    eager = LLM(folder, enforce_eager=True, **common)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+
+    targets = set()
+    split = piecewise.split_at_attention
+
+    def recording_split(gm):
+        targets.update(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return split(gm)
+
+    monkeypatch.setattr(piecewise, "split_at_attention", recording_split)
+    config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    llm = LLM(folder, compilation_config=config, **common)
+    op = torch.ops.kvik.fp8_scaled_linear
+    assert op in targets or op.default in targets
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+    assert llm.engine.runner.step_runner.compiled.backend.num_graphs_traced == 1

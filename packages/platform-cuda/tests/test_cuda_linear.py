@@ -9,6 +9,7 @@ from torch import nn
 from kvik.layers.embedding import LMHead
 from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from kvik.triton_kernels.gemv import OneRowLinear
+from kvik_cuda import fp8
 from kvik_cuda.linear import OneRowGemvKernel, one_row_gemv_kernel
 from kvik_cuda.tuning import GEMV_MAX_K, gemv_config
 
@@ -57,14 +58,18 @@ def test_the_gemv_kernel_computes_the_layer_product_on_other_shapes() -> None:
 
 
 def test_fp8_schemes_run_on_kvik_cudas_kernels() -> None:
-    """The FP8 schemes' kernels on this platform are kvik_cuda.fp8's (Triton and cuBLAS's scaled
-    products), not core's PyTorch references."""
+    """The FP8 schemes' kernels call the custom ops torch.ops.kvik.fp8_*_linear (opaque to
+    torch.compile), whose CUDA implementations are kvik_cuda.fp8's (Triton and cuBLAS's scaled
+    products) once the platform is selected."""
     from kvik.quantization.kernels import Fp8BlockKernel, Fp8ScaledKernel
-    from kvik_cuda import fp8
     from kvik_cuda.platform import CudaPlatform
+    from kvik_cuda.registration import KERNELS
 
     layer = Linear(256, 256)
     block = CudaPlatform.linear_kernel("fp8_block", layer)
     scaled = CudaPlatform.linear_kernel("fp8_scaled", layer)
-    assert isinstance(block, Fp8BlockKernel) and block.function is fp8.fp8_block_linear
-    assert isinstance(scaled, Fp8ScaledKernel) and scaled.function is fp8.fp8_scaled_linear
+    assert isinstance(block, Fp8BlockKernel) and block.function is torch.ops.kvik.fp8_block_linear
+    assert isinstance(scaled, Fp8ScaledKernel)
+    assert scaled.function is torch.ops.kvik.fp8_scaled_linear
+    assert KERNELS["kvik::fp8_block_linear"] is fp8.fp8_block_linear
+    assert KERNELS["kvik::fp8_scaled_linear"] is fp8.fp8_scaled_linear

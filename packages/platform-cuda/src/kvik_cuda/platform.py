@@ -197,12 +197,9 @@ class CudaPlatform(Platform):
         (kvik_cuda.linear), other unquantized products on cuBLAS (core's kernel); the FP8 schemes
         on kvik's Triton kernels and cuBLAS's scaled products as kvik_cuda.fp8 chooses them."""
         if scheme in ("fp8_block", "fp8_scaled"):
-            from kvik.quantization.kernels import Fp8BlockKernel, Fp8ScaledKernel
-            from kvik_cuda import fp8
-
-            if scheme == "fp8_block":
-                return Fp8BlockKernel(fp8.fp8_block_linear)
-            return Fp8ScaledKernel(fp8.fp8_scaled_linear)
+            # Core's kernels: torch.ops.kvik.fp8_*_linear, whose CUDA implementations are
+            # kvik_cuda.fp8's (registered when the platform is selected: kvik_cuda.registration).
+            return super().linear_kernel(scheme, layer)
         if scheme == "unquantized":
             from kvik.triton_kernels.attention import device_arch
             from kvik_cuda.linear import one_row_gemv_kernel

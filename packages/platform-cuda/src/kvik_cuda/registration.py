@@ -11,12 +11,14 @@ import functools
 import torch
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
+import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import register_attention_configs
 from kvik.triton_kernels.fused_moe import fused_moe, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
+from kvik_cuda import fp8
 from kvik_cuda.moe_tuning import fused_moe_config
 from kvik_cuda.tuning import attention_config
 
@@ -27,6 +29,9 @@ KERNELS = {
     "kvik::silu_and_mul": silu_and_mul,
     "kvik::reshape_and_cache": reshape_and_cache,
     "kvik::fused_moe": fused_moe,
+    # Through custom ops so that torch.compile does not trace into the Triton launchers.
+    "kvik::fp8_block_linear": fp8.fp8_block_linear,
+    "kvik::fp8_scaled_linear": fp8.fp8_scaled_linear,
 }
 
 

@@ -14,11 +14,13 @@ fp8_scaled    ``weight`` e4m3 [N, K], ``weight_scale`` fp32 [1] or [N], ``input_
               or None (dynamic per-token activations), ``bias``
 ============  =========================================================================
 
-Core's kernels here run each scheme in PyTorch (kvik.quantization.fp8_reference): the default of
-every platform, the CPU's FP8 path and the oracle of faster kernels. A platform with its own
-function of a scheme's signature (``fp8_block_linear(x, weight, weight_scale, bias)``,
-``fp8_scaled_linear(x, weight, weight_scale, input_scale, bias)``) wraps it in the same class:
-``Fp8BlockKernel(my_triton_fp8_block_linear)``. A kernel that repacks the weights (the CPU's AMX
+Core's FP8 kernels call the custom ops ``torch.ops.kvik.fp8_block_linear`` and
+``fp8_scaled_linear`` (kvik.quantization.ops), opaque to ``torch.compile``, whose default
+implementations run each scheme in PyTorch (kvik.quantization.fp8_reference): the CPU's FP8 path
+and the oracle of faster kernels. A platform registers its own function of the scheme's signature
+(``fp8_block_linear(x, weight, weight_scale, bias)``, ``fp8_scaled_linear(x, weight,
+weight_scale, input_scale, bias)``) for its device key (kvik_cuda does), or wraps it in the same
+class: ``Fp8BlockKernel(my_fp8_block_linear)``. A kernel that repacks the weights (the CPU's AMX
 layout) overrides ``process_weights_after_loading``.
 """
 
@@ -27,10 +29,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kvik.quantization import fp8_reference
+import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 
 UNQUANTIZED = "unquantized"
 FP8_BLOCK = "fp8_block"
@@ -79,7 +82,8 @@ class Fp8BlockKernel(_FunctionKernel):
 
     scheme = FP8_BLOCK
 
-    def __init__(self, function: Callable[..., Tensor] = fp8_reference.fp8_block_linear) -> None:
+    def __init__(self, function: Callable[..., Tensor] | None = None) -> None:
+        function = function or torch.ops.kvik.fp8_block_linear
         super().__init__(function)
 
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
@@ -91,7 +95,8 @@ class Fp8ScaledKernel(_FunctionKernel):
 
     scheme = FP8_SCALED
 
-    def __init__(self, function: Callable[..., Tensor] = fp8_reference.fp8_scaled_linear) -> None:
+    def __init__(self, function: Callable[..., Tensor] | None = None) -> None:
+        function = function or torch.ops.kvik.fp8_scaled_linear
         super().__init__(function)
 
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
