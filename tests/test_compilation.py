@@ -15,6 +15,13 @@ from tiny_models import ragged_prompts
 from kvik import LLM, SamplingParams
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_models():
+    # Dynamo's caches hold every compiled model (and its engine's KV cache) until reset.
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     # One for the module: the first engine points inductor's caches there for the process.
@@ -26,7 +33,9 @@ def test_compiled_model_gives_the_eager_tokens(kind, tiny_model, cache_dir):
     folder = tiny_model(kind)
     prompts = [{"prompt_token_ids": p} for p in ragged_prompts(5, seed=3)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, max_num_seqs=4)
+    common = dict(
+        dtype="float32", device="cpu", max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=64
+    )
 
     eager = LLM(str(folder), enforce_eager=True, **common)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
@@ -86,7 +95,9 @@ def test_compiled_fp8_model_calls_the_fp8_op_and_gives_the_eager_tokens(
     folder = str(tiny_model("llama"))
     prompts = [{"prompt_token_ids": p} for p in ragged_prompts(3, seed=5)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    common = dict(dtype="float32", device="cpu", quantization="fp8", max_num_seqs=4)
+    common = dict(
+        dtype="float32", device="cpu", quantization="fp8", max_num_seqs=4, num_kv_blocks=64
+    )
     eager = LLM(folder, enforce_eager=True, **common)
     expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     del eager
