@@ -117,3 +117,22 @@ def test_compiled_fp8_model_calls_the_fp8_op_and_gives_the_eager_tokens(
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
     assert llm.engine.runner.step_runner.compiled.backend.num_graphs_traced == 1
+
+
+def test_a_compiled_engine_is_freed_when_dropped(tiny_model, cache_dir):
+    """Dynamo's cache outlives the engine (it keeps the compiled pieces and their backend); it must
+    not keep the engine, its model or its KV cache alive."""
+    import gc
+    import weakref
+
+    config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    llm = LLM(
+        str(tiny_model("llama")), dtype="float32", device="cpu", num_kv_blocks=64,
+        compilation_config=config,
+    )  # fmt: skip
+    assert llm.engine.runner.step_runner.compiled.backend.num_graphs_traced == 1
+    runner = weakref.ref(llm.engine.runner)
+    kv_cache = weakref.ref(next(iter(llm.engine.runner.attention_layers.values())).kv_cache)
+    del llm
+    gc.collect()
+    assert runner() is None and kv_cache() is None

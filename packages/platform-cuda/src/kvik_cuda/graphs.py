@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,10 @@ class CudaGraphStepRunner(StepRunner):
         compilation = runner.config.compilation
         self.piecewise = PiecewiseGraphs() if compilation.piecewise_graphs else None
         super().__init__(runner)  # compiles the model, wrapping its pieces (wrap_piece)
+        if self.piecewise is not None:
+            # The compiled pieces live on in dynamo's cache after the engine is gone: release
+            # their graphs (and the pool's memory) with this runner.
+            weakref.finalize(self, self.piecewise.clear)
         sizes = sorted(s for s in compilation.cudagraph_capture_sizes if s <= runner.max_num_seqs)
         self.capture_sizes = sizes if compilation.full_graphs else []
         # A piecewise step has two or more tokens (a single token runs eagerly: kvik.compilation).

@@ -16,9 +16,11 @@ dynamo's trace of the model is redone at each start.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -75,11 +77,20 @@ class PiecewiseBackend:
     it as traced, ``use_inductor=False``), wrap it with ``wrap_piece``."""
 
     def __init__(self, wrap_piece: PieceWrapper | None = None, use_inductor: bool = True) -> None:
-        self.wrap_piece = wrap_piece
+        # Dynamo's cache keeps this backend (and what it compiled) for the life of the process;
+        # a bound method is held weakly so that it does not keep its engine alive with it.
+        if inspect.ismethod(wrap_piece):
+            wrap_piece = weakref.WeakMethod(wrap_piece)
+        self._wrap_piece = wrap_piece
         self.use_inductor = use_inductor
         self.num_pieces = 0
         self.compile_seconds = 0.0
         self.num_graphs_traced = 0
+
+    @property
+    def wrap_piece(self) -> PieceWrapper | None:
+        wrap = self._wrap_piece
+        return wrap() if isinstance(wrap, weakref.WeakMethod) else wrap
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list) -> Callable:
         started = time.perf_counter()
@@ -88,11 +99,11 @@ class PiecewiseBackend:
         self.num_pieces = len(pieces)
         if self.use_inductor:
             self._compile_pieces(gm, split, set(pieces))
-        if self.wrap_piece is not None:
+        wrap_piece = self.wrap_piece
+        if wrap_piece is not None:
             for index, name in enumerate(pieces):
-                setattr(
-                    split, name, _Piece(self.wrap_piece(getattr(split, name), index, len(pieces)))
-                )
+                wrapped = wrap_piece(getattr(split, name), index, len(pieces))
+                setattr(split, name, _Piece(wrapped))
         self.compile_seconds += time.perf_counter() - started
         logger.info(
             "compiled the model in %d pieces split at attention in %.1f s",
