@@ -23,7 +23,7 @@ from kvik.layers.linear import Linear, MergedColumnLinear
 from kvik.layers.moe import FusedMoE, expert_shard
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
-from kvik_models.llama import LlamaAttention, LlamaForCausalLM, head_size
+from kvik_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_size
 
 
 @dataclass(frozen=True)
@@ -73,25 +73,16 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer (its forward: the residual add fused into the next norm) over the
+    attention and the MoE block it is given."""
+
     def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # LlamaDecoderLayer's builds a dense MLP
         self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, positions: Tensor, hidden: Tensor, residual: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        # As LlamaDecoderLayer: the residual add is fused into the next norm.
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
 
 
 class MoeModel(nn.Module):
