@@ -219,6 +219,69 @@ class CompilationConfig:
         return self.mode == COMPILATION_MODE_PIECEWISE
 
 
+#: How the ranks of one engine run: in the engine core's process ("uni", one rank) or one process
+#: per rank on this host ("mp"), as vLLM's ``--distributed-executor-backend``.
+DistributedExecutorBackend = Literal["uni", "mp"]
+DISTRIBUTED_EXECUTOR_BACKENDS: tuple[str, ...] = get_args(DistributedExecutorBackend)
+
+
+@dataclass
+class ParallelConfig:
+    """How many ranks run the model and how they are launched."""
+
+    tensor_parallel_size: int = 1
+    #: None: "uni" for one rank, "mp" for more.
+    distributed_executor_backend: DistributedExecutorBackend | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(
+                "distributed_executor_backend must be one of "
+                f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, got {backend!r}"
+            )
+        if backend == "uni" and tp > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; tensor_parallel_size={tp} "
+                "needs 'mp'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
+#: Which library turns a grammar into token masks (``--structured-outputs-backend``).
+StructuredOutputsBackend = Literal["xgrammar", "guidance"]
+STRUCTURED_OUTPUTS_BACKENDS: tuple[str, ...] = get_args(StructuredOutputsBackend)
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Engine-wide settings of constrained decoding."""
+
+    backend: StructuredOutputsBackend = "xgrammar"
+    #: The reasoning parser's name (``--reasoning-parser``, e.g. "qwen3", "deepseek_r1"): a
+    #: request's grammar starts constraining only after the model's reasoning has ended.
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(
+                "structured outputs backend must be one of "
+                f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {self.backend!r}"
+            )
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
@@ -236,3 +299,7 @@ class EngineConfig:
     #: How the layers call the small ops; None lets the platform decide (the runner then records
     #: its choice here).
     ops_dispatch: OpsDispatch | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    #: Speculative decoding (kvik.spec_decode.config.SpeculativeConfig); None: off.
+    speculative: Any = None

@@ -31,6 +31,56 @@ def _str_list(name: str, value: Any) -> list[str]:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one of the kinds is set: ``json`` (a JSON schema, as a dict or its text),
+    ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings) or ``grammar``
+    (EBNF). The engine compiles it and masks the logits so that every output follows it.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    #: Forbid whitespace between JSON tokens that the schema does not need.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in self._KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(kinds) if kinds else 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(
+                f"structured_outputs.json must be a schema (dict or str), got {self.json!r}"
+            )
+        if type(self.json_object) is not bool:
+            raise ValueError(
+                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}"
+                )
+        if self.choice is not None:
+            self.choice = _str_list("structured_outputs.choice", self.choice)
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must not be empty")
+
+    _KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in self._KINDS if getattr(self, name) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """How to sample the completion of one prompt (see vLLM's ``SamplingParams``).
 
@@ -58,6 +108,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 

@@ -1,0 +1,1 @@
+"""Ranks and their process groups (torch.distributed: NCCL on GPUs, gloo on CPUs)."""
