@@ -136,3 +136,25 @@ def test_a_compiled_engine_is_freed_when_dropped(tiny_model, cache_dir):
     del llm
     gc.collect()
     assert runner() is None and kv_cache() is None
+
+
+def test_many_compiled_models_of_one_class_in_one_process():
+    """Each compiled model keeps dynamo's entries on a code object of its own: the ninth model of
+    one class (dynamo's recompile_limit is 8 per code object) compiles like the first."""
+    from kvik.compilation.piecewise import CompiledModel
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 8)
+            torch.nn.init.normal_(self.embed.weight, generator=torch.Generator().manual_seed(seed))
+
+        def forward(self, input_ids, positions):
+            return self.embed(input_ids) * (positions[:, None] + 1)
+
+    ids, pos = torch.tensor([1, 2, 3]), torch.tensor([0, 1, 2])
+    for seed in range(10):
+        model = Tiny(seed)
+        compiled = CompiledModel(model, use_inductor=False)
+        torch.testing.assert_close(compiled(ids, pos), model(ids, pos))
+        assert compiled.backend.num_graphs_traced == 1

@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import time
+import types
 import weakref
 from collections.abc import Callable
 
@@ -174,7 +175,9 @@ class CompiledModel:
         self.backend = PiecewiseBackend(wrap_piece, use_inductor)
         if cache_dir:
             use_cache_dir(cache_dir)
-        self._compiled = torch.compile(model, backend=self.backend, dynamic=True, fullgraph=True)
+        self._compiled = torch.compile(
+            _private_forward(), backend=self.backend, dynamic=True, fullgraph=True
+        )
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] < 2:
@@ -183,4 +186,20 @@ class CompiledModel:
         torch._dynamo.mark_dynamic(positions, 0)
         # Module attributes that are floats (norm epsilons) stay constants in the graph.
         with torch._dynamo.config.patch(specialize_float=True):
-            return self._compiled(input_ids, positions)
+            return self._compiled(self.model, input_ids, positions)
+
+
+def _forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return model(input_ids, positions)
+
+
+def _private_forward() -> Callable:
+    """``_forward`` with a code object of its own.
+
+    Dynamo keeps its compiled entries (and their guards) on the code object of the function it
+    compiles, and allows each code object a few recompilations only (``recompile_limit``). Had every
+    engine compiled the model class's own ``forward``, the engines of one process would share one
+    code object: each new engine's model fails the earlier entries' guards and adds an entry, until
+    the ninth raises. A private copy of the code per compiled model gives each its own entries.
+    """
+    return types.FunctionType(_forward.__code__.replace(), _forward.__globals__, "_forward")
