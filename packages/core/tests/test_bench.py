@@ -407,14 +407,13 @@ def test_run_gpu_records_table_and_collect(tmp_path, capsys) -> None:
     rows = [line for line in text.splitlines() if line.startswith("| A") or line.startswith("| B")]
     assert len(rows) == 2
     assert rows[0].startswith(
-        "| A: batch 1, 128 in, 256 out | kvik | 200.0 | 100.0 (static cache) | 2.00x | 267 | 74."
+        "| A: batch 1, 128 in, 256 out | kvik | 200.0 | 400.0 | 100.0 (static cache) | 2.00x | 267 | 74."
     )
-    assert rows[1].startswith(
-        "| B: 256 prompts, 128 in, 1024 out | kvik | 20,000.0 | 2,500.0 | 8.00x | 27,"
-    )
+    assert rows[1].startswith("| B: 256 prompts, 128 in, 1024 out | kvik | 20,000.0 | ")
+    assert "| 2,500.0 | 8.00x | 27," in rows[1]
     # Without a peer, and on another device (the roofline is the H200's), cells stay empty.
     alone = dict(kvik_a, device="NVIDIA H100 80GB HBM3")
-    assert "| kvik | 200.0 | - | - | - | - |" in run_gpu.table([alone])
+    assert "| kvik | 200.0 | 400.0 | - | - | - | - |" in run_gpu.table([alone])
     # --collect files a device call's $OUT (skipping failed runs and other files) and prints the table.
     out = tmp_path / "out"
     for record in [*records, dict(records[3], system="kvik-x", error="exit 1: boom")]:
@@ -440,13 +439,15 @@ def test_run_gpu_options(capsys) -> None:
     assert run_gpu.check_kvik_args(["--no-async-scheduling", "--cudagraph-mode", "none"]) is None
     assert "--bogus" in run_gpu.check_kvik_args(["--bogus"])
     assert "load_format" in run_gpu.check_kvik_args(["--load-format", "safetensors"])
-    for bad in (["--workloads", "C"], ["--enforce-eagr"]):
+    for bad in (["--workloads", "D"], ["--enforce-eagr"]):
         with pytest.raises(SystemExit):
             run_gpu.parse_args(bad)
     capsys.readouterr()
     assert run_gpu.main(["--dry-run", "--no-async-scheduling", "--results-dir", ""]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("kvik bench throughput") == 2 and "--static-cache" in printed
+    # A, B and C for kvik; transformers for A (static cache) and B, not C.
+    assert printed.count("kvik bench throughput") == 3 and "--static-cache" in printed
+    assert printed.count("hf_generate_bench.py") == 2
     assert "--no-async-scheduling" in printed and "kvik-no-async-scheduling" in printed
 
 
@@ -494,3 +495,18 @@ def test_run_gpu_on_the_cpu(tiny_config, tmp_path, monkeypatch) -> None:
         assert record["workload"] == "B" and record["commit"] == git_commit(ROOT)
     assert records["kvik"]["engine_args"] == {}  # a headline row: the engine's defaults
     assert records["kvik"]["device"] == records["transformers"]["device"]
+
+
+def test_roofline_counts_fp8_weights_and_kv_cache_at_a_byte() -> None:
+    from kvik.bench.roofline import ModelCost, projection_parameter_count
+
+    config = json.loads((ROOT / "bench/models/llama-3.1-8b/config.json").read_text())
+    fp8 = dict(config, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    plain, quantized = ModelCost.from_config(config), ModelCost.from_config(fp8)
+    # Llama-3.1-8B: 6.98 G projection weights go from 2 bytes to 1; embeddings and LM head stay.
+    assert projection_parameter_count(config) == pytest.approx(6.98e9, rel=0.01)
+    assert plain.weight_bytes - quantized.weight_bytes == projection_parameter_count(config)
+    assert quantized.flop_per_token == plain.flop_per_token
+    assert ModelCost.from_config(config, kv_dtype_bytes=1).kv_bytes_per_token * 2 == (
+        plain.kv_bytes_per_token
+    )

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvik.config import kv_cache_torch_dtype
+
 
 @dataclass(frozen=True)
 class DeviceLimits:
@@ -150,16 +152,53 @@ class ModelCost:
     kv_bytes_per_token: int
 
     @classmethod
-    def from_config(cls, config: Any, dtype_bytes: int = 2) -> ModelCost:
+    def from_config(
+        cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None
+    ) -> ModelCost:
         """``config``: a config.json's dict or a transformers config (a Llama-family decoder;
-        Qwen3's q/k norms are counted)."""
+        Qwen3's q/k norms are counted). A checkpoint quantized to 8-bit weights (its
+        ``quantization_config``) reads a byte per decoder-layer projection weight; embeddings,
+        LM head and norms stay at ``dtype_bytes``. ``kv_dtype_bytes``: the KV cache's element size
+        (default ``dtype_bytes``; 1 for an FP8 cache)."""
         c = config if isinstance(config, Mapping) else config.to_dict()
         params = parameter_count(c)
         heads = c["num_attention_heads"]
         kv_heads = c.get("num_key_value_heads") or heads
         head = c.get("head_dim") or c["hidden_size"] // heads
-        kv = 2 * c["num_hidden_layers"] * kv_heads * head * dtype_bytes
-        return cls(params, params * dtype_bytes, 2 * params, kv)
+        kv = 2 * c["num_hidden_layers"] * kv_heads * head * (kv_dtype_bytes or dtype_bytes)
+        weight_bytes = params * dtype_bytes
+        if quantized_weight_bits(c) == 8:
+            weight_bytes -= projection_parameter_count(c) * (dtype_bytes - 1)
+        return cls(params, weight_bytes, 2 * params, kv)
+
+
+def quantized_weight_bits(config: Mapping[str, Any]) -> int | None:
+    """The bits of a quantized checkpoint's projection weights (8 for the FP8 formats kvik
+    reads), or None for an unquantized or unknown one."""
+    quant = config.get("quantization_config") or {}
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "fp8" or (method == "modelopt" and "FP8" in str(quant.get("quant_algo", ""))):
+        return 8
+    if method == "compressed-tensors":
+        bits = {
+            (group.get("weights") or {}).get("num_bits")
+            for group in (quant.get("config_groups") or {}).values()
+        }
+        return bits.pop() if len(bits) == 1 else None
+    return None
+
+
+def projection_parameter_count(config: Mapping[str, Any]) -> int:
+    """The parameters of the decoder layers' q/k/v/o and MLP projections (what quantization
+    formats store in fewer bits)."""
+    hidden = config["hidden_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head = config.get("head_dim") or hidden // heads
+    per_layer = (
+        hidden * head * (2 * heads + 2 * kv_heads) + 3 * hidden * config["intermediate_size"]
+    )
+    return config["num_hidden_layers"] * per_layer
 
 
 def parameter_count(config: Mapping[str, Any]) -> int:
@@ -298,8 +337,9 @@ def engine_model_cost(llm: Any) -> ModelCost | None:
     """The model's cost from the engine's loaded config, or None for one the formula does not
     describe (a config without a Llama-family decoder's keys)."""
     model = llm.config.model
+    cache_dtype = kv_cache_torch_dtype(llm.config.cache.cache_dtype, model.dtype)
     try:
-        return ModelCost.from_config(model.hf_config, model.dtype.itemsize)
+        return ModelCost.from_config(model.hf_config, model.dtype.itemsize, cache_dtype.itemsize)
     except (KeyError, TypeError, AttributeError):
         return None
 
