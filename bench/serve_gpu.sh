@@ -140,6 +140,8 @@ if result.get("roofline"):
     r = result["roofline"]
     print(f"roofline on {r['device']}: {100 * r['fraction']:.1f}% of the limit ({r['bound']})")
 checks = [("every request completed", result["failed"] == 0 and result["completed"] == result["num_prompts"])]
+# A stream that arrives in one chunk has a TPOT of 0: that is a broken stream, not a fast one.
+checks.append(("tokens streamed in separate chunks", result["median_tpot_ms"] > 0))
 if tpot_goal:
     checks.append((f"median TPOT < {tpot_goal} ms", result["median_tpot_ms"] < float(tpot_goal)))
 if ttft_goal:

@@ -172,3 +172,19 @@ def test_metrics_histograms_count_what_the_client_saw(server):
     assert 0 < run_of("ttft").sum <= sum(first for _, first, _ in seen)
     assert 0 < run_of("e2el").sum <= sum(e2e for _, _, e2e in seen)
     assert run_of("e2el").sum >= run_of("ttft").sum
+
+
+def test_a_token_without_text_yet_still_gets_its_chunk():
+    """Clients (and `kvik bench serve`) time tokens by chunks: a token whose text is still empty
+    (a character's first bytes, a stop string's possible start, a model without a tokenizer) is a
+    chunk; a step that gave a choice nothing is not."""
+    from kvik.outputs import CompletionOutput
+    from kvik_server.serving import _worth_a_chunk
+
+    def delta(text: str, token_ids: list[int], finish: str | None = None) -> CompletionOutput:
+        return CompletionOutput(0, text, token_ids, None, finish)
+
+    assert _worth_a_chunk(delta("", [17]))
+    assert _worth_a_chunk(delta(" Paris", [17]))
+    assert _worth_a_chunk(delta("", [], "stop"))
+    assert not _worth_a_chunk(delta("", []))

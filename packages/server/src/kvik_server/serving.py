@@ -92,8 +92,13 @@ class _Choice:
 
 
 def _worth_a_chunk(delta: CompletionOutput) -> bool:
-    """A chunk goes out only when it carries text, logprobs the client asked for, or the end."""
-    return bool(delta.text or delta.logprobs or delta.finish_reason is not None)
+    """A chunk goes out when it carries new tokens, text, logprobs the client asked for, or the
+    end; not for a step that produced nothing for this choice. A token whose text is still empty
+    (the first bytes of a character, or a model served without a tokenizer) gets its chunk, as in
+    vLLM: clients time tokens by chunks."""
+    return bool(
+        delta.token_ids or delta.text or delta.logprobs or delta.finish_reason is not None
+    )
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
