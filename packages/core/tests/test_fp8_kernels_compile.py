@@ -23,6 +23,7 @@ from kvik.triton_kernels.fp8_gemm import (  # noqa: E402
     fp8_block_gemv_kernel,
     fp8_gemm_kernel,
 )
+from kvik.triton_kernels.fp8_linear import CublasBlockwise  # noqa: E402
 from kvik.triton_kernels.fp8_quant import (  # noqa: E402
     GROUP_QUANT_GROUPS_PER_PROGRAM,
     GROUP_QUANT_WARPS,
@@ -210,6 +211,11 @@ def test_tuning_picks_by_rows() -> None:
     assert small == tuning.FP8_GEMM_SMALL_NARROW
     assert tuning.fp8_block_config("sm90", 16, 28672, 4096) == tuning.FP8_GEMM_SMALL
     assert tuning.fp8_block_config("sm100", 4096, 8192, 8192) == tuning.FP8_GEMM_LARGE
-    assert tuning.fp8_block_config("sm90", 4096, 8192, 8192) == tuning.FP8_GEMM_LARGE
+    # Hopper's cuBLAS blockwise scaling from FP8_CUBLAS_MIN_ROWS, the tiled kernel below it.
+    assert tuning.fp8_block_config("sm90", 4096, 8192, 8192) == CublasBlockwise(
+        tuning.FP8_GEMM_LARGE
+    )
+    below = tuning.fp8_block_config("sm90", tuning.FP8_CUBLAS_MIN_ROWS - 1, 8192, 8192)
+    assert below == tuning.FP8_GEMM_LARGE
     with pytest.raises(ValueError, match="NVIDIA"):
         tuning.fp8_gemm_config("gfx942", 4096, 8192, 8192)

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
+from kvik.triton_kernels.fp8_linear import CublasBlockwise
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -116,13 +117,21 @@ def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
     return FP8_GEMV_CANDIDATES["n8 g4 pre"]
 
 
-def fp8_block_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
-    """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows.
-
-    cuBLAS's blockwise scaling (``CublasBlockwise``) reached 72% of the FP8 peak at M = 4096,
-    N = K = 8192 on the H200 against 48% for the Triton tiled kernel, but in the engine (Llama-3.1-8B
-    shapes, prefill and decode batches of 128+ rows) cuBLAS answered CUBLAS_STATUS_NOT_SUPPORTED
-    for some product (docs/benchmarks.md, issue 14), so it is not chosen until that is understood."""
+def fp8_block_config(
+    arch: str, m: int, n: int, k: int
+) -> Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise:
+    """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows: the
+    GEMV for a few rows, the Triton tiled kernel up to ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise
+    scaling above (on Hopper). On the H200 with Llama-3.1-8B's projections, CUDA-graph timed
+    (docs/benchmarks.md), cuBLAS took 161 µs a layer's four products at 256 rows against the tiled
+    kernel's 244 and 3.68 ms against 5.44 at 8192 rows, while at 16 and 64 rows the tiled kernel
+    was as fast or faster."""
     if m <= FP8_GEMV_MAX_ROWS:
         return fp8_gemv_config(arch, n, k)
+    if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
+        return CublasBlockwise(fallback=fp8_gemm_config(arch, m, n, k))
     return fp8_gemm_config(arch, m, n, k)
+
+
+#: From this many rows block-FP8 products go to cuBLAS's blockwise scaling (``fp8_block_config``).
+FP8_CUBLAS_MIN_ROWS = 128

@@ -57,13 +57,27 @@ def cublas_block_matmul(
     x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None
 ) -> Tensor:
     """x bf16 [M, K] -> [M, N] on cuBLAS: activation scales written column-major (tokens
-    contiguous) and the weight scales transposed, the layouts it takes; the bias added after."""
-    q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
+    contiguous) and the weight scales transposed, the layouts it takes; the bias added after.
+
+    cuBLAS refuses (CUBLAS_STATUS_NOT_SUPPORTED) the blockwise product when M is not a multiple of
+    4, as the H200 showed for every such M from 1 to 257 (docs/benchmarks.md), and torch insists
+    that the column-major scales' stride is M itself, so such inputs get zero rows appended (their
+    scales are those of zeros) and the result drops them."""
+    m = x.shape[0]
+    padded = x if m % CUBLAS_BLOCKWISE_ROW_MULTIPLE == 0 else F.pad(
+        x, (0, 0, 0, -m % CUBLAS_BLOCKWISE_ROW_MULTIPLE)
+    )  # fmt: skip
+    q, scales = per_token_group_quant_fp8(padded, column_major_scales=True)
     out = F.scaled_mm(
         q, weight.t(), scales, F.ScalingType.BlockWise1x128, weight_scale.t(),
         F.ScalingType.BlockWise128x128, output_dtype=x.dtype,
     )  # fmt: skip
+    out = out if padded is x else out[:m]
     return out if bias is None else out.add_(bias)
+
+
+#: cuBLAS's blockwise-scaled products take row counts in fours only.
+CUBLAS_BLOCKWISE_ROW_MULTIPLE = 4
 
 
 def fp8_block_linear(
