@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 from kvik.platforms.base import Platform
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from kvik.config import EngineConfig
     from kvik.quantization.kernels import LinearKernel
-    from kvik.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 GiB = 1024**3
@@ -220,50 +220,38 @@ class CudaPlatform(Platform):
                 "CUDA (install one, or choose another device with --device / KVIK_DEVICE)"
             )
 
-    @classmethod
-    def kv_cache_bytes(cls, config: EngineConfig, runner: ModelRunner) -> int:
-        """What a profiling step leaves of ``gpu_memory_utilization`` of the GPU's memory.
+    # The worker sizes the KV cache from a profiling step (kvik.worker.memory_profiling).
+    profiles_memory = True
 
-        The model is loaded; one step of ``max_num_batched_tokens`` dummy tokens (sampling
-        ``max_num_seqs`` rows) measures torch's peak allocation, and memory outside torch's
-        allocator (the CUDA context, other processes) is counted from the driver's free memory.
-        """
+    @classmethod
+    def device_memory_info(cls, device: torch.device) -> tuple[int, int]:
         import torch
 
-        device = runner.device
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)
+
+    @classmethod
+    def reset_peak_memory(cls, device: torch.device) -> None:
+        import torch
+
         torch.cuda.reset_peak_memory_stats(device)
-        runner.profile_run(
-            config.scheduler.max_num_batched_tokens,
-            config.scheduler.max_num_seqs,
-            config.model.max_model_len,
-        )
-        torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device)
+
+    @classmethod
+    def peak_memory_bytes(cls, device: torch.device) -> int:
+        import torch
+
+        return torch.cuda.max_memory_allocated(device)
+
+    @classmethod
+    def reserved_memory_bytes(cls, device: torch.device) -> int:
+        import torch
+
+        return torch.cuda.memory_reserved(device)
+
+    @classmethod
+    def empty_cache(cls, device: torch.device) -> None:
+        import torch
+
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        outside_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-        # CUDA graphs hold their pool and executable graphs for the engine's life: a trial capture
-        # measures them before the KV cache takes the rest.
-        graphs = runner.step_runner.reserved_memory_bytes()
-        limit = total * config.cache.gpu_memory_utilization
-        budget = int(limit - peak - outside_torch - graphs)
-        logger.info(
-            "memory profile: %.2f GiB of %.2f GiB allowed (gpu_memory_utilization=%.2f); peak "
-            "%.2f GiB in torch, %.2f GiB outside it, %.2f GiB for CUDA graphs; KV cache %.2f GiB",
-            limit / GiB, total / GiB, config.cache.gpu_memory_utilization, peak / GiB,
-            outside_torch / GiB, graphs / GiB, budget / GiB,
-        )  # fmt: skip
-        if budget <= 0:
-            raise ValueError(
-                f"no memory is left for the KV cache: gpu_memory_utilization="
-                f"{config.cache.gpu_memory_utilization} allows {limit / GiB:.2f} GiB of the GPU's "
-                f"{total / GiB:.2f} GiB, and the model's profiling step peaked at {peak / GiB:.2f} "
-                f"GiB with {outside_torch / GiB:.2f} GiB used outside torch; raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
-            )
-        return budget
 
     @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type:

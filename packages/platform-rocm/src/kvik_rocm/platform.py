@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvik.platforms.base import Platform
+
+if TYPE_CHECKING:
+    import torch
 
 #: GCN architecture -> (product family, CDNA generation).
 ARCHITECTURES = {
@@ -87,6 +90,12 @@ class RocmPlatform(Platform):
         import torch
 
         return torch.cuda.mem_get_info(0)[0]
+
+    @classmethod
+    def device_memory_info(cls, device: torch.device) -> tuple[int, int]:
+        import torch
+
+        return torch.cuda.mem_get_info(device)
 
     @classmethod
     def on_selected(cls) -> None:

@@ -23,7 +23,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, positional_model: bool
     if positional_model:
         group.add_argument("model_positional", nargs="?", metavar="MODEL", help="same as --model")
     for spec in option_specs(EngineArgs):
-        group.add_argument(spec.flag, dest=spec.name, **_argparse_kwargs(spec))
+        group.add_argument(spec.flag, *spec.aliases, dest=spec.name, **_argparse_kwargs(spec))
 
 
 def _argparse_kwargs(spec: OptionSpec) -> dict[str, Any]:

@@ -21,10 +21,12 @@ from kvik.config import (
     CacheConfig,
     CompilationConfig,
     CudagraphMode,
+    DistributedExecutorBackend,
     EngineConfig,
     KvCacheDtype,
     LoadFormat,
     OpsDispatch,
+    ParallelConfig,
     SchedulingPolicy,
     default_capture_sizes,
     default_compile_cache_dir,
@@ -137,6 +139,16 @@ class EngineArgs:
         "plain calls); default: the platform's choice",
     )
     enable_nvtx: bool = option(False, "NVTX ranges around each step's phases (for nsys)")
+    tensor_parallel_size: int = option(
+        1,
+        "ranks that share each layer's weights and heads (one process and device each)",
+        aliases=("-tp",),
+    )
+    distributed_executor_backend: DistributedExecutorBackend | None = option(
+        None,
+        "how ranks run: uni (one rank, in the engine core's process) or mp (one process per "
+        "rank on this host); default: uni for one rank, mp for more",
+    )
     generation_config: str = option(
         "auto",
         "where requests' unset sampling options come from: auto (the model's generation "
@@ -159,7 +171,11 @@ class EngineArgs:
         return cls(**options)
 
     def _check_ranges(self) -> None:
-        _check_positive(max_num_seqs=self.max_num_seqs, block_size=self.block_size)
+        _check_positive(
+            max_num_seqs=self.max_num_seqs,
+            block_size=self.block_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
         _check_positive(
             max_num_batched_tokens=self.max_num_batched_tokens,
             num_kv_blocks=self.num_kv_blocks,
@@ -180,6 +196,10 @@ class EngineArgs:
 
         # Fields may have been set after construction: check them again.
         self.__post_init__()
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
         platform = select_platform(self.device)
         compilation = self._compilation_config(platform.graph_support != "none")
         model_config = load_model_config(
@@ -229,6 +249,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             enable_nvtx=self.enable_nvtx,
             ops_dispatch=self.ops_dispatch,
+            parallel=parallel,
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:

@@ -1,4 +1,6 @@
-"""EngineCore: the scheduler, the KV cache manager and the model runner, driven one step at a time.
+"""EngineCore: the scheduler, the KV cache manager and the executor of the model's ranks, driven
+one step at a time. The executor (kvik.executor) runs each step on every rank's worker and hands
+back rank 0's sampled tokens.
 
 Synchronous scheduling: each ``step()`` schedules, runs and collects one step.
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvik.config import EngineConfig
+from kvik.executor import Executor, executor_class
 from kvik.kv_cache.manager import KVCacheManager
 from kvik.platforms.selection import select_platform
 from kvik.request import Request
@@ -32,7 +35,8 @@ from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
     from kvik.platforms.base import Platform
-    from kvik.worker.model_runner import ModelRunnerOutput, PendingStep
+    from kvik.executor.base import PendingOutput
+    from kvik.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,7 @@ class _InFlight:
     """A launched step that has not been collected."""
 
     scheduler_output: SchedulerOutput
-    pending: PendingStep
+    pending: PendingOutput
 
 
 class EngineCore:
@@ -53,20 +57,26 @@ class EngineCore:
         platform: type[Platform] | None = None,
         runner: Any = None,
     ) -> None:
-        """``platform`` and ``runner`` default to the selected platform and a ``ModelRunner``
-        built on it; tests pass their own (a fake device)."""
+        """``platform`` defaults to the selected platform, the executor to the kind
+        ``config.parallel`` names. ``runner``: a model runner for one in-process rank (tests pass
+        a fake device)."""
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
         self.platform.on_selected()
         self.platform.check_and_update_config(config)
-        self.platform.seed_everything(config.model.seed)
-        if runner is None:
-            from kvik.worker.model_runner import ModelRunner
+        if runner is not None:
+            from kvik.executor.uniproc import UniProcExecutor
 
-            runner = ModelRunner(config, self.platform)
-        self.runner = runner
-        self.num_kv_blocks = self._num_kv_blocks()
-        self.runner.initialize_kv_cache(self.num_kv_blocks)
+            self.executor: Executor = UniProcExecutor(config, self.platform, runner=runner)
+        else:
+            self.executor = executor_class(config)(config, self.platform)
+        try:
+            self.num_kv_blocks = self._num_kv_blocks()
+            self.executor.initialize_kv_cache(self.num_kv_blocks)
+            self.rank0 = self.executor.describe()
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.kv_cache_manager = KVCacheManager(
             self.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -76,11 +86,15 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self._in_flight: _InFlight | None = None
         logger.info(
-            "engine ready on %s: %d KV blocks of %d tokens, attention %s, %s scheduling",
+            "engine ready on %s (%d rank%s, %s executor): %d KV blocks of %d tokens, "
+            "attention %s, %s scheduling",
             self.platform.name,
+            self.executor.world_size,
+            "s" if self.executor.world_size > 1 else "",
+            self.executor.name,
             self.num_kv_blocks,
             config.cache.block_size,
-            self.runner.backend.name,
+            self.rank0["attention_backend"],
             "asynchronous" if self.async_scheduling else "synchronous",
         )
 
@@ -98,13 +112,7 @@ class EngineCore:
 
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
-        if cache.num_blocks is not None:
-            num_blocks = cache.num_blocks
-        else:
-            budget = cache.kv_cache_memory_bytes or self.platform.kv_cache_bytes(
-                self.config, self.runner
-            )
-            num_blocks = budget // self.runner.kv_cache_bytes_per_block()
+        num_blocks = self.executor.determine_num_kv_blocks()
         # Every request must fit alone, or it could wait forever.
         needed = -(-self.config.model.max_model_len // cache.block_size)
         if num_blocks < needed:
@@ -114,6 +122,24 @@ class EngineCore:
                 "give the cache more memory or lower max_model_len"
             )
         return num_blocks
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner of an in-process rank (``uni``): what tests and tools inspect."""
+        runner = getattr(self.executor, "model_runner", None)
+        if runner is None:
+            raise AttributeError(
+                f"the {self.executor.name!r} executor runs its model runners in other processes"
+            )
+        return runner
+
+    def check_health(self) -> None:
+        """Raise when a rank is gone (``kvik.executor.RankFailedError``)."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the executor's ranks; the engine cannot step afterwards. Safe to call twice."""
+        self.executor.shutdown()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -136,7 +162,7 @@ class EngineCore:
         """
         if not self.async_scheduling:
             scheduler_output = self._schedule()
-            runner_output = self.runner.execute_model(scheduler_output)
+            runner_output = self.executor.execute_model(scheduler_output)
             return self._update(scheduler_output, runner_output)
 
         outputs: list[EngineCoreOutput] = []
@@ -153,7 +179,7 @@ class EngineCore:
             or scheduler_output.finished_req_ids
             or scheduler_output.preempted_req_ids
         ):
-            self._in_flight = _InFlight(scheduler_output, self.runner.launch(scheduler_output))
+            self._in_flight = _InFlight(scheduler_output, self.executor.launch(scheduler_output))
         if previous is not None:
             outputs.extend(self._collect(previous))
         return outputs

@@ -9,7 +9,8 @@ Wire format (msgspec msgpack), each message a ``(kind, payload)`` pair:
   before the process exits on an exception.
 
 The loop blocks on its input socket while there is no work, so an idle engine costs no CPU; it
-wakes once a second to leave if its parent has died.
+wakes once a second to leave if its parent has died, and to fail (an ``error`` message, then exit)
+if one of its executor's ranks has died.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     output_socket = context.socket(zmq.PUSH)
     output_socket.setsockopt(zmq.SNDHWM, 0)
     output_socket.connect(output_address)
+    engine = None
     try:
         from kvik.engine.core import EngineCore
 
@@ -125,24 +127,19 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         output_socket.send(encode("error", message))
         raise SystemExit(1) from e
     finally:
+        if engine is not None:
+            engine.shutdown()  # the executor's rank processes, if any, end with the core
         output_socket.close(linger=1000)
         input_socket.close(linger=0)
         context.term()
 
 
 def _ready_info(engine: Any) -> dict[str, Any]:
-    from kvik.bench.common import device_name
-
-    platform = engine.platform
-    try:  # asked here, where the device is already in use (the front end never touches it)
-        device = device_name(platform.device_type)
-    except Exception as e:  # a platform torch cannot name: say so rather than fail the start
-        device = f"unknown ({type(e).__name__})"
     return {
         "pid": os.getpid(),
         "num_kv_blocks": engine.num_kv_blocks,
-        "platform": platform.name,
-        "device": device,
+        "platform": engine.platform.name,
+        "device": engine.rank0["device"],  # rank 0's, named in its own process
         "dtype": str(engine.config.model.dtype).removeprefix("torch."),
     }
 
@@ -172,6 +169,8 @@ class EngineCoreProc:
             while not self.input.poll(_PARENT_CHECK_MS):
                 if not self._parent_alive():
                     return
+                # An idle engine notices a lost rank too, not only at its next step.
+                self.engine.check_health()
         while self.running and self.input.poll(0):
             kind, payload = _input_decoder.decode(self.input.recv())
             if kind == "add":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -37,7 +38,14 @@ class LLM:
         self.input_processor = InputProcessor(self.config.model)
         self.output_processor = OutputProcessor(self.input_processor.tokenizer)
         self.engine = EngineCore(self.config)
+        # The engine's rank processes (``mp``) end with this object, or at the latest with the
+        # interpreter; ``shutdown()`` ends them now.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine (its rank processes, if any); the LLM cannot generate afterwards."""
+        self._finalizer()
 
     @property
     def stats(self) -> SchedulerStats:

@@ -16,12 +16,25 @@ from functools import cache
 from typing import Any, Literal
 
 
-def option(default: Any, help: str, *, metavar: str | None = None, choices=None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    metavar: str | None = None,
+    choices=None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     """A field of an options dataclass: its default and the help text its flag shows.
 
     ``choices`` lists the accepted names where the type cannot (a ``Literal`` type gives them
-    itself); ``metavar`` names the value in ``--help``."""
-    metadata = {"help": help, "metavar": metavar, "choices": tuple(choices) if choices else None}
+    itself); ``metavar`` names the value in ``--help``; ``aliases`` are more flags for it
+    (vLLM's short ones, e.g. ``-tp``)."""
+    metadata = {
+        "help": help,
+        "metavar": metavar,
+        "choices": tuple(choices) if choices else None,
+        "aliases": tuple(aliases),
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -39,6 +52,7 @@ class OptionSpec:
     choices: tuple[Any, ...] | None = None
     item: type | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()
 
     @property
     def flag(self) -> str:
@@ -80,6 +94,7 @@ def option_specs(cls: type) -> tuple[OptionSpec, ...]:
                 choices=choices,
                 item=item,
                 metavar=f.metadata.get("metavar"),
+                aliases=f.metadata.get("aliases", ()),
             )
         )
     return tuple(specs)

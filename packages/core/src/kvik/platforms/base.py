@@ -11,7 +11,6 @@ if TYPE_CHECKING:
 
     from kvik.config import EngineConfig, OpsDispatch
     from kvik.quantization.kernels import LinearKernel
-    from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_runner import StepRunner
 
 #: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
@@ -69,7 +68,8 @@ class Platform:
         raise NotImplementedError
 
     @classmethod
-    def device(cls, index: int = 0) -> torch.device:
+    def device(cls, index: int) -> torch.device:
+        """The torch device of local rank ``index`` (each rank's worker asks for its own)."""
         import torch
 
         return (
@@ -96,11 +96,33 @@ class Platform:
         """How much memory the KV cache gets when the user gives no size."""
         return int(cls.free_memory_bytes() * MEMORY_UTILIZATION)
 
+    #: Whether a worker sizes the KV cache by profiling a step on the device (accelerators, which
+    #: then answer the memory questions below) rather than from ``default_kv_cache_bytes``.
+    profiles_memory: ClassVar[bool] = False
+
     @classmethod
-    def kv_cache_bytes(cls, config: EngineConfig, runner: ModelRunner) -> int:
-        """The KV cache's budget when the user gives no size, asked once the model is loaded (an
-        accelerator platform profiles a forward pass with ``runner.profile_run`` here)."""
-        return cls.default_kv_cache_bytes(config)
+    def device_memory_info(cls, device: torch.device) -> tuple[int, int]:
+        """(free, total) bytes of ``device`` as the driver counts them."""
+        return cls.free_memory_bytes(), cls.total_memory_bytes()
+
+    @classmethod
+    def reset_peak_memory(cls, device: torch.device) -> None:
+        """Forget the allocator's peak on ``device`` (before a profiling step)."""
+        raise NotImplementedError(f"platform {cls.name} does not profile memory")
+
+    @classmethod
+    def peak_memory_bytes(cls, device: torch.device) -> int:
+        """The allocator's peak allocation on ``device`` since ``reset_peak_memory``."""
+        raise NotImplementedError(f"platform {cls.name} does not profile memory")
+
+    @classmethod
+    def reserved_memory_bytes(cls, device: torch.device) -> int:
+        """What the allocator holds from the driver on ``device`` (cached blocks included)."""
+        raise NotImplementedError(f"platform {cls.name} does not profile memory")
+
+    @classmethod
+    def empty_cache(cls, device: torch.device) -> None:
+        """Give the allocator's cached blocks back to the driver."""
 
     @classmethod
     def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:

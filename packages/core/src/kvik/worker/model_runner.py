@@ -117,10 +117,13 @@ class _RequestState:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
+    def __init__(
+        self, config: EngineConfig, platform: type[Platform], device: torch.device
+    ) -> None:
+        """``device``: the rank's own (its worker's ``platform.device(local_rank)``)."""
         self.config = config
         self.platform = platform
-        self.device = platform.device()
+        self.device = device
         self.block_size = config.cache.block_size
         model_config = config.model
         self.dtype = model_config.dtype
