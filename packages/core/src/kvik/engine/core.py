@@ -34,8 +34,8 @@ from kvik.scheduler.scheduler import Scheduler
 from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
-    from kvik.platforms.base import Platform
     from kvik.executor.base import PendingOutput
+    from kvik.platforms.base import Platform
     from kvik.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)

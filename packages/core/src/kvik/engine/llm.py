@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import weakref
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 

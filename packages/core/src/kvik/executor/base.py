@@ -63,7 +63,8 @@ class Executor(ABC):
         return self.collective_rpc("describe")[0]
 
     def check_health(self) -> None:
-        """Raise ``RankFailedError`` when a rank is gone."""
+        """Raise ``RankFailedError`` when a rank is gone (an in-process rank cannot be)."""
+        return None
 
     @abstractmethod
     def shutdown(self) -> None:

@@ -140,7 +140,9 @@ class MultiprocExecutor(Executor):
         while not self._replies.poll(100):
             self.check_health()
             if time.monotonic() > deadline:
-                self._fail(f"no rank answered in {RANK_TIMEOUT_S:.0f} s while waiting for {awaited}")
+                self._fail(
+                    f"no rank answered in {RANK_TIMEOUT_S:.0f} s while waiting for {awaited}"
+                )
         rank, kind, payload = _reply_decoder.decode(self._replies.recv())
         if kind == "error":
             self._fail(f"rank {rank} failed: {msgspec.msgpack.decode(payload)}")
