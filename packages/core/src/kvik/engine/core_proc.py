@@ -3,8 +3,8 @@
 Wire format (msgspec msgpack), each message a ``(kind, payload)`` pair:
 
 - front end -> core: ``("add", EngineCoreRequest)``, ``("abort", [request ids])``, ``("shutdown", None)``;
-- core -> front end: ``("ready", {"pid", "num_kv_blocks", "platform", "device", "dtype"})`` once
-  the engine is built (``device`` as torch names it, e.g. "NVIDIA H200"),
+- core -> front end: ``("ready", {"pid", "rank_pids", "num_kv_blocks", "platform", "device",
+  "dtype"})`` once the engine is built (``device`` as torch names it, e.g. "NVIDIA H200"),
   ``("outputs", EngineCoreOutputs)`` after every step (and after aborts), ``("error", message)``
   before the process exits on an exception.
 
@@ -137,6 +137,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
 def _ready_info(engine: Any) -> dict[str, Any]:
     return {
         "pid": os.getpid(),
+        "rank_pids": engine.executor.rank_pids,
         "num_kv_blocks": engine.num_kv_blocks,
         "platform": engine.platform.name,
         "device": engine.rank0["device"],  # rank 0's, named in its own process

@@ -10,6 +10,7 @@ executor may run its ranks in the engine core's process (``uni``), one process e
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -61,6 +62,11 @@ class Executor(ABC):
     def describe(self) -> dict[str, Any]:
         """Rank 0's device and attention backend."""
         return self.collective_rpc("describe")[0]
+
+    @property
+    def rank_pids(self) -> list[int]:
+        """The process of each rank, in rank order."""
+        return [os.getpid()] * self.world_size
 
     def check_health(self) -> None:
         """Raise ``RankFailedError`` when a rank is gone (an in-process rank cannot be)."""

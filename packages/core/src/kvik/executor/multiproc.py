@@ -77,10 +77,10 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d ranks ready in processes %s", self.world_size, self.pids)
+        logger.info("%d ranks ready in processes %s", self.world_size, self.rank_pids)
 
     @property
-    def pids(self) -> list[int]:
+    def rank_pids(self) -> list[int]:
         return [p.pid for p in self._processes]
 
     def _start_ranks(self) -> None:

@@ -1,0 +1,147 @@
+"""Executors on the CPU (gloo, two rank processes): the ``mp`` executor against ``uni``, the KV
+cache's size over ranks, and a rank killed in the middle of a request.
+
+Until the tensor-parallel layers shard the model, each rank runs the whole model: the tokens must
+still be the ones one rank samples, which tests the executor (the schedule each rank rebuilds, the
+tokens rank 0 sends back, asynchronous steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from kvik import LLM, SamplingParams
+from kvik.distributed.parallel_state import get_tp_group
+from kvik.engine.args import EngineArgs
+from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.core import EngineCore
+from kvik.engine.core_client import EngineDeadError
+from kvik_cpu.platform import CpuPlatform
+
+PROMPTS = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4]}]
+ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128, max_num_seqs=4)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize(("kind", "async_scheduling"), [("llama", True), ("qwen3", False)])
+def test_mp_executor_gives_the_tokens_of_one_rank(tiny_model, kind, async_scheduling):
+    folder = str(tiny_model(kind))
+    one = LLM(folder, async_scheduling=async_scheduling, **ENGINE)
+    expected = _greedy(one, 6)
+    one.shutdown()
+    two = LLM(folder, async_scheduling=async_scheduling, tensor_parallel_size=2, **ENGINE)
+    executor = two.engine.executor
+    assert executor.name == "mp" and executor.world_size == 2
+    pids = executor.rank_pids
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert _greedy(two, 6) == expected
+    # A second batch: the ranks' mirrors of finished requests were dropped, new ones sent.
+    assert _greedy(two, 3) == [tokens[:3] for tokens in expected]
+    two.shutdown()
+    assert not any(_alive(pid) for pid in pids)
+
+
+class RankSkewedCpuPlatform(CpuPlatform):
+    """The CPU, where rank r has a KV cache budget of 2^-r of rank 0's."""
+
+    name = "cpu-rank-skewed"
+    budget_bytes = 1 << 20
+
+    @classmethod
+    def default_kv_cache_bytes(cls, config) -> int:
+        return cls.budget_bytes >> get_tp_group().rank_in_group
+
+
+def test_kv_cache_blocks_are_the_least_over_ranks(tiny_model):
+    folder = tiny_model("llama")
+    hf = json.loads((folder / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    block_size = 16
+    # K and V, fp32, every layer.
+    per_block = 2 * block_size * hf["num_key_value_heads"] * head_dim * 4 * hf["num_hidden_layers"]
+    budget = RankSkewedCpuPlatform.budget_bytes
+    assert (budget // 2) // per_block < budget // per_block  # the ranks disagree
+    args = dict(ENGINE, num_kv_blocks=None, max_model_len=32, block_size=block_size)
+    config = EngineArgs(model=str(folder), tensor_parallel_size=2, **args).create_engine_config()
+    engine = EngineCore(config, platform=RankSkewedCpuPlatform)
+    try:
+        assert engine.num_kv_blocks == (budget // 2) // per_block
+        assert engine.kv_cache_manager.num_blocks == engine.num_kv_blocks
+    finally:
+        engine.shutdown()
+
+
+def test_killed_rank_fails_requests_and_shuts_down(tiny_model):
+    """Through the server's path: front end, engine core process, two rank processes."""
+
+    async def scenario() -> None:
+        args = EngineArgs(model=str(tiny_model("llama")), tensor_parallel_size=2, **ENGINE)
+        llm = await AsyncLLM.create(args)
+        info = llm.client.ready_info
+        core, ranks = llm.client.process, info["rank_pids"]
+        assert len(set(ranks)) == 2 and core.pid not in ranks
+        params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        seen = 0
+        killed_at = None
+        with pytest.raises(EngineDeadError, match="rank"):
+            async for output in llm.generate(PROMPTS[0], params, "r0"):
+                seen = len(output.outputs[0].token_ids)
+                if seen >= 3 and killed_at is None:
+                    os.kill(ranks[1], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        assert killed_at is not None and 3 <= seen < 100
+        # The engine core exits by itself, and takes rank 0 with it.
+        while core.is_alive() or any(_alive(pid) for pid in ranks):
+            assert time.monotonic() - killed_at < 30, "the engine did not shut down in 30 s"
+            await asyncio.sleep(0.1)
+        assert not llm.is_healthy
+        with pytest.raises(EngineDeadError):
+            async for _ in llm.generate(PROMPTS[1], params, "r1"):
+                pass
+        await llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(scenario(), 240))
+
+
+def test_killed_rank_fails_the_offline_llm(tiny_model):
+    from kvik.executor import RankFailedError
+
+    llm = LLM(str(tiny_model("qwen3")), tensor_parallel_size=2, **ENGINE)
+    engine, ranks = llm.engine, llm.engine.executor.rank_pids
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    _, token_ids, params = llm.input_processor.process(PROMPTS[0], params)
+    engine.add_request(
+        llm.input_processor.make_request("r0", token_ids, params, 0, time.monotonic())
+    )
+    for _ in range(3):
+        engine.step()
+    os.kill(ranks[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    with pytest.raises(RankFailedError, match="kvik-rank-0"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - killed_at < 30
+    assert not any(_alive(pid) for pid in ranks)
