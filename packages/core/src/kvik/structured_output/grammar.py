@@ -14,6 +14,9 @@ if TYPE_CHECKING:
 
 #: What an OpenAI ``json_object`` response format allows: any JSON object.
 _ANY_OBJECT_SCHEMA = '{"type": "object"}'
+#: The longest run of whitespace allowed between JSON tokens. Unbounded, a sampled model can
+#: loop on newlines and indentation until max_tokens; deeply indented JSON still fits.
+MAX_JSON_WHITESPACE = 32
 
 
 def grammar_key(params: StructuredOutputsParams) -> tuple[str, str, bool]:
@@ -54,7 +57,11 @@ def compile_grammar(compiler: Any, key: tuple[str, str, bool]) -> Any:
     kind, spec, disable_any_whitespace = key
     try:
         if kind in ("json", "json_object"):
-            return compiler.compile_json_schema(spec, any_whitespace=not disable_any_whitespace)
+            return compiler.compile_json_schema(
+                spec,
+                any_whitespace=not disable_any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE,
+            )
         if kind == "regex":
             return compiler.compile_regex(spec)
         if kind == "choice":
@@ -72,7 +79,11 @@ def check_grammar(params: StructuredOutputsParams) -> None:
     kind, spec, disable_any_whitespace = grammar_key(params)
     try:
         if kind in ("json", "json_object"):
-            xgr.Grammar.from_json_schema(spec, any_whitespace=not disable_any_whitespace)
+            xgr.Grammar.from_json_schema(
+                spec,
+                any_whitespace=not disable_any_whitespace,
+                max_whitespace_cnt=MAX_JSON_WHITESPACE,
+            )
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind == "choice":

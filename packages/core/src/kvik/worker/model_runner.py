@@ -495,11 +495,12 @@ class ModelRunner:
         those of the constrained distribution."""
         row_of = {r.request_id: row for row, r in enumerate(requests)}
         rows = [row_of[request_id] for request_id in grammar.request_ids]
-        bitmask = grammar.bitmask.to(logits.device, non_blocking=True)
-        if rows == list(range(len(requests))):
-            apply_token_bitmask(logits, bitmask)
-        else:
-            apply_token_bitmask(logits, bitmask, torch.tensor(rows, device=logits.device))
+        bitmask = grammar.bitmask
+        if rows != sorted(rows):
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            rows, bitmask = [rows[i] for i in order], bitmask[order]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, None if len(rows) == len(requests) else rows)
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
