@@ -28,9 +28,18 @@ def padded(tmp_path_factory):
     return padded_vocab_model(tmp_path_factory.mktemp("so-padded"))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_forbidding_the_greedy_token_changes_the_output(padded, async_scheduling):
-    llm = make_llm(padded, "cpu", async_scheduling=async_scheduling)
+@pytest.fixture(scope="module")
+def padded_llm(padded):
+    return make_llm(padded, "cpu", async_scheduling=False)
+
+
+def test_forbidding_the_greedy_token_changes_the_output(padded_llm):
+    check_forbidding_the_greedy_token_changes_the_output(padded_llm)
+
+
+def test_forbidding_the_greedy_token_with_asynchronous_scheduling(padded):
+    llm = make_llm(padded, "cpu", async_scheduling=True)
+    assert llm.engine.async_scheduling
     check_forbidding_the_greedy_token_changes_the_output(llm)
 
 
@@ -40,10 +49,10 @@ def test_allowing_everything_leaves_greedy_outputs_equal(tmp_path):
     )
 
 
-def test_sampled_choice_and_json_in_one_batch(padded):
+def test_sampled_choice_and_json_in_one_batch(padded_llm):
     """Constrained and unconstrained requests share steps; each constrained one follows its own
     grammar (masks are per row), sampled with seeds."""
-    llm = make_llm(padded, "cpu")
+    llm = padded_llm
     choices = ["alpha", "beta", "gamma"]
     params = [
         SamplingParams(
@@ -70,8 +79,8 @@ def test_sampled_choice_and_json_in_one_batch(padded):
         assert re.fullmatch(r"\{\"n\": [0-9]{1,3}\}", out.outputs[0].text)
 
 
-def test_bad_constraints_are_value_errors_and_the_engine_keeps_running(padded):
-    llm = make_llm(padded, "cpu")
+def test_bad_constraints_are_value_errors_and_the_engine_keeps_running(padded_llm):
+    llm = padded_llm
     for bad in (
         StructuredOutputsParams(regex="(unclosed"),
         StructuredOutputsParams(grammar="root ::= missing"),
@@ -83,11 +92,10 @@ def test_bad_constraints_are_value_errors_and_the_engine_keeps_running(padded):
     assert llm.generate(["a"], greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_a_grammar_failing_in_the_core_aborts_only_its_request(padded):
+def test_a_grammar_failing_in_the_core_aborts_only_its_request(padded_llm):
     """Past the front end's check (a request added to the core directly), a grammar that does
     not compile finishes its request as aborted; the others run."""
-    llm = make_llm(padded, "cpu")
-    core = llm.engine
+    core = padded_llm.engine
     bad = Request(
         "bad",
         [5, 6, 7],
