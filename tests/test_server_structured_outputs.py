@@ -101,16 +101,34 @@ def test_regex_and_choice(client):
     assert chat.choices[0].finish_reason == "stop"
 
 
-def test_json_object_in_completions(client):
+def test_response_format_in_completions_and_json_object_in_chat(client):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     completion = client.completions.create(
         model=MODEL,
         prompt='Status as JSON: {"ok": true}\nStatus as JSON: {"ok": false}\nStatus as JSON:',
-        max_tokens=60,
+        max_tokens=40,
         temperature=0.0,
-        extra_body={"response_format": {"type": "json_object"}},  # not a completions argument
+        # response_format is not an argument of the client's completions.create
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}},
     )
     assert completion.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(completion.choices[0].text), dict)
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": "Reply with a JSON object with the key ok set to true."}
+        ],
+        max_tokens=100,
+        temperature=0.0,
+        response_format={"type": "json_object"},
+    )
+    assert chat.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
 
 
 class City(pydantic.BaseModel):
