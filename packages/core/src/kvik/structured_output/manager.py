@@ -77,9 +77,8 @@ class StructuredOutputManager:
     def __init__(self, config: EngineConfig, max_workers: int = 2) -> None:
         self.settings: StructuredOutputsConfig = config.structured_outputs
         check_settings(self.settings)
-        self._tokenizer_source = config.model.tokenizer or config.model.path
-        self._vocab_size = config.model.vocab_size
-        self._stop_token_ids = sorted(config.model.eos_token_ids())
+        # Read at the first grammar: an engine without one needs nothing of the model here.
+        self._model = config.model
         self._max_workers = max_workers
         self._pool: ThreadPoolExecutor | None = None
         self._compiler: Any = None
@@ -124,12 +123,12 @@ class StructuredOutputManager:
 
                 from kvik.engine.input_processor import load_tokenizer
 
-                tokenizer = load_tokenizer(self._tokenizer_source)
+                source = self._model.tokenizer or self._model.path
+                tokenizer = load_tokenizer(source)
                 if tokenizer is None:
-                    raise ValueError(
-                        f"structured outputs need a tokenizer, and {self._tokenizer_source} has none"
-                    )
-                info = tokenizer_info(tokenizer, self._vocab_size, self._stop_token_ids)
+                    raise ValueError(f"structured outputs need a tokenizer, and {source} has none")
+                stop_token_ids = sorted(self._model.eos_token_ids())
+                info = tokenizer_info(tokenizer, self._model.vocab_size, stop_token_ids)
                 if self.settings.reasoning_parser is not None:
                     self._reasoning_end = ReasoningEnd(self.settings.reasoning_parser, tokenizer)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_workers)
@@ -184,7 +183,7 @@ class StructuredOutputManager:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self._vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self._model.vocab_size)
         for index, request in enumerate(rows):
             request.structured_output.matcher.fill_next_token_bitmask(bitmask, index)
         return GrammarBitmask([r.request_id for r in rows], bitmask)
