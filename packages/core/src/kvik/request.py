@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvik.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvik.structured_output.manager import StructuredOutputRequest
 
 # A block hash is the sha256 digest of (parent hash, token ids, extra keys); see kv_cache.hashing.
 BlockHash = bytes
@@ -72,6 +76,9 @@ class Request:
     # only; always 0 otherwise). At most 1 when a step is scheduled, 2 between scheduling a step
     # and collecting the one before it.
     num_output_placeholders: int = field(default=0, init=False)
+    # The grammar of sampling_params.structured_outputs, set by the engine core's
+    # StructuredOutputManager when the request is added.
+    structured_output: StructuredOutputRequest | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -108,10 +115,12 @@ class Request:
         """Whether sampling this request's next token reads its output so far: the logits
         processors of ``kvik.layers.logits_processors`` that look at ``output_token_ids`` (bad
         words, min tokens while short of them, repetition / presence / frequency penalties).
-        Logit bias and allowed tokens do not. Keep in step with ``build_logits_processors``."""
+        Logit bias and allowed tokens do not. Keep in step with ``build_logits_processors``.
+        A grammar (structured outputs) does too: its mask depends on every token so far."""
         p = self.sampling_params
         return (
-            bool(self.bad_words_token_ids)
+            p.structured_outputs is not None
+            or bool(self.bad_words_token_ids)
             or self.num_output_tokens < p.min_tokens
             or p.repetition_penalty != 1.0
             or p.presence_penalty != 0.0

@@ -50,6 +50,10 @@ class SamplingFields(OpenAIModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, and vLLM's extra field
+    # (json, json_object, regex, choice, grammar): kvik_server.structured_outputs reads both.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
@@ -83,7 +87,6 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -31,6 +31,7 @@ from kvik_server.protocol import (
     Usage,
     random_id,
 )
+from kvik_server.structured_outputs import structured_outputs_params
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -75,6 +76,9 @@ def sampling_params(
         bad_words=request.bad_words,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens,
+        structured_outputs=structured_outputs_params(
+            request.response_format, request.structured_outputs
+        ),
     )
 
 
@@ -96,9 +100,7 @@ def _worth_a_chunk(delta: CompletionOutput) -> bool:
     end; not for a step that produced nothing for this choice. A token whose text is still empty
     (the first bytes of a character, or a model served without a tokenizer) gets its chunk, as in
     vLLM: clients time tokens by chunks."""
-    return bool(
-        delta.token_ids or delta.text or delta.logprobs or delta.finish_reason is not None
-    )
+    return bool(delta.token_ids or delta.text or delta.logprobs or delta.finish_reason is not None)
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, Any]]:
@@ -316,10 +318,6 @@ class ChatCompletions:
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         if request.tools:
             raise APIError("tools are not supported yet (kvik has no tool calling)", param="tools")
-        if request.response_format and request.response_format.get("type") != "text":
-            raise APIError(
-                "response_format other than text is not supported", param="response_format"
-            )
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None

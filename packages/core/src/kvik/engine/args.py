@@ -28,6 +28,8 @@ from kvik.config import (
     OpsDispatch,
     ParallelConfig,
     SchedulingPolicy,
+    StructuredOutputsBackend,
+    StructuredOutputsConfig,
     default_capture_sizes,
     default_compile_cache_dir,
 )
@@ -154,6 +156,17 @@ class EngineArgs:
         "where requests' unset sampling options come from: auto (the model's generation "
         "config), vllm or none (kvik's defaults), or a folder holding a generation_config.json",
     )
+    structured_outputs_backend: StructuredOutputsBackend = option(
+        "xgrammar",
+        "the library that compiles structured-output grammars (JSON schema, regex, choice, "
+        "EBNF) into token masks: xgrammar (guidance is not built into kvik)",
+    )
+    reasoning_parser: str | None = option(
+        None,
+        "the model's reasoning format (qwen3, deepseek_r1: reasoning ends at </think>); a "
+        "request's grammar then constrains only what follows the reasoning",
+        metavar="NAME",
+    )
 
     def __post_init__(self) -> None:
         for spec in option_specs(type(self)):
@@ -193,6 +206,7 @@ class EngineArgs:
         from kvik.platforms.selection import select_platform
         from kvik.quantization.resolve import check_platform_supports
         from kvik.scheduler.scheduler import SchedulerConfig
+        from kvik.structured_output.manager import check_settings
 
         # Fields may have been set after construction: check them again.
         self.__post_init__()
@@ -214,6 +228,10 @@ class EngineArgs:
             quantization=self.quantization,
         )
         check_platform_supports(platform, model_config.quantization)
+        structured_outputs = StructuredOutputsConfig(
+            backend=self.structured_outputs_backend, reasoning_parser=self.reasoning_parser
+        )
+        check_settings(structured_outputs)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -250,6 +268,7 @@ class EngineArgs:
             enable_nvtx=self.enable_nvtx,
             ops_dispatch=self.ops_dispatch,
             parallel=parallel,
+            structured_outputs=structured_outputs,
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:

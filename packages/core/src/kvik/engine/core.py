@@ -16,6 +16,12 @@ step in flight) stand for the tokens the device has not returned yet, and the ru
 the device. When a request that may be scheduled next has a token in flight and a logits processor
 that reads its output history (penalties, min tokens, bad words), the step in flight is collected
 first, making that iteration synchronous (``Scheduler.must_collect_before_schedule``).
+
+Structured outputs: the ``StructuredOutputManager`` compiles each request's grammar on its own
+threads; after scheduling, the core fills the step's token bitmasks (``grammar_bitmask`` of the
+``SchedulerOutput``), which the runner applies to the logits. A request with a grammar reads its
+output history, so under asynchronous scheduling its in-flight step is collected before it is
+scheduled again, and its mask always follows every token sampled so far.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
+from kvik.structured_output import StructuredOutputManager
 from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
@@ -62,6 +69,8 @@ class EngineCore:
         a fake device)."""
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
+        # Checks the backend and reasoning parser; xgrammar loads at the first grammar.
+        self.structured_outputs = StructuredOutputManager(config)
         self.platform.on_selected()
         self.platform.check_and_update_config(config)
         if runner is not None:
@@ -83,7 +92,7 @@ class EngineCore:
         self.async_scheduling = self._resolve_async_scheduling()
         config.async_scheduling = self.async_scheduling
         config.scheduler.async_scheduling = self.async_scheduling
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
         self._in_flight: _InFlight | None = None
         logger.info(
             "engine ready on %s (%d rank%s, %s executor): %d KV blocks of %d tokens, "
@@ -160,12 +169,12 @@ class EngineCore:
         launch the next step, then collect and return the one launched by the previous call (none
         on the first call); with nothing left to schedule, only collect.
         """
+        outputs = self.scheduler.take_early_outputs()
         if not self.async_scheduling:
             scheduler_output = self._schedule()
             runner_output = self.executor.execute_model(scheduler_output)
-            return self._update(scheduler_output, runner_output)
+            return outputs + self._update(scheduler_output, runner_output)
 
-        outputs: list[EngineCoreOutput] = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self.scheduler.must_collect_before_schedule():
             # A request to schedule reads its output history and has a token in flight.
@@ -186,7 +195,18 @@ class EngineCore:
 
     def _schedule(self) -> SchedulerOutput:
         with nvtx_range("schedule", self.config.enable_nvtx):
-            return self.scheduler.schedule()
+            scheduler_output = self.scheduler.schedule()
+            if scheduler_output.scheduled:
+                scheduler_output.grammar_bitmask = self.structured_outputs.grammar_bitmask(
+                    scheduler_output.scheduled
+                )
+            elif self._in_flight is None:
+                # Nothing to run but requests whose grammar is compiling: wait for one of them
+                # rather than spin.
+                waiting = self.scheduler.waiting_for_grammars()
+                if waiting:
+                    self.structured_outputs.wait_for_compiles(waiting, 0.01)
+            return scheduler_output
 
     def _collect(self, in_flight: _InFlight) -> list[EngineCoreOutput]:
         return self._update(in_flight.scheduler_output, in_flight.pending.collect())

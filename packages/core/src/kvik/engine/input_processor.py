@@ -85,7 +85,20 @@ class InputProcessor:
                 "shorter, to leave room for at least one generated token"
             )
         params.validate_token_ids(vocab)
+        if params.structured_outputs is not None:
+            self._check_structured_outputs(params)
         return text, token_ids, params
+
+    def _check_structured_outputs(self, params: SamplingParams) -> None:
+        """A bad schema, regex or grammar is the caller's error (a 400 when served), caught here
+        so that it never reaches the engine core."""
+        from kvik.structured_output.grammar import check_grammar
+
+        if self.tokenizer is None:
+            raise ValueError(
+                "SamplingParams.structured_outputs needs a tokenizer, and the model has none"
+            )
+        check_grammar(params.structured_outputs)
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

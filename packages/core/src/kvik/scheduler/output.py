@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvik.request import Request
+
+if TYPE_CHECKING:
+    from kvik.structured_output.manager import GrammarBitmask
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # Preempted in this step: their blocks are gone and they start over when readmitted.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the token masks of the requests that sample under a grammar (filled by
+    # the engine core after scheduling; the runner applies them to the logits before sampling).
+    grammar_bitmask: GrammarBitmask | None = None
 
 
 @dataclass

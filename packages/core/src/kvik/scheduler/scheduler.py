@@ -25,7 +25,12 @@ the device from the previous step's sampled tokens. The rules:
   placeholders; see ``KVCacheManager.allocate_slots``.
 - Logits processors that read a request's output history would see it one token short; the
   engine collects the in-flight step before scheduling when such a request has a token in flight
-  (``must_collect_before_schedule``).
+  (``must_collect_before_schedule``). A grammar (structured outputs) counts as one.
+
+Structured outputs: a waiting request whose grammar is still compiling is passed over (it keeps
+its place) while the others are admitted; one whose grammar failed to compile is finished as
+aborted, its output handed out by ``take_early_outputs``. A request whose grammar has reached its
+end finishes with "stop".
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvik.kv_cache.manager import KVCacheManager
 from kvik.request import Request, RequestStatus
@@ -43,6 +48,9 @@ from kvik.scheduler.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+
+if TYPE_CHECKING:
+    from kvik.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -99,6 +107,13 @@ class _WaitingQueue:
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[1]
 
+    def pop_entry(self) -> tuple[tuple, Request]:
+        """The head with its key, for ``push_entry`` to put back in the same place."""
+        return heapq.heappop(self._heap)
+
+    def push_entry(self, entry: tuple[tuple, Request]) -> None:
+        heapq.heappush(self._heap, entry)
+
     def remove(self, request: Request) -> None:
         self._heap = [item for item in self._heap if item[1] is not request]
         heapq.heapify(self._heap)
@@ -106,9 +121,18 @@ class _WaitingQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def requests(self) -> list[Request]:
+        """Every waiting request, in no particular order."""
+        return [request for _, request in self._heap]
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        structured_outputs: StructuredOutputManager | None = None,
+    ) -> None:
         capacity = kv_cache_manager.num_blocks * kv_cache_manager.block_size
         if capacity < config.max_model_len:
             # A request at max_model_len could then never fit, even alone.
@@ -125,11 +149,18 @@ class Scheduler:
         self._num_preemptions = 0
         self._num_prefill_chunks = 0
         self._num_steps = 0
+        self.structured_outputs = structured_outputs
+        # Outputs of requests finished outside a step (a grammar that failed to compile).
+        self._early_outputs: list[EngineCoreOutput] = []
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise ValueError("this scheduler has no structured output manager")
+            self.structured_outputs.add_request(request)
         self.waiting.push(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
@@ -191,6 +222,7 @@ class Scheduler:
 
         # Then waiting ones, unless blocks ran short this step: a preempted request must not come
         # straight back, and nothing is preempted to admit a newcomer.
+        compiling: list[tuple[tuple, Request]] = []  # passed over, put back after the loop
         while (
             not preempted
             and len(self.waiting) > 0
@@ -202,6 +234,11 @@ class Scheduler:
                 # Preempted with a token in flight: it may only start over once the token is
                 # known, so that the recompute covers it. The head waits, keeping the order.
                 break
+            if request.structured_output is not None and not self._grammar_ready(request):
+                entry = self.waiting.pop_entry()
+                if not request.is_finished():
+                    compiling.append(entry)
+                continue
             hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
@@ -218,6 +255,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = self._schedule(request, num_new)
             budget -= num_new
+        for entry in compiling:
+            self.waiting.push_entry(entry)
 
         self._num_steps += 1
         finished, self._finished_since_schedule = self._finished_since_schedule, set()
@@ -255,6 +294,8 @@ class Scheduler:
             new_token_ids = []
             for token_id in sampled_token_ids[request.request_id]:
                 request.append_output_token(token_id)
+                if request.structured_output is not None:
+                    self.structured_outputs.accept_token(request, token_id)
                 new_token_ids.append(token_id)
                 if self._check_stop(request):
                     if preempted:  # preempted with this token in flight, which finished it
@@ -279,7 +320,31 @@ class Scheduler:
         )
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._early_outputs)
+
+    def take_early_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs of requests finished between steps (their grammar did not compile)."""
+        outputs, self._early_outputs = self._early_outputs, []
+        return outputs
+
+    def waiting_for_grammars(self) -> list[Request]:
+        """Waiting requests whose grammar is still compiling."""
+        return [
+            request
+            for request in self.waiting.requests()
+            if request.structured_output is not None and request.structured_output.matcher is None
+        ]
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether a waiting request's grammar is compiled; one that failed finishes (aborted)."""
+        if self.structured_outputs.is_ready(request):
+            return True
+        if request.structured_output.error is not None:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = request.structured_output.error
+            self._release(request)
+            self._early_outputs.append(self._output(request, []))
+        return False
 
     @property
     def stats(self) -> SchedulerStats:
@@ -351,6 +416,13 @@ class Scheduler:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = token_id
                 return True
+        so = request.structured_output
+        if so is not None and (so.is_terminated() or so.rejected):
+            # The grammar allows nothing more (or was broken by a token it refused).
+            request.status = (
+                RequestStatus.FINISHED_ABORTED if so.rejected else RequestStatus.FINISHED_STOPPED
+            )
+            return True
         if (
             request.num_output_tokens >= request.max_tokens
             or request.num_tokens >= self.config.max_model_len

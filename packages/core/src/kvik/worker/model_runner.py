@@ -30,6 +30,7 @@ from kvik.layers.logits_processors import LogitsProcessor, build_logits_processo
 from kvik.layers.sampler import LogprobTensors, Sampler, SamplingBatch, logprob_tensors
 from kvik.model_loader.loader import load_model
 from kvik.scheduler.output import TokenLogprobs
+from kvik.structured_output.bitmask import apply_token_bitmask
 from kvik.worker.nvtx import nvtx_range
 from kvik.worker.step_buffers import BlockTable, StagedBuffer
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from kvik.platforms.base import Platform
     from kvik.request import Request
     from kvik.scheduler.output import SchedulerOutput
+    from kvik.structured_output.manager import GrammarBitmask
     from kvik.worker.step_runner import StepRunner
 
 
@@ -473,6 +475,8 @@ class ModelRunner:
         requests = inputs.sampling_requests
         if not requests:
             return PendingStep(finishers=finishers)
+        if scheduler_output.grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, requests, scheduler_output.grammar_bitmask)
         with nvtx_range("sample", self.nvtx):
             sampled = self._sample(logits, requests, inputs.sampling, finishers)
         sampled_host = self._sampled_host[self._sampled_turn]
@@ -485,6 +489,21 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
         return PendingStep(requests, sampled_host, done, finishers)
+
+    def _apply_grammar_bitmask(
+        self, logits: Tensor, requests: list[Request], grammar: GrammarBitmask
+    ) -> None:
+        """Structured outputs: forbid, in the sampling rows' logits, what each request's grammar
+        does not allow next. Before sampling and before logprobs, as vLLM does, so logprobs are
+        those of the constrained distribution."""
+        row_of = {r.request_id: row for row, r in enumerate(requests)}
+        rows = [row_of[request_id] for request_id in grammar.request_ids]
+        bitmask = grammar.bitmask
+        if rows != sorted(rows):
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            rows, bitmask = [rows[i] for i in order], bitmask[order]
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        apply_token_bitmask(logits, bitmask, None if len(rows) == len(requests) else rows)
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:

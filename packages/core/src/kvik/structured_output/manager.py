@@ -1,0 +1,224 @@
+"""The engine core's structured-output manager: grammars compiled off the critical path, one
+matcher per request, the batch's bitmask filled each step.
+
+Compilation runs on a thread pool (xgrammar compiles in C++ without the GIL), keyed by the
+grammar so that requests with the same schema share one compile. A request whose grammar is not
+compiled yet stays in the scheduler's waiting queue while others run (``is_ready``). Tokens reach
+a request's matcher as the scheduler appends them (``accept_token``); a matcher that has reached
+the end of its grammar finishes the request with "stop".
+
+Asynchronous scheduling: the bitmask of a step is filled when the step is scheduled, from the
+tokens known then. A request with a grammar counts as reading its output history
+(``Request.needs_output_history``), so the engine collects the step in flight before scheduling
+it again: its matcher has then seen every token, and the mask is exact.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvik.config import StructuredOutputsConfig
+from kvik.structured_output.grammar import compile_grammar, grammar_key, tokenizer_info
+from kvik.structured_output.reasoning import REASONING_TOKENS, ReasoningEnd
+
+if TYPE_CHECKING:
+    from kvik.config import EngineConfig
+    from kvik.request import Request
+    from kvik.scheduler.output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+#: Compiled grammars kept for reuse (least recently used dropped first).
+_CACHE_SIZE = 512
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks: row i of ``bitmask`` [M, ceil(V / 32)] int32 (host memory) belongs to
+    the request ``request_ids[i]``; requests of the step without a grammar have no row."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+
+
+@dataclass
+class StructuredOutputRequest:
+    """A request's grammar: its compile (shared with other requests of the same grammar), then
+    its matcher."""
+
+    key: tuple[str, str, bool]
+    compiled: Future
+    matcher: Any = None
+    error: str | None = None
+    #: False while the model is still reasoning (a reasoning parser is set): no mask yet.
+    reasoning_ended: bool = True
+    #: The matcher refused a sampled token (only possible if a mask was not applied).
+    rejected: bool = field(default=False)
+
+    @property
+    def active(self) -> bool:
+        """Whether the next token is constrained."""
+        return (
+            self.matcher is not None and self.reasoning_ended and not self.matcher.is_terminated()
+        )
+
+    def is_terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, config: EngineConfig, max_workers: int = 2) -> None:
+        self.settings: StructuredOutputsConfig = config.structured_outputs
+        check_settings(self.settings)
+        # Read at the first grammar: an engine without one needs nothing of the model here.
+        self._model = config.model
+        self._max_workers = max_workers
+        self._pool: ThreadPoolExecutor | None = None
+        self._compiler: Any = None
+        self._reasoning_end: ReasoningEnd | None = None
+        self._setup_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+
+    # -- compilation (off the critical path) ------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling the request's grammar (or share a compile under way or done)."""
+        params = request.sampling_params.structured_outputs
+        if params is None:
+            return
+        try:
+            key = grammar_key(params)
+        except ValueError as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            request.structured_output = StructuredOutputRequest(("", "", False), failed)
+            return
+        future = self._cache.get(key)
+        if future is None or (future.done() and future.exception() is not None):
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_workers, "kvik-grammar")
+            future = self._pool.submit(self._compile, key)
+            self._cache[key] = future
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        request.structured_output = StructuredOutputRequest(key, future)
+
+    def _compile(self, key: tuple[str, str, bool]) -> Any:
+        return compile_grammar(self._get_compiler(), key)
+
+    def _get_compiler(self) -> Any:
+        """The engine's xgrammar compiler, built once (the tokenizer's vocabulary scanned once)."""
+        with self._setup_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from kvik.engine.input_processor import load_tokenizer
+
+                source = self._model.tokenizer or self._model.path
+                tokenizer = load_tokenizer(source)
+                if tokenizer is None:
+                    raise ValueError(f"structured outputs need a tokenizer, and {source} has none")
+                stop_token_ids = sorted(self._model.eos_token_ids())
+                info = tokenizer_info(tokenizer, self._model.vocab_size, stop_token_ids)
+                if self.settings.reasoning_parser is not None:
+                    self._reasoning_end = ReasoningEnd(self.settings.reasoning_parser, tokenizer)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_workers)
+            return self._compiler
+
+    def is_ready(self, request: Request) -> bool:
+        """Whether the request's grammar is compiled (its matcher is then made); False also when
+        compiling failed, which ``StructuredOutputRequest.error`` then says."""
+        so = request.structured_output
+        if so is None or so.matcher is not None:
+            return True
+        if so.error is not None or not so.compiled.done():
+            return False
+        error = so.compiled.exception()
+        if error is not None:
+            so.error = str(error)
+            logger.warning("request %s: %s", request.request_id, so.error)
+            return False
+        import xgrammar as xgr
+
+        so.matcher = xgr.GrammarMatcher(so.compiled.result())
+        if self._reasoning_end is not None:
+            so.reasoning_ended = self._reasoning_end.ended_in_prompt(request.prompt_token_ids)
+        # A request preempted and recomputed keeps its matcher; one made now catches up on any
+        # output it already has (none, unless it was readmitted after preemption).
+        for token_id in request.output_token_ids:
+            self.accept_token(request, token_id)
+        return True
+
+    def wait_for_compiles(self, requests: list[Request], timeout_s: float) -> None:
+        """Block up to ``timeout_s`` until one of these requests' grammars is compiled (an engine
+        with nothing else to run waits here rather than spinning)."""
+        pending = {
+            r.structured_output.compiled
+            for r in requests
+            if r.structured_output is not None and not r.structured_output.compiled.done()
+        }
+        if pending:
+            wait(pending, timeout_s, return_when=FIRST_COMPLETED)
+
+    # -- each step ----------------------------------------------------------------------------
+
+    def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
+        """The masks of the step's requests that sample under an active grammar, or None."""
+        rows = [
+            s.request
+            for s in scheduled
+            if s.samples and s.request.structured_output is not None
+            if s.request.structured_output.active
+        ]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        bitmask = xgr.allocate_token_bitmask(len(rows), self._model.vocab_size)
+        for index, request in enumerate(rows):
+            request.structured_output.matcher.fill_next_token_bitmask(bitmask, index)
+        return GrammarBitmask([r.request_id for r in rows], bitmask)
+
+    def accept_token(self, request: Request, token_id: int) -> None:
+        """Advance the request's grammar by a sampled token (tokens of its reasoning excepted)."""
+        so = request.structured_output
+        if so is None or so.matcher is None:
+            return
+        if not so.reasoning_ended:
+            so.reasoning_ended = (
+                self._reasoning_end is not None and token_id == self._reasoning_end.end_id
+            )
+            return
+        if so.matcher.is_terminated():
+            return
+        if not so.matcher.accept_token(token_id):
+            so.rejected = True
+            logger.error(
+                "request %s: token %d does not follow its grammar", request.request_id, token_id
+            )
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_settings(settings: StructuredOutputsConfig) -> None:
+    """Refuse, when the engine starts, a backend or reasoning parser kvik does not have."""
+    if settings.backend != "xgrammar":
+        raise ValueError(
+            f"structured outputs backend {settings.backend!r} is not built into kvik; use xgrammar"
+        )
+    parser = settings.reasoning_parser
+    if parser is not None and parser not in REASONING_TOKENS:
+        raise ValueError(
+            f"unknown reasoning parser {parser!r}; known: {', '.join(sorted(REASONING_TOKENS))}"
+        )

@@ -1,0 +1,84 @@
+"""A request's structured-output constraint: OpenAI's ``response_format`` or vLLM's extra
+``structured_outputs`` body field, as the engine's ``StructuredOutputsParams``.
+
+Only the shape is checked here; whether the schema, regex or grammar parses is checked by the
+engine's input processor (kvik.structured_output.grammar), whose ValueError is a 400 carrying the
+parser's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvik.sampling_params import StructuredOutputsParams
+from kvik_server.errors import APIError
+
+_STRUCTURED_OUTPUTS_KEYS = (
+    "json",
+    "json_object",
+    "regex",
+    "choice",
+    "grammar",
+    "disable_any_whitespace",
+)
+
+
+def structured_outputs_params(
+    response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
+) -> StructuredOutputsParams | None:
+    from_format = _from_response_format(response_format)
+    from_extra = _from_structured_outputs(structured_outputs)
+    if from_format is not None and from_extra is not None:
+        raise APIError(
+            "give either response_format or structured_outputs, not both",
+            param="structured_outputs",
+        )
+    return from_format if from_format is not None else from_extra
+
+
+def _from_response_format(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(
+                "response_format of type json_schema needs a json_schema object",
+                param="response_format",
+            )
+        schema = spec.get("schema")
+        if schema is None:
+            # OpenAI's schema is optional: without one, any JSON object.
+            return StructuredOutputsParams(json_object=True)
+        if not isinstance(schema, dict):
+            raise APIError(
+                "response_format.json_schema.schema must be a JSON object", param="response_format"
+            )
+        # "strict" is always honoured: the grammar is the schema, so outputs always follow it.
+        return StructuredOutputsParams(json=schema)
+    raise APIError(
+        f"response_format type must be text, json_object or json_schema, got {kind!r}",
+        param="response_format",
+    )
+
+
+def _from_structured_outputs(fields: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    if fields is None:
+        return None
+    unknown = sorted(set(fields) - set(_STRUCTURED_OUTPUTS_KEYS))
+    if unknown:
+        raise APIError(
+            f"structured_outputs has unknown keys {unknown}; it takes "
+            f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}",
+            param="structured_outputs",
+        )
+    given = {key: value for key, value in fields.items() if value is not None}
+    try:
+        return StructuredOutputsParams(**given)
+    except ValueError as e:
+        raise APIError(str(e), param="structured_outputs") from None
