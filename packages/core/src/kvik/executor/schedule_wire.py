@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from kvik.request import Request
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import ScheduledRequest, SchedulerOutput
+from kvik.structured_output.manager import GrammarBitmask
 
 
 class NewRequest(msgspec.Struct, array_like=True):
@@ -43,12 +45,21 @@ class ScheduledDelta(msgspec.Struct, array_like=True):
     new_block_ids: list[int]
 
 
+class GrammarMasks(msgspec.Struct, array_like=True):
+    """A step's structured-output masks (``GrammarBitmask``): its int32 words as raw bytes."""
+
+    request_ids: list[str]
+    num_words: int
+    words: bytes
+
+
 class StepMessage(msgspec.Struct, array_like=True):
     new_requests: list[NewRequest]
     scheduled: list[ScheduledDelta]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    grammar_masks: GrammarMasks | None = None
 
 
 @dataclass
@@ -100,7 +111,22 @@ class ScheduleSender:
             scheduler_output.total_num_scheduled_tokens,
             sorted(scheduler_output.finished_req_ids),
             sorted(scheduler_output.preempted_req_ids),
+            _grammar_masks(scheduler_output.grammar_bitmask),
         )
+
+
+def _grammar_masks(grammar: GrammarBitmask | None) -> GrammarMasks | None:
+    if grammar is None:
+        return None
+    words = grammar.bitmask.to(torch.int32).contiguous()
+    return GrammarMasks(list(grammar.request_ids), words.shape[1], words.numpy().tobytes())
+
+
+def _grammar_bitmask(masks: GrammarMasks | None) -> GrammarBitmask | None:
+    if masks is None:
+        return None
+    words = torch.frombuffer(bytearray(masks.words), dtype=torch.int32)
+    return GrammarBitmask(masks.request_ids, words.view(-1, masks.num_words))
 
 
 def _new_request(request: Request) -> NewRequest:
@@ -159,9 +185,11 @@ class RankRequests:
         for request_id in message.finished_req_ids:
             self._requests.pop(request_id, None)
             self._blocks.pop(request_id, None)
-        return SchedulerOutput(
+        output = SchedulerOutput(
             scheduled,
             message.total_num_scheduled_tokens,
             set(message.finished_req_ids),
             set(message.preempted_req_ids),
         )
+        output.grammar_bitmask = _grammar_bitmask(message.grammar_masks)
+        return output
