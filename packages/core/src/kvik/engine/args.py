@@ -26,12 +26,15 @@ from kvik.config import (
     LoadFormat,
     OpsDispatch,
     SchedulingPolicy,
+    StructuredOutputsConfig,
     default_capture_sizes,
     default_compile_cache_dir,
 )
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+#: ``--reasoning-parser`` names (the server's kvik_server.reasoning has one parser for each).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass
@@ -142,6 +145,12 @@ class EngineArgs:
         "where requests' unset sampling options come from: auto (the model's generation "
         "config), vllm or none (kvik's defaults), or a folder holding a generation_config.json",
     )
+    reasoning_parser: str | None = option(
+        None,
+        "how the model marks its reasoning: deepseek_r1 or qwen3 (<think>...</think>); the "
+        "server returns it as reasoning_content, and a grammar constrains only what follows it",
+        choices=REASONING_PARSERS,
+    )
 
     def __post_init__(self) -> None:
         for spec in option_specs(type(self)):
@@ -229,6 +238,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             enable_nvtx=self.enable_nvtx,
             ops_dispatch=self.ops_dispatch,
+            structured_outputs=StructuredOutputsConfig(reasoning_parser=self.reasoning_parser),
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
