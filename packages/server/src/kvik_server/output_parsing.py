@@ -53,7 +53,7 @@ class OutputParser:
         reasoning = None
         if self.reasoning is not None:
             split = self.reasoning.split(text, final=True)
-            reasoning, text = split.reasoning, split.content
+            reasoning, text = split.reasoning or None, split.content
         if self.tools is None:
             return Message(content=text if text or reasoning is None else None, reasoning=reasoning)
         parsed = self.tools.parse(text, final=True)
