@@ -139,12 +139,6 @@ def test_reasoning():
     check_both(both, text, None, [("weather", json.loads(WEATHER))], "Need weather.")
 
 
-def test_reasoning_parser_names_match_the_engine_option():
-    from kvik.engine.args import REASONING_PARSERS as ENGINE_NAMES
-
-    assert sorted(REASONING_PARSERS) == sorted(ENGINE_NAMES)
-
-
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "time"}},

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvik.cli.engine_args import add_engine_arguments, engine_args
+from kvik_server.reasoning.parsers import REASONING_PARSERS
 from kvik_server.tools.parsers import TOOL_PARSERS
 
 
@@ -78,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = engine_args(args)
         tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {args.reasoning_parser!r}; kvik has "
+                f"{', '.join(sorted(REASONING_PARSERS))}"
+            )
         if args.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
     except ValueError as e:

@@ -33,8 +33,6 @@ from kvik.config import (
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-#: ``--reasoning-parser`` names (the server's kvik_server.reasoning has one parser for each).
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 @dataclass
@@ -147,9 +145,9 @@ class EngineArgs:
     )
     reasoning_parser: str | None = option(
         None,
-        "how the model marks its reasoning: deepseek_r1 or qwen3 (<think>...</think>); the "
-        "server returns it as reasoning_content, and a grammar constrains only what follows it",
-        choices=REASONING_PARSERS,
+        "the model's reasoning format (qwen3, deepseek_r1: reasoning ends at </think>); a "
+        "request's grammar then constrains only what follows the reasoning",
+        metavar="NAME",
     )
 
     def __post_init__(self) -> None:
