@@ -144,7 +144,9 @@ def test_tool_call_round_trip(client, stream, choice):
         {"type": "function", "function": {"name": "weather"}} if choice == "named" else "required"
     )
     kwargs = dict(tools=[WEATHER], temperature=0.8, seed=1, max_tokens=200)
-    message, finish = chat(client, stream, messages=ASK, tool_choice=tool_choice, **kwargs)
+    # One call: "required" may make several unless parallel_tool_calls is false (maxItems 1).
+    one = dict(parallel_tool_calls=False) if choice == "required" else {}
+    message, finish = chat(client, stream, messages=ASK, tool_choice=tool_choice, **kwargs, **one)
     assert finish == "tool_calls"
     (call,) = message["tool_calls"]
     assert call["id"].startswith("call_") and call["function"]["name"] == "weather"
