@@ -50,7 +50,13 @@ class ResponseEvents:
         return events
 
     def close_all(self) -> list[str]:
-        return self._close()
+        """Finish the open item; an output with nothing in it is one empty message, as the
+        unstreamed response has."""
+        events = self._close()
+        if not self.items:
+            events += self._start("message", message_item("", "in_progress", item_id("msg")))
+            events += self._close()
+        return events
 
     def _start(self, kind: str, item: dict[str, Any]) -> list[str]:
         events = self._close()

@@ -103,6 +103,7 @@ class Responses:
         completion = None
         async for out in events:
             response.prompt_tokens = len(out.prompt_token_ids)
+            response.cached_tokens = out.num_cached_tokens
             completion = out.outputs[0] if out.outputs else completion
         assert completion is not None
         message = parser.parse(completion.text)
@@ -123,6 +124,7 @@ class Responses:
         try:
             async for out in events:
                 response.prompt_tokens = len(out.prompt_token_ids)
+                response.cached_tokens = out.num_cached_tokens
                 for delta in out.outputs:
                     last = delta
                     response.output_tokens += len(delta.token_ids)
@@ -198,6 +200,7 @@ class _Response:
         self.plan = plan
         self.conversation = conversation
         self.prompt_tokens = 0
+        self.cached_tokens = 0
         self.output_tokens = 0
         self.reasoning_tokens = 0
 
@@ -235,7 +238,7 @@ class _Response:
             else None,
             "usage": {
                 "input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
                 "output_tokens": self.output_tokens,
                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.prompt_tokens + self.output_tokens,
