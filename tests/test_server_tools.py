@@ -18,8 +18,9 @@ from server_process import ServerProcess
 from tiny_models import build_tiny_model, save_tiny_tokenizer
 
 needs_structured_outputs = pytest.mark.skipif(
-    importlib.util.find_spec("xgrammar") is None,
-    reason="the engine enforces tool_choice required/named and json_schema with xgrammar",
+    importlib.util.find_spec("kvik.structured_output") is None
+    or importlib.util.find_spec("xgrammar") is None,
+    reason="needs the engine's structured outputs (kvik.structured_output, with xgrammar)",
 )
 
 ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "512", "--seed", "0"]
