@@ -30,7 +30,10 @@ from kvik_server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from kvik_server.responses.routes import add_responses_routes
+from kvik_server.responses.serving import Responses
 from kvik_server.serving import ChatCompletions, Completions
+from kvik_server.tools.choice import ToolOptions
 
 logger = logging.getLogger("kvik_server")
 
@@ -46,6 +49,8 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout_s: float = 10.0
     url: str | None = None  # logged with an example request when ready
+    tool_options: ToolOptions = field(default_factory=ToolOptions)
+    max_stored_responses: int = 1000
 
 
 def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -> FastAPI:
@@ -67,7 +72,12 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
         gc.freeze()
         app.state.engine = engine
         app.state.completions = Completions(engine, model_name)
-        app.state.chat = ChatCompletions(engine, model_name, settings.chat_template)
+        app.state.chat = ChatCompletions(
+            engine, model_name, settings.chat_template, settings.tool_options
+        )
+        app.state.responses = Responses(
+            app.state.chat, settings.max_stored_responses, settings.tool_options
+        )
         if settings.url:
             logger.info("kvik is serving %s at %s", model_name, settings.url)
             logger.info(
@@ -87,6 +97,7 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
     _add_routes(app)
+    add_responses_routes(app, _respond, _check_model, _arrival_time)
     # Each add_middleware wraps what is there, so the last added runs first: the arrival time is
     # noted, then every request is authenticated before anything reads its body.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvik.cli.engine_args import add_engine_arguments, engine_args
+from kvik_server.reasoning.parsers import REASONING_PARSERS
+from kvik_server.tools.parsers import TOOL_PARSERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
     server.add_argument("--log-level", default="info")
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls: hermes (<tool_call> JSON: Hermes, Qwen), "
+        "llama3_json (Llama 3.1+ JSON), mistral ([TOOL_CALLS] JSON)",
+    )
+    server.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="responses kept for GET /v1/responses/{id} and previous_response_id (the least "
+        "recently used go first; 0 stores none)",
+    )
     add_engine_arguments(parser, positional_model=True)
 
 
@@ -43,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvik_server.app import ServerSettings, create_app
+    from kvik_server.tools.choice import ToolOptions
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -55,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
         chat_template = Path(chat_template).read_text()
     try:
         options = engine_args(args)
+        tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
+        if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {args.reasoning_parser!r}; kvik has "
+                f"{', '.join(sorted(REASONING_PARSERS))}"
+            )
+        if args.max_stored_responses < 0:
+            raise ValueError("--max-stored-responses must be >= 0")
     except ValueError as e:
         print(f"kvik serve: {e}", file=sys.stderr)
         return 2
@@ -65,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         url=f"http://{args.host}:{args.port}",
+        tool_options=tool_options,
+        max_stored_responses=args.max_stored_responses,
     )
     app = create_app(options, settings)
     uvicorn.run(

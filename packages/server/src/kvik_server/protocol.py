@@ -87,12 +87,14 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -165,9 +167,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -190,6 +205,10 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    #: OpenAI's tool-call deltas, as dicts without the keys a fragment does not carry (the
+    #: openai client merges fragments key by key).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatStreamChoice(BaseModel):

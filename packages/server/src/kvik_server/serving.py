@@ -12,6 +12,7 @@ from kvik.engine.async_llm import AsyncLLM
 from kvik.outputs import CompletionOutput, Logprob, RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik_server.errors import APIError, error_body
+from kvik_server.output_parsing import OutputParser, output_parser
 from kvik_server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -26,12 +27,23 @@ from kvik_server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    FunctionCall,
     SamplingFields,
+    ToolCall,
     TopLogprob,
     Usage,
     random_id,
 )
 from kvik_server.structured_outputs import structured_outputs_params
+from kvik_server.tools.choice import (
+    FunctionTool,
+    ToolOptions,
+    ToolPlan,
+    apply_tool_plan,
+    parse_tools,
+    plan_tools,
+)
+from kvik_server.tools.messages import template_messages
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -299,44 +311,72 @@ class Completions:
 
 
 class ChatCompletions:
-    def __init__(self, engine: AsyncLLM, model_name: str, chat_template: str | None) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        model_name: str,
+        chat_template: str | None,
+        tool_options: ToolOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
+        self.tool_options = tool_options or ToolOptions()
 
-    def prompt(self, request: Any) -> dict[str, Any]:
+    def prompt(self, request: Any, tools: list[FunctionTool] | None = None) -> dict[str, Any]:
+        """The rendered prompt; ``tools`` (default: the request's, unchecked by tool_choice)
+        reach the template as its ``tools``."""
+        if tools is None:
+            tools = parse_tools(getattr(request, "tools", None))
+        kwargs = dict(request.chat_template_kwargs or {})
+        if tools:
+            kwargs["tools"] = [tool.as_openai() for tool in tools]
         return self.engine.apply_chat_template(
-            [m.model_dump(exclude_none=True) for m in request.messages],
+            template_messages([m.model_dump(exclude_none=True) for m in request.messages]),
             chat_template=getattr(request, "chat_template", None) or self.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs,
+            chat_template_kwargs=kwargs,
         )
 
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        if request.tools:
-            raise APIError("tools are not supported yet (kvik has no tool calling)", param="tools")
+        tools = parse_tools(request.tools)
+        plan = plan_tools(
+            tools,
+            request.tool_choice,
+            request.parallel_tool_calls,
+            self.tool_options.enable_auto_tool_choice,
+            self.tool_options.tool_call_parser,
+        )
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = sampling_params(self.engine, request, max_tokens, None, logprobs)
+        apply_tool_plan(params, plan)
+        prompt = self.prompt(request, tools)
         request_id = random_id("chatcmpl")
         kind = "delta" if request.stream else "final"
         stream = self.engine.generate(
-            self.prompt(request), params, request_id, request.priority, kind, arrival_time
+            prompt, params, request_id, request.priority, kind, arrival_time
         )
         (first,) = await _start_all([stream])
         events = _chain(first, stream)
         top = request.top_logprobs or 0
+        parsers = _ParserFactory(self.engine, plan, prompt.get("prompt"))
         if request.stream:
-            return _sse_stream(self._stream(request, request_id, events, top))
-        return await self._collect(request, request_id, events, top)
+            return _sse_stream(self._stream(request, request_id, events, top, parsers))
+        return await self._collect(request, request_id, events, top, parsers)
 
     async def _collect(
-        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator, top: int
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        events: AsyncIterator,
+        top: int,
+        parsers: _ParserFactory,
     ) -> ChatCompletionResponse:
         finals: dict[int, tuple[RequestOutput, CompletionOutput]] = {}
         num_prompt_tokens = 0
@@ -344,25 +384,43 @@ class ChatCompletions:
             num_prompt_tokens = len(out.prompt_token_ids)
             for completion in out.outputs:
                 finals[completion.index] = (out, completion)
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=_chat_logprobs(completion.logprobs, top) if request.logprobs else None,
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for index, (_, completion) in sorted(finals.items()):
+            message = parsers.new().parse(completion.text)
+            tool_calls = [
+                ToolCall(
+                    id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments)
+                )
+                for call in message.tool_calls
+            ]
+            choices.append(
+                ChatChoice(
+                    index=index,
+                    message=ChatResponseMessage(
+                        content=message.content,
+                        reasoning_content=message.reasoning,
+                        tool_calls=tool_calls,
+                    ),
+                    logprobs=_chat_logprobs(completion.logprobs, top) if request.logprobs else None,
+                    finish_reason=_finish_reason(completion.finish_reason, bool(tool_calls)),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for index, (_, completion) in sorted(finals.items())
-        ]
         usage = _usage({0: num_prompt_tokens}, finals)
         return ChatCompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage
         )
 
     async def _stream(
-        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator, top: int
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        events: AsyncIterator,
+        top: int,
+        parsers: _ParserFactory,
     ) -> AsyncIterator[str]:
         sent: dict[int, _Choice] = {}
+        choice_parsers: dict[int, OutputParser] = {}
         num_prompt_tokens = 0
 
         def chunk(choice: ChatStreamChoice) -> str:
@@ -373,16 +431,38 @@ class ChatCompletions:
             for delta in out.outputs:
                 choice = sent.setdefault(delta.index, _Choice())
                 choice.advance(delta)
-                if not _worth_a_chunk(delta):
+                parser = choice_parsers.setdefault(delta.index, parsers.new())
+                finish = delta.finish_reason
+                if parser.active:
+                    parsed = parser.feed(delta.text)
+                    if finish is not None:
+                        end = parser.finish()
+                        parsed.reasoning += end.reasoning
+                        parsed.content += end.content
+                        parsed.tool_calls += end.tool_calls
+                    # A step whose text the parsers hold back (a marker perhaps starting) has
+                    # nothing to say yet, unless it carries logprobs or the end.
+                    if not (parsed or finish is not None or (delta.logprobs and request.logprobs)):
+                        continue
+                    message = DeltaMessage(
+                        content=parsed.content or None,
+                        reasoning_content=parsed.reasoning or None,
+                        tool_calls=parsed.tool_calls or None,
+                    )
+                    if finish is not None:
+                        finish = _finish_reason(finish, bool(parser.streamed_calls))
+                elif _worth_a_chunk(delta):
+                    message = DeltaMessage(content=delta.text)
+                else:
                     continue
                 # The role rides on the choice's first chunk rather than in an empty one.
-                first = choice.chunks_sent == 0
+                if choice.chunks_sent == 0:
+                    message.role = "assistant"
                 choice.chunks_sent += 1
-                finish = delta.finish_reason
                 yield chunk(
                     ChatStreamChoice(
                         index=delta.index,
-                        delta=DeltaMessage(role="assistant" if first else None, content=delta.text),
+                        delta=message,
                         logprobs=_chat_logprobs(delta.logprobs, top) if request.logprobs else None,
                         finish_reason=finish,
                         stop_reason=delta.stop_reason if finish else None,
@@ -393,6 +473,22 @@ class ChatCompletions:
             yield _sse(
                 ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], usage=usage)
             )
+
+
+def _finish_reason(reason: str | None, called_tools: bool) -> str | None:
+    """A reply that ends in tool calls finishes with "tool_calls" (one cut short by max_tokens
+    still says "length")."""
+    return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+class _ParserFactory:
+    """Makes each choice's OutputParser (they hold per-choice stream state)."""
+
+    def __init__(self, engine: AsyncLLM, plan: ToolPlan, prompt: str | None) -> None:
+        self.engine, self.plan, self.prompt = engine, plan, prompt
+
+    def new(self) -> OutputParser:
+        return output_parser(self.engine, self.plan, self.prompt)
 
 
 async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -1,0 +1,1 @@
+"""Reasoning parsers (``--reasoning-parser``): the model's thinking apart from its answer."""

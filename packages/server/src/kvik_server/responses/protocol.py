@@ -1,0 +1,40 @@
+"""The body of ``POST /v1/responses`` (OpenAI's fields that kvik runs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from kvik_server.protocol import OpenAIModel
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    background: bool = False
+    # vLLM's extras.
+    seed: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        if self.background:
+            raise ValueError("background responses are not supported")
+        if isinstance(self.input, list) and not self.input and not self.previous_response_id:
+            raise ValueError("input must not be empty")
+        return self
