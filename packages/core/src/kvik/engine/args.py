@@ -30,6 +30,7 @@ from kvik.config import (
     default_compile_cache_dir,
 )
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
+from kvik.spec_decode.config import parse_speculative_config
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -137,6 +138,13 @@ class EngineArgs:
         "plain calls); default: the platform's choice",
     )
     enable_nvtx: bool = option(False, "NVTX ranges around each step's phases (for nsys)")
+    speculative_config: str | dict | None = option(
+        None,
+        "speculative decoding, JSON with vLLM's keys: method (ngram, draft_model, eagle3), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
+        "disable_by_batch_size (not yet run by the engine: it refuses the option)",
+        metavar="JSON",
+    )
     generation_config: str = option(
         "auto",
         "where requests' unset sampling options come from: auto (the model's generation "
@@ -229,6 +237,7 @@ class EngineArgs:
             async_scheduling=self.async_scheduling,
             enable_nvtx=self.enable_nvtx,
             ops_dispatch=self.ops_dispatch,
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:

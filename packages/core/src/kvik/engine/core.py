@@ -28,6 +28,7 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
+from kvik.spec_decode.config import refuse_unwired_speculation
 from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class EngineCore:
     ) -> None:
         """``platform`` and ``runner`` default to the selected platform and a ``ModelRunner``
         built on it; tests pass their own (a fake device)."""
+        refuse_unwired_speculation(config.speculative)
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
         self.platform.on_selected()
