@@ -1,8 +1,8 @@
 """``--speculative-config`` / ``LLM(speculative_config={...})``: vLLM's keys, checked.
 
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-    {"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": 3}
-    {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
+{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+{"method": "eagle3", "model": "path/to/head", "num_speculative_tokens": 3}
+{"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
 """
 
 from __future__ import annotations
