@@ -300,9 +300,7 @@ def load_eagle3_head(
     for file in files:
         tensors.update(load_file(str(file)))
     head = Eagle3Head(config, embed_tokens)
-    if "embed_tokens.weight" in tensors:
-        weight = tensors.pop("embed_tokens.weight")
-        head.embed_tokens = nn.Embedding.from_pretrained(weight, freeze=True)
+    own_embedding = tensors.pop("embed_tokens.weight", None)
     if "d2t" not in tensors:  # a head over the full vocabulary
         if config.draft_vocab_size != config.vocab_size:
             raise ValueError(f"{folder}: draft_vocab_size < vocab_size but no d2t map")
@@ -322,4 +320,6 @@ def load_eagle3_head(
         if tensor.shape != shape:
             raise ValueError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
     head.load_state_dict(tensors)
+    if own_embedding is not None:
+        head.embed_tokens = nn.Embedding.from_pretrained(own_embedding, freeze=True)
     return head.to(device=device, dtype=dtype)  # casts the floating-point tensors only
