@@ -125,9 +125,10 @@ def engine_greedy_continuations(prompts: list[list[int]], max_new_tokens: int) -
     on the CPU than transformers' generate; the labels still come from the transformers pass)."""
     from kvik import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", max_model_len=1024, enforce_eager=True)
+    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=2048, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    del llm  # its KV cache is no longer needed
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
 
 
@@ -280,7 +281,7 @@ def train_head(
     lr: float = 1e-3,
     num_ttt_steps: int = 3,
     seed: int = 0,
-    log_every: int = 25,
+    log_every: int = 10,
 ) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -311,13 +312,19 @@ def train_head(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to save the head in")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--draft-vocab-size", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--train-prompts",
+        type=int,
+        default=160,
+        help="how many of the training instructions to use",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=80)
+    parser.add_argument("--draft-vocab-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--eval-prompts", type=int, default=12)
-    parser.add_argument("--eval-new-tokens", type=int, default=48)
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    parser.add_argument("--eval-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -325,6 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     target, tokenizer = load_default_target()
     aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
     train_prompts = chat_prompt_ids(tokenizer, instruction_prompts(held_out=False))
+    train_prompts = random.Random(args.seed).sample(train_prompts, args.train_prompts)
     logger.info("generating greedy answers to %d instructions", len(train_prompts))
     sequences = engine_greedy_continuations(train_prompts, args.max_new_tokens)
     examples = collect_examples(target, sequences, aux_ids)
