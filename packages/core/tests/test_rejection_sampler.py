@@ -185,3 +185,16 @@ def test_the_distribution_check_catches_a_wrong_acceptance_rule():
     )
     first = torch.bincount(out.token_ids[:, 0], minlength=VOCAB).float()
     assert chi_square_p_value(first, p[0]) < 1e-6
+
+
+def test_sampled_requests_with_different_draft_counts():
+    """k = 0, 1 and 3 in one sampled batch: each output is its accepted drafts plus one token,
+    and a target that puts all its mass on the drafts accepts them all."""
+    drafts = [[], [3], [1, 4, 2]]
+    rows = [[5], [3, 0], [1, 4, 2, 5]]  # the target's certain tokens, bonus last
+    logits = one_hot_logits([t for row in rows for t in row]) * 10  # p ~ one-hot
+    out = RejectionSampler(torch.Generator().manual_seed(0))(
+        logits, torch.tensor([t for d in drafts for t in d]), [0, 1, 3], batch(3, 1.0)
+    )
+    assert out.num_accepted.tolist() == [0, 1, 3]
+    assert out.to_lists() == [[5], [3, 0], [1, 4, 2, 5]]
