@@ -34,6 +34,7 @@ from kvik.config import (
     default_compile_cache_dir,
 )
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
+from kvik.spec_decode.config import parse_speculative_config
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -150,6 +151,13 @@ class EngineArgs:
         None,
         "how ranks run: uni (one rank, in the engine core's process) or mp (one process per "
         "rank on this host); default: uni for one rank, mp for more",
+    )
+    speculative_config: str | dict | None = option(
+        None,
+        "speculative decoding, JSON with vLLM's keys: method (ngram, draft_model, eagle3), "
+        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
+        "disable_by_batch_size (not yet run by the engine: it refuses the option)",
+        metavar="JSON",
     )
     generation_config: str = option(
         "auto",
@@ -269,6 +277,7 @@ class EngineArgs:
             ops_dispatch=self.ops_dispatch,
             parallel=parallel,
             structured_outputs=structured_outputs,
+            speculative=parse_speculative_config(self.speculative_config),
         )
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:

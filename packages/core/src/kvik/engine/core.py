@@ -37,6 +37,7 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
+from kvik.spec_decode.config import refuse_unwired_speculation
 from kvik.structured_output import StructuredOutputManager
 from kvik.worker.nvtx import nvtx_range
 
@@ -67,6 +68,7 @@ class EngineCore:
         """``platform`` defaults to the selected platform, the executor to the kind
         ``config.parallel`` names. ``runner``: a model runner for one in-process rank (tests pass
         a fake device)."""
+        refuse_unwired_speculation(config.speculative)
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
         # Checks the backend and reasoning parser; xgrammar loads at the first grammar.

@@ -1,0 +1,111 @@
+"""Offline measurement of an EAGLE-3 head: greedy speculative decoding with the target in
+transformers, k drafts a step, counting how many the target accepts.
+
+The output is the target's own greedy text by construction; ``check_against_plain`` compares it
+with plain greedy decoding all the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvik.spec_decode.eagle3 import Eagle3Head
+from kvik.spec_decode.metrics import SpecDecodingStats
+
+
+@torch.no_grad()
+def target_features(target, token_ids: Tensor, aux_layer_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """One target pass over token_ids [B, T]: (greedy next tokens [B, T], the aux layers' hidden
+    states concatenated [B, T, 3 * hidden])."""
+    out = target(input_ids=token_ids, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+    return out.logits.argmax(-1), aux
+
+
+@dataclass
+class SpeculativeRun:
+    output_ids: list[int]
+    stats: SpecDecodingStats
+
+
+@torch.no_grad()
+def speculative_greedy(
+    target, head: Eagle3Head, prompt_ids: list[int], k: int, max_new_tokens: int
+) -> SpeculativeRun:
+    """Greedy decoding of one prompt with the head's k drafts verified by the target.
+
+    The target keeps a KV cache: each step feeds the newest token and the k drafts, then drops
+    the rejected drafts' entries (``DynamicCache.crop``) and keeps the accepted positions' states.
+    """
+    from transformers import DynamicCache
+
+    aux_ids = head.config.eagle_aux_hidden_state_layer_ids
+    if aux_ids is None:
+        raise ValueError("the head's config names no eagle_aux_hidden_state_layer_ids")
+    stats = SpecDecodingStats(num_spec_tokens=k)
+    cache = DynamicCache()
+    greedy, aux = _cached_pass(target, prompt_ids, cache, aux_ids)
+    sequence = list(prompt_ids) + [int(greedy[-1])]
+    states = aux  # the target's states at positions 0..len(sequence) - 2
+    while len(sequence) - len(prompt_ids) < max_new_tokens:
+        # Rows 0..n-2 of the head: token p + 1 with the target's state at p.
+        hidden = head.combine(states.to(head.fc.weight.dtype))
+        drafts = head.propose_greedy(torch.tensor(sequence[1:]), hidden, k).tolist()
+        greedy, aux = _cached_pass(target, [sequence[-1]] + drafts, cache, aux_ids)
+        accepted = 0
+        while accepted < k and drafts[accepted] == greedy[accepted]:
+            accepted += 1
+        stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted)
+        # Keep the states (and cache) of the fed token and the accepted drafts only.
+        states = torch.cat([states, aux[: accepted + 1]])
+        cache.crop(len(sequence) + accepted)
+        sequence += drafts[:accepted] + [int(greedy[accepted])]
+    return SpeculativeRun(sequence[len(prompt_ids) :][:max_new_tokens], stats)
+
+
+def _cached_pass(target, token_ids: list[int], cache, aux_ids: list[int]) -> tuple[Tensor, Tensor]:
+    """The target over new tokens after what ``cache`` holds: (greedy next tokens [n], aux states
+    [n, 3 * hidden])."""
+    out = target(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True,
+                 output_hidden_states=True)  # fmt: skip
+    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
+    return out.logits[0].argmax(-1), aux
+
+
+@torch.no_grad()
+def plain_greedy(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """One token a step, with a KV cache; like the speculative loop, it does not stop at EOS."""
+    from transformers import DynamicCache
+
+    cache, fed, output = DynamicCache(), list(prompt_ids), []
+    for _ in range(max_new_tokens):
+        logits = target(input_ids=torch.tensor([fed]), past_key_values=cache, use_cache=True).logits
+        fed = [int(logits[0, -1].argmax())]
+        output += fed
+    return output
+
+
+def evaluate_acceptance(
+    target,
+    head: Eagle3Head,
+    prompts: list[list[int]],
+    k: int = 3,
+    max_new_tokens: int = 48,
+    check_against_plain: int = 0,
+) -> SpecDecodingStats:
+    """Acceptance over held-out prompts (token ids). ``check_against_plain``: for that many
+    prompts, also decode plainly and raise if the outputs differ (they must not)."""
+    total = SpecDecodingStats(num_spec_tokens=k)
+    for i, prompt in enumerate(prompts):
+        run = speculative_greedy(target, head, prompt, k, max_new_tokens)
+        total.merge(run.stats)
+        if i < check_against_plain:
+            plain = plain_greedy(target, prompt, max_new_tokens)
+            if plain != run.output_ids:
+                raise AssertionError(
+                    f"prompt {i}: speculative output differs from plain greedy decoding"
+                )
+    return total

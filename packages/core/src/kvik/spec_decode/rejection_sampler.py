@@ -1,0 +1,212 @@
+"""Verifying draft tokens against the target so that the output has the target's distribution.
+
+Layout (vLLM's, flattened): request i proposed ``num_draft_tokens[i]`` tokens (0 allowed), laid
+end to end in ``draft_token_ids``; the target scored ``num_draft_tokens[i] + 1`` positions for it,
+laid end to end in ``target_logits`` (the draft positions, then the bonus position).
+
+Greedy requests keep the longest prefix of drafts equal to the target's argmax, then the target's
+own token. Sampled requests (speculative sampling, Leviathan et al. / Chen et al.) accept draft d
+at a position with probability min(1, p(d) / q(d)); at the first rejection they take a token from
+norm(max(p - q, 0)); if all drafts pass, a bonus token from p at the last position. p is the
+target's distribution after temperature, top-k, top-p and min-p, as kvik's sampler applies them;
+q is the proposer's distribution, or "one-hot at its proposal" (``draft_probs=None``: n-gram and
+other deterministic proposers), where the rule reads: accept with p(d), else sample p without d.
+
+All of it runs on the logits' device, batched. A seeded request draws its uniforms and its
+exponential noise from its own generator, in a fixed order (uniforms for its drafts, then noise
+for its rows), so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from kvik.layers.sampler import _GREEDY_EPS, SamplingBatch, apply_top_k_top_p
+
+#: Marks the slots after a request's last output token in ``RejectionOutput.token_ids``.
+PLACEHOLDER_TOKEN_ID = -1
+
+
+@dataclass
+class RejectionOutput:
+    #: [B, max_k + 1]: each request's accepted drafts, then its corrected or bonus token, then
+    #: PLACEHOLDER_TOKEN_ID.
+    token_ids: Tensor
+    #: [B]: how many drafts each request accepted (its output has one token more).
+    num_accepted: Tensor
+
+    def to_lists(self) -> list[list[int]]:
+        counts = (self.num_accepted + 1).tolist()
+        return [row[:n] for row, n in zip(self.token_ids.tolist(), counts, strict=True)]
+
+
+@dataclass
+class _Layout:
+    """Where each request's drafts and target rows sit in the flattened inputs."""
+
+    valid: Tensor  # [B, K] bool: j < k_i
+    draft_index: Tensor  # [B, K] into draft_token_ids (0 where invalid)
+    target_index: Tensor  # [B, K + 1] into target_logits (the bonus row where j > k_i)
+    num_draft: Tensor  # [B]
+    row_request: Tensor  # [R] the request of each target row
+
+    @classmethod
+    def build(cls, num_draft_tokens: list[int], device: torch.device) -> _Layout:
+        num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
+        k_max = max(num_draft_tokens, default=0)
+        j = torch.arange(k_max + 1, device=device)
+        cu_draft = torch.cumsum(num_draft, 0) - num_draft  # each request's first draft
+        first_row = cu_draft + torch.arange(len(num_draft_tokens), device=device)
+        valid = j[:k_max].unsqueeze(0) < num_draft.unsqueeze(1)
+        draft_index = torch.where(valid, cu_draft.unsqueeze(1) + j[:k_max], 0)
+        target_index = first_row.unsqueeze(1) + torch.minimum(j, num_draft.unsqueeze(1))
+        row_request = torch.repeat_interleave(
+            torch.arange(len(num_draft_tokens), device=device), num_draft + 1
+        )
+        return cls(valid, draft_index, target_index, num_draft, row_request)
+
+
+def target_probs(logits: Tensor, sampling: SamplingBatch, row_request: Tensor) -> Tensor:
+    """The target's distribution at each row [R, V] after the request's temperature, top-k,
+    top-p and min-p (kvik's sampler's filters, renormalised). Greedy requests' rows come out as
+    temperature-1 softmax; the caller uses their argmax."""
+    temperature = sampling.temperature[row_request]
+    temperature = torch.where(temperature < _GREEDY_EPS, 1.0, temperature)
+    logits = apply_top_k_top_p(
+        logits.float() / temperature.unsqueeze(1),
+        sampling.top_k[row_request] if sampling.use_top_k else None,
+        sampling.top_p[row_request] if sampling.use_top_p else None,
+    )
+    probs = logits.softmax(dim=-1)
+    if sampling.use_min_p:
+        floor = sampling.min_p[row_request].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+class RejectionSampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for requests without a seed of their own
+
+    def __call__(
+        self,
+        target_logits: Tensor,
+        draft_token_ids: Tensor,
+        num_draft_tokens: list[int],
+        sampling: SamplingBatch,
+        draft_probs: Tensor | None = None,
+    ) -> RejectionOutput:
+        """target_logits [sum(k_i + 1), V]; draft_token_ids [sum(k_i)]; sampling: one row per
+        request (``generators`` keyed by request index); draft_probs [sum(k_i), V] or None."""
+        if any(k < 0 for k in num_draft_tokens):
+            raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
+        device = target_logits.device
+        num_rows = sum(num_draft_tokens) + len(num_draft_tokens)
+        if target_logits.shape[0] != num_rows:
+            raise ValueError(
+                f"target_logits has {target_logits.shape[0]} rows; {num_draft_tokens} drafts "
+                f"need {num_rows} (k_i + 1 per request)"
+            )
+        if draft_token_ids.shape != (sum(num_draft_tokens),):
+            raise ValueError(
+                f"draft_token_ids has shape {tuple(draft_token_ids.shape)}, expected "
+                f"({sum(num_draft_tokens)},)"
+            )
+        if draft_probs is not None and draft_probs.shape != (
+            sum(num_draft_tokens),
+            target_logits.shape[1],
+        ):
+            raise ValueError(
+                f"draft_probs has shape {tuple(draft_probs.shape)}, expected "
+                f"({sum(num_draft_tokens)}, {target_logits.shape[1]})"
+            )
+        if sampling.processors:
+            raise ValueError(
+                "logits processors depend on the tokens before each position: apply them to "
+                "target_logits per position before rejection sampling"
+            )
+        layout = _Layout.build(num_draft_tokens, device)
+        drafts = torch.where(layout.valid, draft_token_ids[layout.draft_index], -1)
+        greedy_tokens = target_logits.max(dim=-1).indices[layout.target_index]  # [B, K + 1]
+        greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
+        if sampling.all_greedy:
+            return greedy_out
+        sampled_out = self._sample(target_logits, drafts, draft_probs, sampling, layout)
+        greedy_rows = (sampling.temperature < _GREEDY_EPS).unsqueeze(1)
+        return RejectionOutput(
+            torch.where(greedy_rows, greedy_out.token_ids, sampled_out.token_ids),
+            torch.where(greedy_rows[:, 0], greedy_out.num_accepted, sampled_out.num_accepted),
+        )
+
+    def _sample(
+        self,
+        target_logits: Tensor,
+        drafts: Tensor,
+        draft_probs: Tensor | None,
+        sampling: SamplingBatch,
+        layout: _Layout,
+    ) -> RejectionOutput:
+        probs = target_probs(target_logits, sampling, layout.row_request)  # [R, V]
+        uniforms, noise = self._random(layout, probs.shape, sampling.generators, probs.device)
+        safe_drafts = drafts.clamp(min=0)
+        draft_rows = layout.target_index[:, :-1]  # [B, K]
+        p = probs[draft_rows]  # [B, K, V]
+        p_draft = p.gather(2, safe_drafts.unsqueeze(2)).squeeze(2)
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+            residual = p.scatter(2, safe_drafts.unsqueeze(2), 0.0)
+        else:
+            q = draft_probs.float()[layout.draft_index]
+            q_draft = q.gather(2, safe_drafts.unsqueeze(2)).squeeze(2)
+            residual = (p - q).clamp(min=0.0)
+        # p == q leaves nothing; a rejection then has probability 0, but rounding can still
+        # reach it: fall back to p rather than to an arbitrary token.
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        residual = torch.where(empty, p, residual)
+        # Exponential race: argmax(w / E) with E ~ Exp(1) samples proportionally to w.
+        recovered = residual.div(noise[draft_rows]).max(dim=-1).indices  # [B, K]
+        bonus_rows = layout.target_index[:, -1]
+        bonus = probs[bonus_rows].div(noise[bonus_rows]).max(dim=-1).indices  # [B]
+        # Position j's token if the run stops there: recovered for a draft position, the bonus
+        # token at position k_i.
+        final = torch.cat([recovered, bonus.unsqueeze(1)], dim=1)
+        final = final.scatter(1, layout.num_draft.unsqueeze(1), bonus.unsqueeze(1))
+        accepted = uniforms * q_draft < p_draft
+        return _emit(drafts, accepted, layout, final)
+
+    def _random(
+        self,
+        layout: _Layout,
+        shape: torch.Size,
+        generators: dict[int, torch.Generator],
+        device: torch.device,
+    ) -> tuple[Tensor, Tensor]:
+        """Uniforms [B, K] for acceptance and Exp(1) noise [R, V] for every target row."""
+        uniforms = torch.rand(layout.valid.shape, generator=self.generator, device=device)
+        noise = torch.empty(shape, device=device).exponential_(generator=self.generator)
+        if generators:
+            num_draft = layout.num_draft.tolist()
+            first_rows = (layout.target_index[:, 0]).tolist()
+            for request, generator in generators.items():
+                k = num_draft[request]
+                uniforms[request, :k] = torch.rand(k, generator=generator, device=device)
+                rows = slice(first_rows[request], first_rows[request] + k + 1)
+                noise[rows].exponential_(generator=generator)
+        return uniforms, noise
+
+
+def _emit(drafts: Tensor, accepted: Tensor, layout: _Layout, final: Tensor) -> RejectionOutput:
+    """Output rows from per-position acceptance [B, K] and the token at the first rejection (or
+    the bonus) per position [B, K + 1]."""
+    run = torch.cumprod((accepted & layout.valid).to(torch.int64), dim=1)
+    num_accepted = run.sum(dim=1)  # [B]
+    j = torch.arange(final.shape[1], device=final.device).unsqueeze(0)
+    padded_drafts = torch.cat([drafts, drafts.new_full((drafts.shape[0], 1), -1)], dim=1)
+    stop = num_accepted.unsqueeze(1)
+    tokens = torch.where(j < stop, padded_drafts, final)
+    tokens = torch.where(j > stop, PLACEHOLDER_TOKEN_ID, tokens)
+    return RejectionOutput(tokens, num_accepted)

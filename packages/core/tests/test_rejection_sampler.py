@@ -1,0 +1,200 @@
+"""The rejection sampler: greedy verification exactly, sampled verification keeping the target's
+distribution (chi-square over many draws on a tiny vocabulary), seeded requests reproducible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvik.layers.sampler import SamplingBatch
+from kvik.spec_decode.rejection_sampler import RejectionSampler, target_probs
+
+
+def batch(n: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seeds=None):
+    generators = {}
+    for row, seed in (seeds or {}).items():
+        generators[row] = torch.Generator().manual_seed(seed)
+    return SamplingBatch(
+        temperature=torch.full((n,), temperature),
+        top_k=torch.full((n,), top_k, dtype=torch.int64),
+        top_p=torch.full((n,), top_p),
+        min_p=torch.zeros(n),
+        all_greedy=temperature == 0.0,
+        generators=generators,
+    )
+
+
+def one_hot_logits(tokens: list[int], vocab: int = 8) -> torch.Tensor:
+    """Target logits whose argmax at each row is the given token."""
+    logits = torch.zeros(len(tokens), vocab)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits
+
+
+def test_greedy_longest_matching_prefix_then_the_targets_token():
+    sampler = RejectionSampler(torch.Generator().manual_seed(0))
+    # Request 0: all 3 drafts match -> 3 drafts + bonus. Request 1: second draft wrong -> 1 draft
+    # + correction. Request 2: no drafts -> the target's token. Request 3: first draft wrong.
+    drafts = [[4, 5, 6], [1, 2], [], [7]]
+    target = [[4, 5, 6, 3], [1, 3, 0], [2], [6, 1]]
+    out = sampler(
+        one_hot_logits([t for row in target for t in row]),
+        torch.tensor([t for row in drafts for t in row]),
+        [len(d) for d in drafts],
+        batch(4),
+    )
+    assert out.num_accepted.tolist() == [3, 1, 0, 0]
+    assert out.to_lists() == [[4, 5, 6, 3], [1, 3], [2], [6]]
+    assert out.token_ids.tolist() == [
+        [4, 5, 6, 3],
+        [1, 3, -1, -1],
+        [2, -1, -1, -1],
+        [6, -1, -1, -1],
+    ]
+
+
+def test_greedy_rows_beside_sampled_rows_stay_greedy():
+    sampler = RejectionSampler(torch.Generator().manual_seed(0))
+    sampling = batch(2, temperature=1.0)
+    sampling.temperature[0] = 0.0
+    out = sampler(one_hot_logits([4, 5, 1, 2, 3]), torch.tensor([4, 1, 2]), [2, 1], sampling)
+    assert out.to_lists()[0] == [4, 5]  # the second draft (1) is not the argmax (5)
+
+
+def test_bad_layouts_are_clear_errors():
+    sampler = RejectionSampler(torch.Generator())
+    with pytest.raises(ValueError, match="k_i \\+ 1 per request"):
+        sampler(torch.zeros(3, 8), torch.tensor([1, 2]), [2, 0], batch(2))
+    with pytest.raises(ValueError, match="draft_token_ids has shape"):
+        sampler(torch.zeros(3, 8), torch.tensor([1]), [2], batch(1))
+    with pytest.raises(ValueError, match="draft_probs has shape"):
+        sampler(torch.zeros(3, 8), torch.tensor([1, 2]), [2], batch(1, 1.0), torch.zeros(2, 7))
+    with pytest.raises(ValueError, match=">= 0"):
+        sampler(torch.zeros(1, 8), torch.tensor([], dtype=torch.int64), [-1], batch(1))
+
+
+def chi_square_p_value(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson's test over the categories with expected mass (those without must be empty)."""
+    n = observed.sum()
+    support = expected_probs > 0
+    assert observed[~support].sum() == 0, "sampled a token the target gives probability 0"
+    expected = expected_probs[support] * n
+    statistic = ((observed[support] - expected) ** 2 / expected).sum()
+    dof = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), statistic / 2))
+
+
+VOCAB = 6
+DRAWS = 20_000
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+@pytest.mark.parametrize("proposer", ["model", "one_hot"])
+def test_sampled_output_has_the_targets_distribution(top_p, proposer):
+    """Each draw is a request with k = 2 drafts from q (or a fixed one-hot proposal); the first
+    output token must follow p at position 0, and the second (present when the first draft was
+    accepted) p at position 1, whatever q is."""
+    torch.manual_seed(1)
+    target_rows = torch.randn(3, VOCAB) * 1.5  # positions 0, 1 and the bonus position
+    q = torch.randn(2, VOCAB).softmax(-1)
+    target_logits = target_rows.repeat(DRAWS, 1)
+    if proposer == "model":
+        drafts = torch.stack([torch.multinomial(q[j], DRAWS, replacement=True) for j in (0, 1)], 1)
+        draft_probs = q.repeat(DRAWS, 1)
+    else:
+        drafts = torch.tensor([[2, 4]]).repeat(DRAWS, 1)
+        draft_probs = None
+    sampling = batch(DRAWS, temperature=1.0, top_p=top_p)
+    sampler = RejectionSampler(torch.Generator().manual_seed(2))
+    out = sampler(target_logits, drafts.reshape(-1), [2] * DRAWS, sampling, draft_probs)
+    p = target_probs(target_rows, batch(3, temperature=1.0, top_p=top_p), torch.arange(3))
+    first = torch.bincount(out.token_ids[:, 0], minlength=VOCAB).float()
+    assert chi_square_p_value(first, p[0]) > 0.01
+    has_second = out.num_accepted >= 1
+    assert int(has_second.sum()) > 2000  # enough draws to test the second position
+    second = torch.bincount(out.token_ids[has_second, 1], minlength=VOCAB).float()
+    assert chi_square_p_value(second, p[1]) > 0.01
+    if top_p < 1.0:
+        assert (p == 0).any()  # top-p did remove tokens, and none of them was emitted
+
+
+def test_the_chi_square_test_rejects_a_wrong_distribution():
+    # The check the test above relies on can fail: the proposer's own distribution is not p.
+    torch.manual_seed(1)
+    p = torch.randn(VOCAB).softmax(-1)
+    q = torch.randn(VOCAB).softmax(-1)
+    draws = torch.bincount(torch.multinomial(q, DRAWS, replacement=True), minlength=VOCAB)
+    assert chi_square_p_value(draws.float(), p) < 1e-6
+
+
+def test_seeded_requests_do_not_depend_on_the_batch():
+    torch.manual_seed(3)
+    logits = torch.randn(4 * 3, VOCAB)  # 4 requests, k = 2 each
+    drafts = torch.randint(0, VOCAB, (8,))
+    q = torch.randn(8, VOCAB).softmax(-1)
+
+    def run(engine_seed: int, extra_first: bool):
+        sampler = RejectionSampler(torch.Generator().manual_seed(engine_seed))
+        lg, dr, qq = logits, drafts, q
+        seeds = {1: 7, 3: 11}
+        if extra_first:  # another request ahead of them: every row index shifts by one
+            lg = torch.cat([torch.randn(3, VOCAB), logits])
+            dr = torch.cat([torch.randint(0, VOCAB, (2,)), drafts])
+            qq = torch.cat([torch.randn(2, VOCAB).softmax(-1), q])
+            seeds = {2: 7, 4: 11}
+        n = 5 if extra_first else 4
+        out = sampler(lg, dr, [2] * n, batch(n, temperature=0.9, seeds=seeds), qq).to_lists()
+        return out[1:] if extra_first else out
+
+    base = run(0, False)
+    again = run(5, True)
+    assert again[1] == base[1] and again[3] == base[3]
+    # Different seeds give different tokens somewhere (the seed is what decides them).
+    outputs = set()
+    for seed in range(8):
+        sampler = RejectionSampler(torch.Generator().manual_seed(0))
+        out = sampler(logits, drafts, [2] * 4, batch(4, 1.0, seeds={0: seed}), q).to_lists()
+        outputs.add(tuple(out[0]))
+    assert len(outputs) > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_runs_on_cuda_like_on_cpu():
+    logits = one_hot_logits([4, 5, 6, 3]).cuda()
+    out = RejectionSampler(torch.Generator("cuda"))(
+        logits,
+        torch.tensor([4, 5, 1]).cuda(),
+        [3],
+        batch(1).__class__(
+            **{k: v.cuda() if torch.is_tensor(v) else v for k, v in vars(batch(1)).items()}
+        ),
+    )
+    assert out.to_lists() == [[4, 5, 6]]
+
+
+def test_the_distribution_check_catches_a_wrong_acceptance_rule():
+    """Drafts from q, but the sampler told q = p: it then accepts every draft and emits q's
+    distribution, which the same chi-square check must reject."""
+    torch.manual_seed(1)
+    target_rows = torch.randn(2, VOCAB) * 1.5
+    q = torch.randn(VOCAB).softmax(-1)
+    drafts = torch.multinomial(q, DRAWS, replacement=True)
+    p = target_rows.softmax(-1)
+    out = RejectionSampler(torch.Generator().manual_seed(2))(
+        target_rows.repeat(DRAWS, 1), drafts, [1] * DRAWS, batch(DRAWS, 1.0), p[:1].repeat(DRAWS, 1)
+    )
+    first = torch.bincount(out.token_ids[:, 0], minlength=VOCAB).float()
+    assert chi_square_p_value(first, p[0]) < 1e-6
+
+
+def test_sampled_requests_with_different_draft_counts():
+    """k = 0, 1 and 3 in one sampled batch: each output is its accepted drafts plus one token,
+    and a target that puts all its mass on the drafts accepts them all."""
+    drafts = [[], [3], [1, 4, 2]]
+    rows = [[5], [3, 0], [1, 4, 2, 5]]  # the target's certain tokens, bonus last
+    logits = one_hot_logits([t for row in rows for t in row]) * 10  # p ~ one-hot
+    out = RejectionSampler(torch.Generator().manual_seed(0))(
+        logits, torch.tensor([t for d in drafts for t in d]), [0, 1, 3], batch(3, 1.0)
+    )
+    assert out.num_accepted.tolist() == [0, 1, 3]
+    assert out.to_lists() == [[5], [3, 0], [1, 4, 2, 5]]
