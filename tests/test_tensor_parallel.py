@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,11 +103,32 @@ def _run(folder: Path) -> dict:
     }
 
 
+def _run_dummy(folder: Path) -> dict:
+    """Random weights of the model's shapes: each rank fills only its own parameters."""
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        dtype="float32",
+        enforce_eager=True,
+        num_kv_blocks=16,
+        max_model_len=64,
+        load_format="dummy",
+    )
+    model = llm.engine.runner.model
+    (output,) = llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
+    return {
+        "tokens": output.outputs[0].token_ids,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
+    }
+
+
 def _rank_main(rank: int, port: int, folders: dict[str, Path], out: Path) -> None:
     init_distributed_environment(TP, rank, f"tcp://127.0.0.1:{port}", "gloo")
     initialize_model_parallel(TP)
     try:
         results: dict = {kind: _run(folder) for kind, folder in folders.items() if kind in KINDS}
+        results["dummy"] = _run_dummy(folders["llama"])
         try:
             _run(folders["indivisible"])
             results["indivisible"] = None
@@ -181,3 +203,38 @@ def test_heads_that_do_not_split_are_refused(runs):
         message = result["indivisible"]
         assert message is not None, "a model of 3 heads loaded on 2 ranks"
         assert "3 attention heads do not split between 2 tensor-parallel ranks" in message
+
+
+def test_dummy_weights_per_rank(runs):
+    """Each rank draws only its parameters; the ranks still agree on every token (the logits are
+    gathered), and each holds half the bytes."""
+    first, second = (result["dummy"] for result in runs["ranks"])
+    assert first["finite"] and second["finite"]
+    assert first["tokens"] == second["tokens"] and len(first["tokens"]) == GREEDY.max_tokens
+    single = runs["tp1"]["llama"]["param_bytes"]
+    assert first["param_bytes"] == pytest.approx(single / TP, rel=0.02)
+
+
+@pytest.fixture
+def as_second_of_two(monkeypatch):
+    """This process as rank 1 of a tensor-parallel group of two, for building only (no
+    collectives run)."""
+    from kvik.distributed import parallel_state
+
+    group = parallel_state.GroupCoordinator([0, 1], 1, device_group=None)
+    monkeypatch.setattr(parallel_state, "_TP", group)
+
+
+def test_mixture_of_experts_models_refuse_tensor_parallelism(as_second_of_two):
+    from kvik_models.mixtral import MixtralForCausalLM
+
+    with pytest.raises(ValueError, match="MixtralForCausalLM does not run under tensor parallel"):
+        MixtralForCausalLM(SimpleNamespace(hf_config=None))
+
+
+def test_gguf_refuses_tensor_parallelism(as_second_of_two, tmp_path):
+    from kvik.model_loader.loader import iterate_weights
+
+    config = SimpleNamespace(load_format="gguf", path=tmp_path / "m.gguf", dtype=torch.float32)
+    with pytest.raises(ValueError, match="GGUF checkpoints do not load under tensor parallelism"):
+        iterate_weights(config)
