@@ -124,6 +124,8 @@ def _run_dummy(folder: Path) -> dict:
 
 
 def _rank_main(rank: int, port: int, folders: dict[str, Path], out: Path) -> None:
+    # One thread a rank: the two ranks share CI's two cores.
+    torch.set_num_threads(1)
     init_distributed_environment(TP, rank, f"tcp://127.0.0.1:{port}", "gloo")
     initialize_model_parallel(TP)
     try:
