@@ -38,7 +38,8 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
 
 def iterate_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
     """The checkpoint's tensors unread, for ranks that load only their part of each
-    (kvik.model_loader.weight_slice). Each slice is valid until the next is yielded."""
+    (kvik.model_loader.weight_slice). A slice reads from its file while the iterator is on that
+    file: the model's loaders read each as it comes."""
     for file in safetensors_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)

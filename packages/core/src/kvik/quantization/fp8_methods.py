@@ -77,6 +77,7 @@ class Fp8BlockLinearMethod(LinearMethod):
         self.scale_name = scale_name
 
     def create_weights(self, layer: Linear, params_dtype: torch.dtype) -> None:
+        _check_blocks_split(layer)
         # A fused layer stacks its shards' scale rows as it stacks their weight rows: that holds
         # only when each shard covers whole 128-row tiles.
         if len(layer.shards) > 1:
@@ -87,7 +88,6 @@ class Fp8BlockLinearMethod(LinearMethod):
                         f"not a multiple of the {BLOCK}-row weight blocks, so its block scales "
                         "cannot be stacked with the other shards'"
                     )
-        _check_blocks_split(layer)
         layer.weight = _fp8_weight(layer)
         tiles = (-(-layer.out_features // BLOCK), -(-layer.in_features // BLOCK))
         scale = new_parameter(tiles, torch.float32, row_loader(layer, BLOCK), DUMMY_SCALE)
