@@ -86,6 +86,7 @@ def test_kv_cache_blocks_are_the_least_over_ranks(tiny_model):
     assert (budget // 2) // per_block < budget // per_block  # the ranks disagree
     args = dict(ENGINE, num_kv_blocks=None, max_model_len=32, block_size=block_size)
     config = EngineArgs(model=str(folder), tensor_parallel_size=2, **args).create_engine_config()
+    assert config.parallel.world_size == 2 and config.parallel.executor_backend == "mp"
     engine = EngineCore(config, platform=RankSkewedCpuPlatform)
     try:
         assert engine.num_kv_blocks == (budget // 2) // per_block
