@@ -15,7 +15,12 @@ from kvik.config import ModelConfig
 from kvik.layers.activation import SiluAndMul
 from kvik.layers.attention import Attention
 from kvik.layers.embedding import LMHead, VocabEmbedding
-from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
+from kvik.layers.linear import (
+    MergedColumnLinear,
+    QKVLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
 
@@ -52,8 +57,8 @@ class LlamaAttention(nn.Module):
         super().__init__()
         nh, nkv = config.num_attention_heads, config.num_key_value_heads
         self.head_size = head_size(config)
-        self.q_size, self.kv_size = nh * self.head_size, nkv * self.head_size
         bias = getattr(config, "attention_bias", False)
+        # Column-parallel: this rank's query heads and KV heads (kvik.layers.linear).
         self.qkv_proj = QKVLinear(
             config.hidden_size,
             self.head_size,
@@ -63,8 +68,9 @@ class LlamaAttention(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.qkv_proj",
         )
-        self.o_proj = Linear(
-            self.q_size,
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(
+            nh * self.head_size,
             config.hidden_size,
             bias,
             quant_config=quant_config,
@@ -72,10 +78,10 @@ class LlamaAttention(nn.Module):
         )
         self.rotary_emb = rotary_emb
         self.attn = Attention(
-            nh,
+            self.qkv_proj.num_heads,
             self.head_size,
             self.head_size**-0.5,
-            nkv,
+            self.qkv_proj.num_kv_heads,
             layer_name=f"model.layers.{layer_idx}.self_attn.attn",
             sliding_window=sliding_window(config, layer_idx),
         )
@@ -107,7 +113,7 @@ class LlamaMLP(nn.Module):
             quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj",
         )
-        self.down_proj = Linear(
+        self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
         self.act_fn = SiluAndMul()

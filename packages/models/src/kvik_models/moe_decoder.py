@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from kvik.config import ModelConfig
+from kvik.distributed.parallel_state import get_tp_group
 from kvik.layers.activation import SiluAndMul
 from kvik.layers.embedding import LMHead, VocabEmbedding
 from kvik.layers.linear import Linear, MergedColumnLinear
@@ -119,6 +120,13 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         nn.Module.__init__(self)  # not Llama's: its model would build dense MLPs on every layer
+        tp_size = get_tp_group().world_size
+        if tp_size > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not run under tensor parallelism yet (asked for "
+                f"{tp_size} ranks): its experts are not split between ranks; use "
+                "--tensor-parallel-size 1"
+            )
         hf = config.hf_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
         self.model = MoeModel(hf, type(self))

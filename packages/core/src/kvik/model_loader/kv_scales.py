@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from torch import Tensor, nn
 
 from kvik.layers.attention import Attention
+from kvik.model_loader.weight_slice import CheckpointSlice, materialize
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,13 @@ def _split(name: str, blocks: dict[str, tuple[Attention, str]]) -> tuple[str, st
     return None
 
 
-def _scale_value(name: str, tensor: Tensor) -> float:
+def _scale_value(name: str, tensor: Tensor | CheckpointSlice) -> float:
     if tensor.numel() != 1:
         raise ValueError(
             f"checkpoint KV cache scale {name!r} has shape {tuple(tensor.shape)}; kvik reads one "
             "scale per layer (per-tensor), not per head or per channel"
         )
-    value = float(tensor.float().reshape(()))
+    value = float(materialize(tensor).float().reshape(()))
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"checkpoint KV cache scale {name!r} is {value}: it must be positive")
     return value

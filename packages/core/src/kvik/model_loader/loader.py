@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kvik.config import LOAD_FORMATS, ModelConfig, parse_dtype, read_generation_config
+from kvik.distributed.parallel_state import get_tp_group
 from kvik.model_loader.dummy import load_dummy_weights
 from kvik.model_loader.generation_config import sampling_defaults
 from kvik.model_loader.gguf_loader import (
@@ -18,7 +19,12 @@ from kvik.model_loader.gguf_loader import (
 )
 from kvik.model_loader.kv_scales import take_kv_scales
 from kvik.model_loader.resolve import resolve_model
-from kvik.model_loader.safetensors_loader import iterate_safetensors, safetensors_files
+from kvik.model_loader.safetensors_loader import (
+    iterate_safetensors,
+    iterate_safetensors_slices,
+    safetensors_files,
+)
+from kvik.model_loader.weight_slice import CheckpointSlice
 from kvik.models.registry import get_model_class
 from kvik.platforms.base import Platform
 from kvik.quantization.resolve import resolve_quantization
@@ -101,10 +107,22 @@ def _architecture(hf_config, path) -> str:
     return archs[0]
 
 
-def iterate_weights(model_config: ModelConfig) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's weights under Hugging Face names."""
+def iterate_weights(
+    model_config: ModelConfig,
+) -> Iterable[tuple[str, torch.Tensor | CheckpointSlice]]:
+    """The checkpoint's weights under Hugging Face names. Under tensor parallelism, safetensors
+    tensors come unread (``CheckpointSlice``): each rank's loaders read only its part of each."""
+    tp_size = get_tp_group().world_size
     if model_config.load_format == "gguf":
+        if tp_size > 1:
+            raise ValueError(
+                f"GGUF checkpoints do not load under tensor parallelism (asked for {tp_size} "
+                "ranks): their quantized blocks are dequantized whole; use a safetensors "
+                "checkpoint or --tensor-parallel-size 1"
+            )
         return iter_gguf_weights(model_config.path, model_config.dtype)
+    if tp_size > 1:
+        return iterate_safetensors_slices(model_config.path)
     return iterate_safetensors(model_config.path)
 
 

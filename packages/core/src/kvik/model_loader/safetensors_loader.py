@@ -9,6 +9,8 @@ from pathlib import Path
 from safetensors import safe_open
 from torch import Tensor
 
+from kvik.model_loader.weight_slice import CheckpointSlice
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -32,3 +34,12 @@ def iterate_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
                 yield name, f.get_tensor(name)
+
+
+def iterate_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
+    """The checkpoint's tensors unread, for ranks that load only their part of each
+    (kvik.model_loader.weight_slice). Each slice is valid until the next is yielded."""
+    for file in safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                yield name, CheckpointSlice(name, f)

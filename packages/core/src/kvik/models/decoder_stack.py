@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from kvik.distributed.parallel_state import get_tp_group
 from kvik.layers.attention import Attention
 from kvik.layers.embedding import VocabEmbedding
 from kvik.layers.linear import Linear
@@ -68,7 +69,8 @@ class DecoderStackModel(Protocol):
 
 def decoder_stack(model: object) -> DecoderStack | None:
     """``model``'s stack where it offers one, else None (a model that does not implement the
-    protocol, or declines)."""
-    if not isinstance(model, DecoderStackModel):
+    protocol, or declines, or runs under tensor parallelism: the declared decoder has no
+    all-reduces, so a platform's own decode would sum nothing between the ranks)."""
+    if not isinstance(model, DecoderStackModel) or get_tp_group().world_size > 1:
         return None
     return model.decoder_stack()

@@ -46,6 +46,26 @@ def _replace(layer: nn.Module, name: str, data: torch.Tensor) -> None:
     setattr(layer, name, nn.Parameter(data, requires_grad=False))
 
 
+def _check_blocks_split(layer: Linear) -> None:
+    """Under tensor parallelism a rank's part must be whole 128 x 128 blocks, so that its block
+    scales are a slice of the checkpoint's (vLLM's rule too)."""
+    if layer.tp_dim is None or layer.tp_size == 1:
+        return
+    if layer.tp_dim == 0:
+        parts = {s: size for s, (_, size) in layer.shards.items()} or {None: layer.out_features}
+        what = "output rows"
+    else:
+        parts, what = {None: layer.in_features}, "input columns"
+    for shard_id, size in parts.items():
+        if size % BLOCK:
+            shard = "" if shard_id is None else f" of shard {shard_id!r}"
+            raise ValueError(
+                f"{layer.prefix or 'a layer'}: each of {layer.tp_size} tensor-parallel ranks holds "
+                f"{size} {what}{shard}, not a multiple of the FP8 weight block size {BLOCK}, so "
+                "the block scales cannot be split with the weights; use fewer ranks"
+            )
+
+
 class Fp8BlockLinearMethod(LinearMethod):
     """Checkpoint tensors ``weight`` (e4m3 [N, K]) and ``<scale_name>`` (fp32
     [ceil(N/128), ceil(K/128)]); after loading the scales are the layer's ``weight_scale``."""
@@ -67,6 +87,7 @@ class Fp8BlockLinearMethod(LinearMethod):
                         f"not a multiple of the {BLOCK}-row weight blocks, so its block scales "
                         "cannot be stacked with the other shards'"
                     )
+        _check_blocks_split(layer)
         layer.weight = _fp8_weight(layer)
         tiles = (-(-layer.out_features // BLOCK), -(-layer.in_features // BLOCK))
         scale = new_parameter(tiles, torch.float32, row_loader(layer, BLOCK), DUMMY_SCALE)

@@ -9,9 +9,11 @@ gate/up: ``Linear.shards``). Two layouts cover every tensor so far:
   (weights, biases and per-channel scales: 1; block scales: 128). A shard lands at its rows.
 - ``shard_scalar_loader``: one value per shard (per-tensor scales), ``[number of shards]``.
 
-Tensor parallelism will narrow ``loaded`` to this rank's part (rows for column-parallel layers,
-dim 1 for row-parallel ones) before the same writes: the loaders take the checkpoint tensor whole
-today and know which dim is the output one.
+Under tensor parallelism (kvik.layers.linear) a layer holds one rank's part: the loaders narrow
+``loaded`` to it before the same writes, along dim 0 for a column-parallel layer (the output rows)
+and dim 1 for a row-parallel one (the input columns; tensors without a dim 1, such as per-channel
+scales and biases, are whole on every rank). ``loaded`` may be a ``CheckpointSlice``
+(kvik.model_loader.weight_slice), of which only this rank's part is read.
 """
 
 from __future__ import annotations
@@ -22,15 +24,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from kvik.model_loader.weight_slice import CheckpointSlice, materialize, narrow
+
 if TYPE_CHECKING:
     from kvik.layers.linear import Linear
 
-WeightLoader = Callable[[Tensor, Tensor, "int | str | None"], None]
+WeightLoader = Callable[[Tensor, "Tensor | CheckpointSlice", "int | str | None"], None]
 
 
-def default_weight_loader(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+def default_weight_loader(
+    param: Tensor, loaded: Tensor | CheckpointSlice, shard_id: int | str | None = None
+) -> None:
     """Copy a checkpoint tensor into a parameter (or a shard's view of one), cast to its dtype.
     Parameters without a ``weight_loader`` of their own load with this one (never sharded)."""
+    loaded = materialize(loaded)
     if param.shape != loaded.shape:
         raise ValueError(
             f"checkpoint shape {tuple(loaded.shape)} != parameter {tuple(param.shape)}"
@@ -60,17 +67,43 @@ def shard_index(layer: Linear, shard_id: int | str) -> int:
     return list(layer.shards).index(shard_id)
 
 
+def rank_part(
+    layer: Linear,
+    loaded: Tensor | CheckpointSlice,
+    shard_id: int | str | None,
+    target: Tensor,
+    per_entry: int = 1,
+) -> Tensor:
+    """This rank's part of a checkpoint tensor (of the whole layer, or of shard ``shard_id``)
+    that fills ``target``: ``target``'s length along the layer's split dim, from the rank's first
+    row or column (``layer.tp_start``), ``per_entry`` of them to an entry (block scales: 128)."""
+    dim = layer.tp_dim
+    if dim is None or dim >= target.dim():
+        return materialize(loaded)  # replicated, or whole on every rank (a row-parallel bias)
+    start = layer.tp_start(shard_id)
+    if start % per_entry:
+        raise ValueError(
+            f"{layer.prefix or 'a layer'}: rank {layer.tp_rank}'s part starts at {start} along "
+            f"dim {dim}, inside a block of {per_entry}: the block scales cannot be split between "
+            f"{layer.tp_size} ranks"
+        )
+    return narrow(loaded, dim, start // per_entry, target.shape[dim])
+
+
 def row_loader(layer: Linear, rows_per_entry: int = 1) -> WeightLoader:
     """Loads tensors whose dim 0 follows the layer's output rows, ``rows_per_entry`` to an entry
     (the last entry of a layer may cover fewer). A shard must start and, unless it is the
-    layer's last, end on an entry boundary (the methods check this when they build a layer)."""
+    layer's last, end on an entry boundary (the methods check this when they build a layer).
+    Block scales have ``rows_per_entry`` columns to an entry too (square blocks), which is what a
+    row-parallel layer narrows them by."""
 
-    def load(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+    def load(param: Tensor, loaded: Tensor | CheckpointSlice, shard_id: int | str | None = None):
         target = param.data
         if shard_id is not None:
             shard_index(layer, shard_id)
             offset, size = layer.shards[shard_id]
             target = target.narrow(0, offset // rows_per_entry, -(-size // rows_per_entry))
+        loaded = rank_part(layer, loaded, shard_id, target, rows_per_entry)
         if loaded.dim() == target.dim() + 1 and loaded.shape[-1] == 1:
             loaded = loaded.squeeze(-1)  # per-channel scales stored as [N, 1]
         default_weight_loader(target, loaded)
@@ -82,7 +115,8 @@ def shard_scalar_loader(layer: Linear) -> WeightLoader:
     """Loads one value per shard (a per-tensor scale, stored as ``[]`` or ``[1]``) into entry
     ``shard index`` of a ``[max(1, number of shards)]`` parameter."""
 
-    def load(param: Tensor, loaded: Tensor, shard_id: int | str | None = None) -> None:
+    def load(param: Tensor, loaded: Tensor | CheckpointSlice, shard_id: int | str | None = None):
+        loaded = materialize(loaded)
         if loaded.numel() != 1:
             raise ValueError(f"expected one per-tensor scale, got shape {tuple(loaded.shape)}")
         index = 0 if shard_id is None else shard_index(layer, shard_id)

@@ -1,0 +1,183 @@
+"""Tensor parallelism on the CPU: two ranks (two processes, gloo) against one, on the same
+random-weight checkpoints.
+
+Each rank joins the world and builds its groups as a worker would, then builds an in-process
+engine (``LLM``: the same loader and runner the engine uses) and runs the same requests; both ranks
+schedule the same steps, so their collectives meet. The ranks' logits, greedy tokens, parameter
+bytes and KV cache bytes are compared with one rank's (this process, which joins no world).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tiny_models import build_tiny_model, ragged_prompts
+
+from kvik import LLM, SamplingParams
+from kvik.distributed.parallel_state import (
+    destroy_model_parallel,
+    init_distributed_environment,
+    initialize_model_parallel,
+)
+
+TP = 2
+KINDS = ["llama", "qwen3", "edge"]
+DECODE_STEPS = 4
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+def _build_edge_model(folder: Path) -> Path:
+    """A Llama whose shapes hit the edges: one KV head (replicated on both ranks), a vocabulary
+    that does not split evenly (the last rank's rows padded), tied embeddings, and biases on
+    every projection (the row-parallel ones added once)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=251,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        mlp_bias=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def _build_indivisible_model(folder: Path) -> Path:
+    """Three query heads: they do not split between two ranks."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
+def _run(folder: Path) -> dict:
+    """One engine over the test's prompts: each step's logits (prefill, then ``DECODE_STEPS``
+    greedy decodes computed by hand), ``generate``'s greedy tokens, and the sizes."""
+    llm = LLM(str(folder), device="cpu", dtype="float32", enforce_eager=True, num_kv_blocks=64)
+    engine, runner = llm.engine, llm.engine.runner
+    prompts = ragged_prompts(3, seed=4, low=5, high=30, vocab=240)
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True)
+        engine.add_request(llm.input_processor.make_request(f"r{i}", prompt, params, 0, 0.0))
+    logits = []
+    while engine.has_unfinished_requests():
+        scheduled = engine.scheduler.schedule()
+        inputs = runner.prepare_inputs(scheduled)
+        step = runner.model.compute_logits(runner.forward_hidden(inputs)[inputs.logits_indices])
+        logits.append(step.float())
+        sampled = {
+            request.request_id: [int(step[row].argmax())]
+            for row, request in enumerate(inputs.sampling_requests)
+        }
+        engine.scheduler.update_from_output(scheduled, sampled)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return {
+        "logits": logits,
+        "tokens": [o.outputs[0].token_ids for o in outputs],
+        "param_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+        "kv_bytes_per_block": runner.kv_cache_bytes_per_block(),
+    }
+
+
+def _rank_main(rank: int, port: int, folders: dict[str, Path], out: Path) -> None:
+    init_distributed_environment(TP, rank, f"tcp://127.0.0.1:{port}", "gloo")
+    initialize_model_parallel(TP)
+    try:
+        results: dict = {kind: _run(folder) for kind, folder in folders.items() if kind in KINDS}
+        try:
+            _run(folders["indivisible"])
+            results["indivisible"] = None
+        except ValueError as error:
+            results["indivisible"] = str(error)
+        torch.save(results, out / f"rank{rank}.pt")
+    finally:
+        destroy_model_parallel()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"tp1": {kind: result}, "ranks": [rank 0's, rank 1's]}."""
+    root = tmp_path_factory.mktemp("tp")
+    folders = {
+        "llama": build_tiny_model("llama", root / "llama"),
+        "qwen3": build_tiny_model("qwen3", root / "qwen3"),
+        "edge": _build_edge_model(root / "edge"),
+        "indivisible": _build_indivisible_model(root / "indivisible"),
+    }
+    single = {kind: _run(folders[kind]) for kind in KINDS}
+    mp.spawn(_rank_main, args=(_free_port(), folders, root), nprocs=TP, join=True)
+    ranks = [torch.load(root / f"rank{r}.pt") for r in range(TP)]
+    return {"tp1": single, "ranks": ranks}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_equal_one_rank(runs, kind):
+    expected = runs["tp1"][kind]["logits"]
+    assert len(expected) == 1 + DECODE_STEPS
+    for rank, result in enumerate(runs["ranks"]):
+        got = result[kind]["logits"]
+        assert len(got) == len(expected)
+        for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert a.shape == b.shape, f"{kind} rank {rank} step {step}: {a.shape} != {b.shape}"
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err <= 1e-4, f"{kind} rank {rank} step {step}: relative logits error {err:.2e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_tokens_equal_one_rank(runs, kind):
+    expected = runs["tp1"][kind]["tokens"]
+    assert all(len(t) == GREEDY.max_tokens for t in expected)
+    for result in runs["ranks"]:
+        assert result[kind]["tokens"] == expected
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_each_rank_holds_half_the_weights_and_kv_cache(runs, kind):
+    single = runs["tp1"][kind]
+    for result in runs["ranks"]:
+        # Everything but the norms (replicated, a few hundred bytes) is split in two.
+        assert result[kind]["param_bytes"] == pytest.approx(single["param_bytes"] / TP, rel=0.02)
+        assert result[kind]["kv_bytes_per_block"] * TP == single["kv_bytes_per_block"]
+
+
+def test_a_replicated_kv_head_is_held_by_every_rank(runs):
+    """One KV head and two ranks: each rank holds the one head, so the KV cache does not shrink."""
+    single = runs["tp1"]["edge"]
+    for result in runs["ranks"]:
+        assert result["edge"]["kv_bytes_per_block"] == single["kv_bytes_per_block"]
+
+
+def test_heads_that_do_not_split_are_refused(runs):
+    for result in runs["ranks"]:
+        message = result["indivisible"]
+        assert message is not None, "a model of 3 heads loaded on 2 ranks"
+        assert "3 attention heads do not split between 2 tensor-parallel ranks" in message
