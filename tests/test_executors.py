@@ -1,9 +1,9 @@
 """Executors on the CPU (gloo, two rank processes): the ``mp`` executor against ``uni``, the KV
 cache's size over ranks, and a rank killed in the middle of a request.
 
-Until the tensor-parallel layers shard the model, each rank runs the whole model: the tokens must
-still be the ones one rank samples, which tests the executor (the schedule each rank rebuilds, the
-tokens rank 0 sends back, asynchronous steps).
+Two ranks shard the model (tensor parallelism over gloo); their tokens must be the ones one rank
+samples, which tests the executor (the schedule each rank rebuilds, the tokens rank 0 sends back,
+asynchronous steps) on top of the layers. Each test starts as few engines as it can: CI is small.
 """
 
 from __future__ import annotations
@@ -46,22 +46,49 @@ def _greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize(("kind", "async_scheduling"), [("llama", True), ("qwen3", False)])
-def test_mp_executor_gives_the_tokens_of_one_rank(tiny_model, kind, async_scheduling):
-    folder = str(tiny_model(kind))
+def _start_mp(folder: str, async_scheduling: bool, max_tokens: int):
     one = LLM(folder, async_scheduling=async_scheduling, **ENGINE)
-    expected = _greedy(one, 6)
+    expected = _greedy(one, max_tokens)
     one.shutdown()
     two = LLM(folder, async_scheduling=async_scheduling, tensor_parallel_size=2, **ENGINE)
     executor = two.engine.executor
     assert executor.name == "mp" and executor.world_size == 2
     pids = executor.rank_pids
     assert len(set(pids)) == 2 and os.getpid() not in pids
-    assert _greedy(two, 6) == expected
+    assert _greedy(two, max_tokens) == expected
+    return two, expected
+
+
+def test_mp_executor_gives_the_tokens_of_one_rank_and_shuts_down(tiny_model):
+    two, expected = _start_mp(str(tiny_model("llama")), async_scheduling=True, max_tokens=6)
     # A second batch: the ranks' mirrors of finished requests were dropped, new ones sent.
     assert _greedy(two, 3) == [tokens[:3] for tokens in expected]
+    pids = two.engine.executor.rank_pids
     two.shutdown()
     assert not any(_alive(pid) for pid in pids)
+
+
+def test_killed_rank_fails_the_offline_llm(tiny_model):
+    from kvik.executor import RankFailedError
+
+    llm, _ = _start_mp(str(tiny_model("qwen3")), async_scheduling=False, max_tokens=4)
+    engine, ranks = llm.engine, llm.engine.executor.rank_pids
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    _, token_ids, params = llm.input_processor.process(PROMPTS[0], params)
+    engine.add_request(
+        llm.input_processor.make_request("r0", token_ids, params, 0, time.monotonic())
+    )
+    for _ in range(3):
+        engine.step()
+    os.kill(ranks[0], signal.SIGKILL)
+    killed_at = time.monotonic()
+    # With the model really split, rank 1 may report first: its all-reduce with the dead rank
+    # fails. Either way the engine fails the request with the rank's error, in time.
+    with pytest.raises(RankFailedError, match=r"kvik-rank-0|rank 1 failed"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - killed_at < 30
+    assert not any(_alive(pid) for pid in ranks)
 
 
 class RankSkewedCpuPlatform(CpuPlatform):
@@ -80,14 +107,14 @@ def test_kv_cache_blocks_are_the_least_over_ranks(tiny_model):
     hf = json.loads((folder / "config.json").read_text())
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     block_size = 16
-    # K and V, fp32, every layer, of the KV heads a rank keeps (half of them at TP=2, one at
-    # least: a KV head is replicated when the ranks outnumber them).
+    # K and V, fp32, every layer, each rank's share of the KV heads (one, replicated, at least).
     kv_heads = max(1, hf["num_key_value_heads"] // 2)
     per_block = 2 * block_size * kv_heads * head_dim * 4 * hf["num_hidden_layers"]
     budget = RankSkewedCpuPlatform.budget_bytes
     assert (budget // 2) // per_block < budget // per_block  # the ranks disagree
     args = dict(ENGINE, num_kv_blocks=None, max_model_len=32, block_size=block_size)
     config = EngineArgs(model=str(folder), tensor_parallel_size=2, **args).create_engine_config()
+    assert config.parallel.world_size == 2 and config.parallel.executor_backend == "mp"
     engine = EngineCore(config, platform=RankSkewedCpuPlatform)
     try:
         assert engine.num_kv_blocks == (budget // 2) // per_block
@@ -126,26 +153,3 @@ def test_killed_rank_fails_requests_and_shuts_down(tiny_model):
         await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 240))
-
-
-def test_killed_rank_fails_the_offline_llm(tiny_model):
-    from kvik.executor import RankFailedError
-
-    llm = LLM(str(tiny_model("qwen3")), tensor_parallel_size=2, **ENGINE)
-    engine, ranks = llm.engine, llm.engine.executor.rank_pids
-    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    _, token_ids, params = llm.input_processor.process(PROMPTS[0], params)
-    engine.add_request(
-        llm.input_processor.make_request("r0", token_ids, params, 0, time.monotonic())
-    )
-    for _ in range(3):
-        engine.step()
-    os.kill(ranks[0], signal.SIGKILL)
-    killed_at = time.monotonic()
-    # With the model really split, rank 1 may report first: its all-reduce with the dead rank
-    # fails. Either way the engine fails the request with the rank's error, in time.
-    with pytest.raises(RankFailedError, match=r"kvik-rank-0|rank 1 failed"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - killed_at < 30
-    assert not any(_alive(pid) for pid in ranks)

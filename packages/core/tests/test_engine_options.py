@@ -233,3 +233,27 @@ def test_bench_records_the_options_that_are_not_the_defaults():
     recorded = non_default_engine_args(args)
     measured = {"model", "tokenizer", "device", "dtype", "load_format", "seed"}
     assert recorded == {k: v for k, v in expected.items() if k not in measured}
+
+
+def test_tensor_parallel_flags_take_vllms_short_form_and_backend_names():
+    args = engine_args(parse("generate", ["-tp", "2", "--distributed-executor-backend", "mp"]))
+    assert args.tensor_parallel_size == 2 and args.distributed_executor_backend == "mp"
+    assert engine_args(parse("generate", ["--tensor-parallel-size", "4"])).tensor_parallel_size == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer, got 0"),
+        ({"distributed_executor_backend": "ray"}, "must be one of 'uni', 'mp'"),
+    ],
+)
+def test_bad_parallel_options_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_the_uni_executor_refuses_more_than_one_rank():
+    args = EngineArgs(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="'uni' runs one rank; tensor_parallel_size=2 needs 'mp'"):
+        args.create_engine_config()

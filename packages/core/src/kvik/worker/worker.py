@@ -62,6 +62,10 @@ class Worker:
         self.model_runner: ModelRunner = runner
 
     def _join_world(self, distributed_init_method: str | None) -> None:
+        if self.world_size == 1 and torch.distributed.is_initialized():
+            # The process joined a world and built its groups before the engine (a harness that
+            # launches the ranks itself, as an external launcher will): they stand.
+            return
         if self.world_size > 1:
             if distributed_init_method is None:
                 raise ValueError(
