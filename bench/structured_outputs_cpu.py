@@ -92,8 +92,9 @@ def main() -> None:
         output_tokens_per_second(llm, prompts, params)
     rates: dict[str, list[float]] = {"unconstrained": [], "json_schema": []}
     for _ in range(args.rounds):
-        rates["unconstrained"].append(output_tokens_per_second(llm, prompts, free))
-        rates["json_schema"].append(output_tokens_per_second(llm, prompts, constrained))
+        for name, params in (("unconstrained", free), ("json_schema", constrained)):
+            rates[name].append(output_tokens_per_second(llm, prompts, params))
+            print(f"{name}: {rates[name][-1]:.1f} output tok/s", flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     times = compile_times(llm)
     result = {
