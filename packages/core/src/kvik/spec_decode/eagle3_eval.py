@@ -61,7 +61,9 @@ def speculative_greedy(
         stats.observe_draft(num_draft_tokens=k, num_accepted_tokens=accepted)
         # Keep the states (and cache) of the fed token and the accepted drafts only.
         states = torch.cat([states, aux[: accepted + 1]])
-        cache.crop(len(sequence) + accepted)
+        rejected = k - accepted
+        if rejected:  # a negative crop removes that many entries (transformers 5.18's form)
+            cache.crop(-rejected)
         sequence += drafts[:accepted] + [int(greedy[accepted])]
     return SpeculativeRun(sequence[len(prompt_ids) :][:max_new_tokens], stats)
 
