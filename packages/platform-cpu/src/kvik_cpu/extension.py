@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from functools import cache
 from pathlib import Path
 
@@ -42,6 +43,29 @@ def _build_dir() -> Path:
     return Path(root) / "torch_extensions"
 
 
+#: A build lock older than this was left by a process that died while building (a build takes a
+#: minute or two): torch's lock has no owner to check, and every later process would wait on it
+#: forever.
+STALE_LOCK_S = 900
+
+
+def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
+    """Remove ``build_dir``'s build lock if it is older than ``STALE_LOCK_S``; True if it did."""
+    lock = build_dir / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_S:
+        return False
+    logger.warning(
+        "removing %s, a build lock %.0f s old: a process building the CPU ops died holding it",
+        lock, age,
+    )  # fmt: skip
+    lock.unlink(missing_ok=True)
+    return True
+
+
 @cache
 def load() -> str | None:
     """Build (or load the cached build of) the ops; None on success, else why it failed."""
@@ -58,6 +82,7 @@ def load() -> str | None:
         from torch.utils.cpp_extension import load as load_extension
 
         build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         load_extension(
             name=name,
             sources=[str(s) for s in SOURCES],
