@@ -3,9 +3,9 @@ one, each rank on its own GPU, and a rank killed in the middle of a request.
 
     python3 bench/gpu_executor_check.py        # on nvidia-h200-x2; writes $OUT/gpu_executor.json
 
-Random-weight Llama and Qwen3 (tests/tiny_models.py), fp32. Until the tensor-parallel layers land,
-each rank runs the whole model: this checks the executor (NCCL world, one device per rank, rank
-0's tokens back, asynchronous steps), not sharding.
+Random-weight Llama and Qwen3 (tests/tiny_models.py), fp32, the default engine arguments otherwise
+(compiled, CUDA graphs, asynchronous scheduling): each rank holds half of every sharded layer and
+the row-parallel layers' all-reduces run over NCCL inside the graphs.
 """
 
 import json

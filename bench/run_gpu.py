@@ -10,6 +10,7 @@ ignored, random token ids (seeded), so that nothing is downloaded (the GPU machi
     A  gpu-latency             batch 1, 128 in, 256 out    transformers generate(), static cache
     B  gpu-decode-throughput   256 prompts, 128 in, 1024 out   transformers generate(), batch 256
     C  gpu-prefill-heavy       1000 prompts, 1024 in, 128 out  kvik only (issue 13's total tok/s goal)
+    D  gpu-decode-64           64 prompts, 128 in, 1024 out    kvik only (the 70B tensor-parallel run)
 
 For each workload kvik (``kvik bench throughput``, dummy weights, the default engine arguments
 unless more are given) and then transformers (bench/peers/hf_generate_bench.py, random weights)
@@ -34,6 +35,7 @@ carried there, so that the records name it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -89,6 +91,7 @@ WORKLOADS = {
     "A": GpuWorkload("A", "gpu-latency", 1, 128, 256, 1, 256, True),
     "B": GpuWorkload("B", "gpu-decode-throughput", 256, 128, 1024, 64, 32, False),
     "C": GpuWorkload("C", "gpu-prefill-heavy", 1000, 1024, 128, 64, 16, False, has_peer=False),
+    "D": GpuWorkload("D", "gpu-decode-64", 64, 128, 1024, 16, 32, False, has_peer=False),
 }
 
 
@@ -161,8 +164,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--workloads",
         type=lambda s: [w.strip().upper() for w in s.split(",") if w.strip()],
-        default=list(WORKLOADS),
-        help="comma-separated, of " + ", ".join(WORKLOADS) + " (default: all)",
+        default=["A", "B", "C"],
+        help="comma-separated, of " + ", ".join(WORKLOADS) + " (default: A,B,C)",
     )
     parser.add_argument("--skip-peers", action="store_true", help="kvik only, no transformers")
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a folder with a config.json")
@@ -387,6 +390,16 @@ def finish_record(
         record["limit_device"] = record["limit_output_tok_s"] = None
         return record
     kv_fp8 = str(record["engine_args"].get("kv_cache_dtype", "auto")).startswith("fp8")
+    ranks = int(record["engine_args"].get("tensor_parallel_size") or 1)
+    if ranks > 1:
+        # Tensor parallelism splits every weight and KV head read over the ranks' devices: the
+        # limit is that of one device with their summed bandwidth and FLOP/s (collectives free).
+        limits = dataclasses.replace(
+            limits,
+            name=f"{ranks} x {limits.name}",
+            bytes_per_s=ranks * limits.bytes_per_s,
+            flop_per_s=ranks * limits.flop_per_s,
+        )
     roofline = workload_roofline(
         ModelCost.from_config(config, kv_dtype_bytes=1 if kv_fp8 else None), limits,
         record["num_prompts"], record["input_len"], record["output_len"],

@@ -9,6 +9,7 @@ bytes and KV cache bytes are compared with one rank's (this process, which joins
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -129,6 +130,21 @@ def _run_dummy(folder: Path) -> dict:
     }
 
 
+def _run_compiled(folder: Path) -> list[list[int]]:
+    """Greedy tokens with the model under ``torch.compile`` (the all-reduce as one opaque op)."""
+    llm = LLM(
+        str(folder),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_seqs=4,
+        compilation_config=json.dumps({"mode": 3, "cache_dir": str(folder / "compile-cache")}),
+    )
+    assert llm.engine.runner.step_runner.compiled is not None, "the model was not compiled"
+    prompts = ragged_prompts(3, seed=4, low=5, high=30, vocab=240)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
 def _rank_main(rank: int, port: int, folders: dict[str, Path], out: Path) -> None:
     # One thread a rank: the two ranks share CI's two cores.
     torch.set_num_threads(1)
@@ -137,6 +153,7 @@ def _rank_main(rank: int, port: int, folders: dict[str, Path], out: Path) -> Non
     try:
         results: dict = {kind: _run(folders[kind]) for kind in MATCHED}
         results["dummy"] = _run_dummy(folders["llama"])
+        results["compiled"] = _run_compiled(folders["llama"])
         for refused in ("indivisible", "fp8-block"):
             try:
                 _run(folders[refused])
@@ -213,6 +230,14 @@ def test_greedy_tokens_equal_one_rank(runs, kind):
     assert all(len(t) == GREEDY.max_tokens for t in expected)
     for result in runs["ranks"]:
         assert result[kind]["tokens"] == expected
+
+
+def test_compiled_ranks_give_one_rank_tokens(runs):
+    """Under ``torch.compile`` the row-parallel layers' all-reduce is the ``kvik::all_reduce``
+    op; the compiled ranks still give one eager rank's tokens."""
+    expected = runs["tp1"]["llama"]["tokens"]
+    for result in runs["ranks"]:
+        assert result["compiled"] == expected
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3", FP8_DYNAMIC])

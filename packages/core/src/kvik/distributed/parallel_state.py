@@ -6,6 +6,12 @@ the collectives. A process that never joined a world (the single-rank engine, mo
 group of one, whose collectives return their input, so layers need no special case for TP=1.
 
 Only tensor parallelism has a group so far; pipeline and data parallelism add theirs here.
+
+The all-reduce layers call is the custom op ``torch.ops.kvik.all_reduce``: ``torch.compile`` keeps
+it as one opaque node (it does not trace into torch.distributed), and a CUDA graph captures the
+collective library's kernel inside it. NCCL may only be captured once its communicator exists, so
+a group that is built runs one eager all-reduce at once (capturing the first collective would
+create the communicator inside the capture, which hangs).
 """
 
 from __future__ import annotations
@@ -32,12 +38,16 @@ class GroupCoordinator:
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
 
+    @property
+    def name(self) -> str:
+        """The group's key in the registry the ``kvik::all_reduce`` op looks groups up in."""
+        return "ranks-" + "-".join(map(str, self.ranks))
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group's ranks (in place on ``x`` where the backend allows)."""
+        """The sum over the group's ranks, as a new tensor (``x`` itself for a group of one)."""
         if self.world_size == 1:
             return x
-        dist.all_reduce(x, group=self.device_group)
-        return x
+        return torch.ops.kvik.all_reduce(x, self.name)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' tensors concatenated along ``dim``, in rank order."""
@@ -62,6 +72,38 @@ class GroupCoordinator:
 
 _SINGLE = GroupCoordinator(ranks=[0], rank_in_group=0, device_group=None)
 _TP: GroupCoordinator | None = None
+#: The groups this rank belongs to, by name, for the ``kvik::all_reduce`` op.
+_GROUPS: dict[str, GroupCoordinator] = {}
+
+
+@torch.library.custom_op("kvik::all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    # Out of place: a custom op may not return its input. The copy is one activation per
+    # row-parallel layer, small beside the product that made it.
+    out = x.clone()
+    dist.all_reduce(out, group=_GROUPS[group_name].device_group)
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _warm_up(group: GroupCoordinator) -> None:
+    """One eager all-reduce, so that the collective library's communicator exists before any
+    CUDA graph captures a collective of the group."""
+    backend = dist.get_backend(group.device_group)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe, group=group.device_group)
+    if probe.item() != group.world_size:
+        raise RuntimeError(
+            f"the warm-up all-reduce of ranks {group.ranks} gave {probe.item()}, "
+            f"not {group.world_size}"
+        )
 
 
 def init_distributed_environment(
@@ -96,6 +138,9 @@ def initialize_model_parallel(tensor_parallel_size: int) -> None:
         group = dist.new_group(ranks) if tensor_parallel_size > 1 else None
         if rank in ranks:
             _TP = GroupCoordinator(ranks, ranks.index(rank), group)
+    if _TP.world_size > 1:
+        _GROUPS[_TP.name] = _TP
+        _warm_up(_TP)
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -115,5 +160,6 @@ def destroy_model_parallel() -> None:
     """Leave the groups and the world (a worker's shutdown; tests that build several worlds)."""
     global _TP
     _TP = None
+    _GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
