@@ -5,8 +5,12 @@ Messages from the executor (msgspec msgpack, ``(kind, payload)``): ``("rpc", [me
 ``("ready", None)`` once the worker is built, ``("rpc", result)``, ``("step", ModelRunnerOutput)``
 from rank 0 only, ``("error", text)`` before the process exits on an exception.
 
-Steps overlap as in the engine core: a launched step is collected (and its output sent) as soon as
-no further message is waiting, so a rank never sits on a finished step's tokens.
+Steps overlap as in the engine core: while a launched step runs on the device, the rank waits for
+whichever comes first, the next message or the step's end. A next step that comes first is
+launched before the running one is collected, so the device goes from one step to the next
+without waiting for the host (under asynchronous scheduling the engine core sends step N+1 before
+it waits for N); a step that ends first has its tokens sent at once, so a synchronous engine core,
+which waits for them before it sends anything, never waits on a rank.
 """
 
 from __future__ import annotations
@@ -102,8 +106,8 @@ class RankLoop:
     def run(self) -> None:
         pending: PendingStep | None = None
         while True:
-            if pending is not None and not self.inputs.poll(0):
-                self._send_output(pending)  # nothing waits: hand this step's tokens back now
+            if pending is not None and not self._next_message_before(pending):
+                self._send_output(pending)  # it ended first: hand its tokens back now
                 pending = None
             if pending is None:
                 while not self.inputs.poll(_PARENT_CHECK_MS):
@@ -129,6 +133,15 @@ class RankLoop:
                 return
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
+
+    def _next_message_before(self, pending: PendingStep) -> bool:
+        """Whether a message arrives before ``pending`` ends on the device. Spins: a step lasts
+        milliseconds, and a sleep or a blocking poll (ZMQ's granularity is a millisecond) would
+        add its own latency to every step."""
+        while not self.inputs.poll(0):
+            if pending.ready():
+                return False
+        return True
 
     def _send_output(self, pending: PendingStep) -> None:
         output = pending.collect()

@@ -91,6 +91,10 @@ class PendingStep:
         self._finishers = finishers or []
         self._output: ModelRunnerOutput | None = None
 
+    def ready(self) -> bool:
+        """Whether ``collect()`` would return without waiting for the device."""
+        return self._output is not None or self._done is None or self._done.query()
+
     def collect(self) -> ModelRunnerOutput:
         if self._output is not None:
             return self._output
