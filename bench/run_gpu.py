@@ -35,7 +35,6 @@ carried there, so that the records name it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -50,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvik.bench.roofline import ModelCost, device_limits, workload_roofline
+from kvik.bench.roofline import ModelCost, across_ranks, device_limits, workload_roofline
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ROOT / "bench" / "peers"
@@ -391,15 +390,7 @@ def finish_record(
         return record
     kv_fp8 = str(record["engine_args"].get("kv_cache_dtype", "auto")).startswith("fp8")
     ranks = int(record["engine_args"].get("tensor_parallel_size") or 1)
-    if ranks > 1:
-        # Tensor parallelism splits every weight and KV head read over the ranks' devices: the
-        # limit is that of one device with their summed bandwidth and FLOP/s (collectives free).
-        limits = dataclasses.replace(
-            limits,
-            name=f"{ranks} x {limits.name}",
-            bytes_per_s=ranks * limits.bytes_per_s,
-            flop_per_s=ranks * limits.flop_per_s,
-        )
+    limits = across_ranks(limits, ranks)  # tensor parallelism: one device a rank
     roofline = workload_roofline(
         ModelCost.from_config(config, kv_dtype_bytes=1 if kv_fp8 else None), limits,
         record["num_prompts"], record["input_len"], record["output_len"],
@@ -494,6 +485,9 @@ def table(records: list[dict[str, Any]]) -> str:
                 name = f"{key}: {some['num_prompts']} x ({some['input_len']}, {some['output_len']})"
             limit = (some or {}).get("limit_output_tok_s")
             limits = device_limits((some or {}).get("device"))
+            if limits is not None:
+                ranks = int((some or {}).get("engine_args", {}).get("tensor_parallel_size") or 1)
+                limits = across_ranks(limits, ranks)
             if limits is None or (some or {}).get("limit_device", H200.name) != limits.name:
                 limit = None  # the record's limit is another device's
             kvik_tok = kvik["output_tok_s"] if kvik else None

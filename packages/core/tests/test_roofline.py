@@ -13,6 +13,7 @@ from kvik.bench.roofline import (
     DEVICES,
     DeviceLimits,
     ModelCost,
+    across_ranks,
     device_limits,
     measure_cpu,
     roofline_fields,
@@ -65,6 +66,19 @@ def test_batch_one_decode_is_bandwidth_bound() -> None:
     assert roofline.bound == "bandwidth" and roofline.flop_bound_seconds == 0
     # A run that took twice the limit's time reached half of it.
     assert roofline.fraction(2 * roofline.seconds) == pytest.approx(0.5)
+
+
+def test_tensor_parallel_ranks_add_their_devices() -> None:
+    """Two H200s under tensor parallelism read each weight once between them: batch 1's limit
+    doubles (the collectives are counted free), and one rank is the device itself."""
+    cost = ModelCost.from_config(LLAMA_8B)
+    two = across_ranks(H200, 2)
+    assert two.name == "2 x NVIDIA H200"
+    assert (two.bytes_per_s, two.flop_per_s) == (2 * H200.bytes_per_s, 2 * H200.flop_per_s)
+    assert across_ranks(H200, 1) is H200
+    one_rank = workload_roofline(cost, H200, 1, 128, 256).limit_output_tok_s
+    two_ranks = workload_roofline(cost, two, 1, 128, 256).limit_output_tok_s
+    assert two_ranks == pytest.approx(2 * one_rank)
 
 
 def test_long_prompts_are_flop_bound() -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvik.config import kv_cache_torch_dtype
@@ -321,16 +321,34 @@ def workload_roofline(
     )
 
 
+def across_ranks(limits: DeviceLimits, ranks: int) -> DeviceLimits:
+    """The limits of ``ranks`` such devices run as one by tensor parallelism, which splits every
+    weight and KV-head read and every product over them: their summed bandwidth and FLOP/s (the
+    collectives counted free, so the limit stays an upper bound)."""
+    if ranks == 1:
+        return limits
+    return replace(
+        limits,
+        name=f"{ranks} x {limits.name}",
+        bytes_per_s=ranks * limits.bytes_per_s,
+        flop_per_s=ranks * limits.flop_per_s,
+    )
+
+
 def engine_device_limits(llm: Any) -> DeviceLimits | None:
-    """The limits of the device an offline ``LLM`` runs on: the table's entry, or for the CPU a
-    probe run now (before the timed run)."""
+    """The limits of the devices an offline ``LLM`` runs on: the table's entry (times the
+    tensor-parallel ranks, one device each), or for the CPU a probe run now (before the timed
+    run), whose figure is the whole machine's however many ranks share it."""
     from kvik.bench.common import device_name
 
     platform = llm.engine.platform
     name = device_name(platform.device_type)
     if platform.device_type == "cpu":
         return measure_cpu(name, llm.config.model.dtype)
-    return device_limits(name)
+    limits = device_limits(name)
+    if limits is None:
+        return None
+    return across_ranks(limits, llm.config.parallel.tensor_parallel_size)
 
 
 def engine_model_cost(llm: Any) -> ModelCost | None:
@@ -366,6 +384,7 @@ __all__ = [
     "DEVICES",
     "DeviceLimits",
     "ModelCost",
+    "across_ranks",
     "Roofline",
     "device_limits",
     "engine_device_limits",
