@@ -191,3 +191,87 @@ def test_bench_commands_print_the_roofline(command, tiny_config, tmp_path, capsy
     )
     assert "roofline on " in printed and "% of it (" in printed
     assert "tok/s" in printed
+
+
+MOE_CONFIGS = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=96),
+    "olmoe": dict(num_experts=16, num_experts_per_tok=4, intermediate_size=64),
+    "qwen2_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        intermediate_size=128,
+        decoder_sparse_step=2,
+        mlp_only_layers=[0],
+    ),
+    "qwen3_moe": dict(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        intermediate_size=128,
+        mlp_only_layers=[1],
+        head_dim=16,
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(MOE_CONFIGS))
+def test_moe_parameter_count_equals_transformers(model_type) -> None:
+    """Every parameter of transformers' own model of each MoE family kvik runs (built on the
+    meta device), dense layers, shared experts and q/k norms included."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        **MOE_CONFIGS[model_type],
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert ModelCost.from_config(config).num_parameters == sum(
+        p.numel() for p in model.parameters()
+    )
+
+
+def test_moe_reads_the_experts_its_tokens_touch() -> None:
+    """Qwen3-30B-A3B (bench/models/qwen3-30b-a3b): 30.5 G parameters, 3.35 G active; batch 1
+    reads 6.7 GB of bf16 weights (issue 16's ~650 tok/s at the H200's bandwidth), a step of
+    hundreds of tokens nearly all 61 GB; FLOPs count active parameters only."""
+    config = json.loads((ROOT / "bench" / "models" / "qwen3-30b-a3b" / "config.json").read_text())
+    cost = ModelCost.from_config(config)
+    active = cost.flop_per_token  # bf16 bytes of the active parameters: 2 a parameter
+    assert cost.num_parameters == pytest.approx(30.53e9, rel=1e-3)
+    assert cost.flop_per_token == pytest.approx(2 * 3.353e9, rel=1e-3)
+    assert cost.weight_bytes_read(1) == pytest.approx(active, rel=1e-9)
+    assert cost.weight_bytes_read(1) < cost.weight_bytes_read(8) < cost.weight_bytes_read(64)
+    assert cost.weight_bytes_read(4096) == pytest.approx(cost.weight_bytes, rel=1e-9)
+    expert = 3 * 2048 * 768 * 2
+    assert cost.expert_bytes == expert and cost.num_moe_layers == 48
+    # 8 of 128 experts a token; 2 tokens touch 128 * (1 - (120/128)^2) = 15.5 experts a layer.
+    assert cost.weight_bytes_read(2) - cost.weight_bytes_read(1) == pytest.approx(
+        48 * (128 * (1 - (120 / 128) ** 2) - 8) * expert
+    )
+    # Batch 1: the 128-token prefill reads nearly every expert (61 GB, 14 ms), then each decode
+    # step the active 6.7 GB and its context's K and V.
+    prefill = cost.weight_bytes_read(128) / 4.3e12
+    decode = sum(
+        (active + (128 + step) * cost.kv_bytes_per_token) / 4.3e12 for step in range(1, 256)
+    )
+    batch_one = workload_roofline(cost, H200, 1, 128, 256)
+    assert batch_one.seconds == pytest.approx(prefill + decode, rel=1e-9)
+    assert 600 < batch_one.limit_output_tok_s < 4.3e12 / active
+    # A block-FP8 checkpoint stores its experts at a byte, the routers in bf16.
+    fp8 = dict(config, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert ModelCost.from_config(fp8).expert_bytes == expert // 2
+
+
+def test_deepseek_style_moe_is_not_guessed() -> None:
+    config = dict(LLAMA_8B, n_routed_experts=64, num_experts_per_tok=6)
+    with pytest.raises(KeyError, match="DeepSeek"):
+        ModelCost.from_config(config)

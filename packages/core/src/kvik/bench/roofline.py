@@ -144,22 +144,31 @@ def _best_time(work: Any, budget_s: float, min_runs: int = 3) -> float:
 @dataclass(frozen=True)
 class ModelCost:
     """What a decoder costs per token, from its config: weights read once per step, 2 FLOPs per
-    parameter and token, and the K and V bytes a decode token reads per token of its context."""
+    active parameter and token, and the K and V bytes a decode token reads per token of its
+    context. A sparse mixture-of-experts model reads its routed experts only where a step's tokens
+    go (``weight_bytes_read``); ``weight_bytes`` is every weight once."""
 
     num_parameters: int
     weight_bytes: int
     flop_per_token: int
     kv_bytes_per_token: int
+    #: Routed experts: the bytes of one expert of one layer (its three projections), the experts
+    #: of a MoE layer, how many each token uses, and the MoE layers. Zero for a dense model.
+    expert_bytes: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    num_moe_layers: int = 0
 
     @classmethod
     def from_config(
         cls, config: Any, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None
     ) -> ModelCost:
-        """``config``: a config.json's dict or a transformers config (a Llama-family decoder;
-        Qwen3's q/k norms are counted). A checkpoint quantized to 8-bit weights (its
-        ``quantization_config``) reads a byte per decoder-layer projection weight; embeddings,
-        LM head and norms stay at ``dtype_bytes``. ``kv_dtype_bytes``: the KV cache's element size
-        (default ``dtype_bytes``; 1 for an FP8 cache)."""
+        """``config``: a config.json's dict or a transformers config (a Llama-family decoder, or
+        its sparse-MoE form: Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE; Qwen3's q/k norms are counted).
+        A checkpoint quantized to 8-bit weights (its ``quantization_config``) reads a byte per
+        decoder-layer projection weight, experts included; embeddings, LM head, norms and routers
+        stay at ``dtype_bytes``. ``kv_dtype_bytes``: the KV cache's element size (default
+        ``dtype_bytes``; 1 for an FP8 cache)."""
         c = config if isinstance(config, Mapping) else config.to_dict()
         params = parameter_count(c)
         heads = c["num_attention_heads"]
@@ -167,9 +176,49 @@ class ModelCost:
         head = c.get("head_dim") or c["hidden_size"] // heads
         kv = 2 * c["num_hidden_layers"] * kv_heads * head * (kv_dtype_bytes or dtype_bytes)
         weight_bytes = params * dtype_bytes
+        projection_bytes = dtype_bytes
         if quantized_weight_bits(c) == 8:
             weight_bytes -= projection_parameter_count(c) * (dtype_bytes - 1)
-        return cls(params, weight_bytes, 2 * params, kv)
+            projection_bytes = 1
+        flop_per_token = 2 * parameter_count(c, active=True)
+        moe = moe_shape(c)
+        if moe is None:
+            return cls(params, weight_bytes, flop_per_token, kv)
+        experts, per_token, expert_size, moe_layers = moe
+        expert_bytes = 3 * c["hidden_size"] * expert_size * projection_bytes
+        return cls(
+            params, weight_bytes, flop_per_token, kv, expert_bytes, experts, per_token, moe_layers
+        )
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """The weight bytes a step of ``tokens`` tokens reads: every weight of a dense model; of a
+        MoE model, the always-read part and, per MoE layer, the routed experts its tokens are
+        expected to touch if routing were uniform, ``E * (1 - (1 - k / E) ** tokens)`` (k experts a
+        token at batch 1, all of them within a few hundred tokens)."""
+        if not self.num_experts:
+            return self.weight_bytes
+        unused = 1 - self.experts_per_token / self.num_experts
+        untouched = self.num_experts * unused ** max(tokens, 1)
+        return self.weight_bytes - self.num_moe_layers * untouched * self.expert_bytes
+
+
+def moe_shape(config: Mapping[str, Any]) -> tuple[int, int, int, int] | None:
+    """(routed experts a MoE layer, experts a token, an expert's intermediate size, MoE layers) of
+    a sparse-MoE config, or None for a dense one. Qwen-MoE's dense layers (``mlp_only_layers``,
+    ``decoder_sparse_step``) are not MoE layers; Mixtral and OLMoE size experts by
+    ``intermediate_size``."""
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    if not experts:
+        if config.get("n_routed_experts"):
+            raise KeyError("DeepSeek-style MoE configs are not described by kvik.bench.roofline")
+        return None
+    size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or [])
+    layers = sum(
+        1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0
+    )
+    return experts, config["num_experts_per_tok"], size, layers
 
 
 def quantized_weight_bits(config: Mapping[str, Any]) -> int | None:
@@ -189,33 +238,54 @@ def quantized_weight_bits(config: Mapping[str, Any]) -> int | None:
 
 
 def projection_parameter_count(config: Mapping[str, Any]) -> int:
-    """The parameters of the decoder layers' q/k/v/o and MLP projections (what quantization
-    formats store in fewer bits)."""
+    """The parameters of the decoder layers' q/k/v/o and MLP projections, every routed and shared
+    expert's included (what quantization formats store in fewer bits; routers stay)."""
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head = config.get("head_dim") or hidden // heads
-    per_layer = (
-        hidden * head * (2 * heads + 2 * kv_heads) + 3 * hidden * config["intermediate_size"]
+    attention = hidden * head * (2 * heads + 2 * kv_heads)
+    return sum(
+        attention + 3 * hidden * _mlp_width(config, layer)[0]
+        for layer in range(config["num_hidden_layers"])
     )
-    return config["num_hidden_layers"] * per_layer
 
 
-def parameter_count(config: Mapping[str, Any]) -> int:
-    """A Llama-family decoder's parameters, from its config.json."""
+def _mlp_width(config: Mapping[str, Any], layer: int, active: bool = False) -> tuple[int, int]:
+    """(the summed intermediate size of the MLP projections of ``layer`` -- every expert's, or
+    only a token's when ``active`` -- and its router's outputs, 0 for a dense layer)."""
+    moe = moe_shape(config)
+    dense = set(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step") or 1
+    if moe is None or layer in dense or (layer + 1) % step:
+        return config["intermediate_size"], 0
+    experts, per_token, size, _ = moe
+    width = (per_token if active else experts) * size
+    shared = config.get("shared_expert_intermediate_size") or 0
+    return width + shared, experts + (1 if shared else 0)  # Qwen2-MoE: the shared expert's gate
+
+
+def parameter_count(config: Mapping[str, Any], active: bool = False) -> int:
+    """A Llama-family decoder's parameters, from its config.json: all of them, or with ``active``
+    those one token uses (of a MoE layer's routed experts only ``num_experts_per_tok``)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head = config.get("head_dim") or hidden // heads
     attention = hidden * head * (2 * heads + 2 * kv_heads)
-    if config.get("attention_bias"):
+    kind = config.get("model_type")
+    if config.get("attention_bias") or kind in ("qwen2", "qwen2_moe"):  # Qwen2's q/k/v biases
         attention += head * (heads + 2 * kv_heads)
-    if config.get("model_type") == "qwen3":
-        attention += 2 * head  # q_norm and k_norm
-    mlp = 3 * hidden * config["intermediate_size"]
-    layer = attention + mlp + 2 * hidden
+    if kind in ("qwen3", "qwen3_moe"):
+        attention += 2 * head  # q_norm and k_norm, one head wide
+    if kind == "olmoe":
+        attention += head * (heads + kv_heads)  # q_norm and k_norm, all heads wide
+    layers = 0
+    for layer in range(config["num_hidden_layers"]):
+        width, router = _mlp_width(config, layer, active)
+        layers += attention + 3 * hidden * width + hidden * router + 2 * hidden
     embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings") else 2)
-    return config["num_hidden_layers"] * layer + embeddings + hidden
+    return layers + embeddings + hidden
 
 
 @dataclass(frozen=True)
@@ -307,10 +377,10 @@ def workload_roofline(
     while left:
         n = min(batch, left)
         left -= n
-        phase(n * input_len * cost.flop_per_token, cost.weight_bytes)
+        phase(n * input_len * cost.flop_per_token, cost.weight_bytes_read(n * input_len))
         for step in range(1, output_len):
             kv_read = n * (input_len + step) * cost.kv_bytes_per_token
-            phase(n * cost.flop_per_token, cost.weight_bytes + kv_read)
+            phase(n * cost.flop_per_token, cost.weight_bytes_read(n) + kv_read)
     return Roofline(
         device,
         seconds,
@@ -384,12 +454,13 @@ __all__ = [
     "DEVICES",
     "DeviceLimits",
     "ModelCost",
-    "across_ranks",
     "Roofline",
+    "across_ranks",
     "device_limits",
     "engine_device_limits",
     "engine_model_cost",
     "measure_cpu",
+    "moe_shape",
     "parameter_count",
     "roofline_fields",
     "workload_roofline",
