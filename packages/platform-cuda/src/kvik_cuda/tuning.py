@@ -149,11 +149,14 @@ def fp8_scaled_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8S
 #: ``torch._scaled_mm``).
 FP8_SCALED_SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
 #: The few-rows kernel's programs: 128 weight rows (a weight-scale block: one scale a K step),
-#: K split until the layer has about ``SKINNY_TARGET_PROGRAMS`` programs (three a multiprocessor
-#: on the H100 and H200, 132 of them: all resident at once, each streaming its weight rows) while
-#: each keeps at least ``SKINNY_MIN_GROUPS_PER_SPLIT`` K steps to pipeline.
+#: 4 warps (one warpgroup's wgmma), 3 pipeline stages (two 16 KB weight tiles in flight while one
+#: is multiplied). K is split until the layer has as many programs as fit on the GPU at once
+#: (the H100's and H200's 132 multiprocessors; three programs each up to 32 padded rows, two at
+#: 64 rows, where the [128, 64] fp32 sums take about 240 registers a thread), so all are resident
+#: and stream their weight rows together, while each keeps at least
+#: ``SKINNY_MIN_GROUPS_PER_SPLIT`` K steps to pipeline.
 SKINNY_BLOCK_N = 128
-SKINNY_TARGET_PROGRAMS = 3 * 132
+SKINNY_MULTIPROCESSORS = 132
 SKINNY_MIN_GROUPS_PER_SPLIT = 4
 SKINNY_MAX_SPLIT = 16
 #: Up to this many rows the activations are quantized inside the few-rows kernel (one launch);
@@ -162,14 +165,20 @@ SKINNY_MAX_SPLIT = 16
 SKINNY_QUANTIZE_MAX_ROWS = 16
 
 
-def skinny_split(n: int, k: int) -> int:
-    """How many ways the few-rows kernel splits K for a weight [n, k] (at most: the launcher
-    takes the most ways up to it that divide K's groups evenly)."""
+def skinny_programs_per_sm(rows: int) -> int:
+    """Programs of the few-rows kernel resident on a multiprocessor at ``rows`` padded rows."""
+    return 3 if rows <= 32 else 2
+
+
+def skinny_split(n: int, k: int, rows: int = 16) -> int:
+    """How many ways the few-rows kernel splits K for a weight [n, k] at ``rows`` padded rows
+    (at most: the launcher takes the most ways up to it that divide K's groups evenly)."""
     tiles, groups = triton.cdiv(n, SKINNY_BLOCK_N), triton.cdiv(k, 128)
+    resident = skinny_programs_per_sm(rows) * SKINNY_MULTIPROCESSORS
     split = 1
     while (
         split * 2 <= SKINNY_MAX_SPLIT
-        and tiles * split * 2 <= SKINNY_TARGET_PROGRAMS
+        and tiles * split * 2 <= resident
         and groups // (split * 2) >= SKINNY_MIN_GROUPS_PER_SPLIT
     ):
         split *= 2
@@ -179,15 +188,14 @@ def skinny_split(n: int, k: int) -> int:
 def fp8_skinny_config(arch: str, m: int, n: int, k: int) -> Fp8SkinnyConfig:
     """The few-rows kernel's launch for ``m`` rows (1 to ``SKINNY_MAX_ROWS``) of a weight [n, k]:
     it depends on the layer and on the rows' padded size (16, 32, 64) only, so every variant
-    compiles when the decode batch sizes are captured. 64 padded rows take 8 warps (two
-    warpgroups share the [128, 64] fp32 sums, which would fill one warpgroup's registers)."""
+    compiles when the decode batch sizes are captured."""
     check_nvidia(arch)
     rows = padded_rows(m)
     return Fp8SkinnyConfig(
         block_n=SKINNY_BLOCK_N,
-        split_k=skinny_split(n, k),
-        num_warps=8 if rows >= 64 else 4,
-        num_stages=4,
+        split_k=skinny_split(n, k, rows),
+        num_warps=4,
+        num_stages=3,
         quantize=rows <= SKINNY_QUANTIZE_MAX_ROWS,
     )
 
