@@ -7,6 +7,8 @@ fp8; ROCm's MI300X has the fnuz variant, which these kernels are not registered 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -265,9 +267,21 @@ def test_fp8_skinny(
         # wgmma (the activations' rows the MMA's N side), never converted on the CUDA cores.
         assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
         assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
+        assert k_steps_start_from_zero(compiled.asm["ttgir"])
     # A split product's last split reads the others' sums past L1 and resets its counter.
     assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
     assert ("ld.global.cg" in ptx) == (split_k > 1)
+
+
+def k_steps_start_from_zero(ttgir: str) -> bool:
+    """Every wgmma product of the kernel starts from a zero accumulator, so its K step's 128
+    products are summed on the tensor cores and the steps in fp32 on the CUDA cores. Hopper's fp8
+    MMA adds with about 14 bits (Triton's sm90 default lets it: ``maxNumImpreciseAcc`` 2**30):
+    had Triton folded ``acc += part`` (per-channel scales) into the MMA's accumulator, all of K
+    would be summed at that precision."""
+    zeros = set(re.findall(r"(%[\w.]+) = arith.constant dense<0.000000e\+00>", ttgir))
+    accumulators = re.findall(r"ttng.warp_group_dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttgir)
+    return bool(accumulators) and all(acc in zeros for acc in accumulators)
 
 
 def test_tuning_picks_by_rows() -> None:
@@ -293,3 +307,30 @@ def test_tuning_picks_by_rows() -> None:
     assert below == tuning.FP8_GEMM_LARGE
     with pytest.raises(ValueError, match="NVIDIA"):
         tuning.fp8_gemm_config("gfx942", 4096, 8192, 8192)
+
+
+def test_the_few_rows_kernel_switches_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVIK_FP8_SKINNY=0`` (tuning.FP8_SKINNY): the kernels used before the few-rows kernel."""
+    monkeypatch.setattr(tuning, "FP8_SKINNY", False)
+    for rows in (1, tuning.FP8_GEMV_MAX_ROWS):
+        config = tuning.fp8_block_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemv_config("sm90", 6144, 4096)
+    for rows in (tuning.FP8_GEMV_MAX_ROWS + 1, 16, 64):
+        config = tuning.fp8_block_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 6144, 4096)
+    for rows in (1, 64):
+        config = tuning.fp8_scaled_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 6144, 4096)
+
+
+def test_the_switch_reads_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, expected in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv("KVIK_FP8_SKINNY", raw)
+        assert tuning.env_switch("KVIK_FP8_SKINNY", default=True) is expected
+    monkeypatch.delenv("KVIK_FP8_SKINNY")
+    assert tuning.env_switch("KVIK_FP8_SKINNY", default=False) is False
+    monkeypatch.setenv("KVIK_FP8_SKINNY", "off")
+    with pytest.raises(
+        ValueError, match=r"KVIK_FP8_SKINNY must be 1 \(on\) or 0 \(off\), not 'off'"
+    ):
+        tuning.env_switch("KVIK_FP8_SKINNY", default=True)

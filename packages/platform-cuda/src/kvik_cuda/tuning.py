@@ -9,6 +9,7 @@ architecture is this platform's choice, registered for the "sm" architectures wh
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -120,15 +121,18 @@ def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
 
 def fp8_block_config(
     arch: str, m: int, n: int, k: int
-) -> Fp8GemmConfig | Fp8SkinnyConfig | CublasBlockwise:
+) -> Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise:
     """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows: the
-    few-rows kernel up to ``SKINNY_MAX_ROWS``, the Triton tiled kernel up to
+    few-rows tensor-core kernel up to ``SKINNY_MAX_ROWS`` (with ``FP8_SKINNY`` off, the CUDA-core
+    GEMV up to ``FP8_GEMV_MAX_ROWS`` instead), the Triton tiled kernel up to
     ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise scaling above (on Hopper). On the H200 with
     Llama-3.1-8B's projections, CUDA-graph timed (docs/benchmarks.md), cuBLAS took 161 µs a
     layer's four products at 256 rows against the tiled kernel's 244 and 3.68 ms against 5.44 at
     8192 rows."""
-    if m <= SKINNY_MAX_ROWS:
+    if FP8_SKINNY and m <= SKINNY_MAX_ROWS:
         return fp8_skinny_config(arch, m, n, k)
+    if m <= FP8_GEMV_MAX_ROWS:
+        return fp8_gemv_config(arch, n, k)
     if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
         return CublasBlockwise(fallback=fp8_gemm_config(arch, m, n, k))
     return fp8_gemm_config(arch, m, n, k)
@@ -136,14 +140,28 @@ def fp8_block_config(
 
 def fp8_scaled_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8SkinnyConfig:
     """``kvik.triton_kernels.fp8_linear.fp8_scaled_linear``'s configuration (per-tensor or
-    per-channel scales): the few-rows kernel up to ``FP8_SCALED_SKINNY_MAX_ROWS`` rows, else the
-    tiled kernel's tiles (which that function uses where ``torch._scaled_mm`` does not take the
-    case)."""
-    if m <= FP8_SCALED_SKINNY_MAX_ROWS:
+    per-channel scales): the few-rows kernel up to ``FP8_SCALED_SKINNY_MAX_ROWS`` rows (where
+    ``FP8_SKINNY`` is on), else the tiled kernel's tiles (which that function uses where
+    ``torch._scaled_mm`` does not take the case)."""
+    if FP8_SKINNY and m <= FP8_SCALED_SKINNY_MAX_ROWS:
         return fp8_skinny_config(arch, m, n, k)
     return fp8_gemm_config(arch, m, n, k)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: "1" or "0" (unset or empty: ``default``)."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 1 (on) or 0 (off), not {raw!r}")
+    return default if raw == "" else raw == "1"
+
+
+#: ``KVIK_FP8_SKINNY=0`` turns the few-rows tensor-core kernel off: FP8 products of up to 64 rows
+#: go back to the kernels used before it (block scales: the CUDA-core GEMV up to
+#: ``FP8_GEMV_MAX_ROWS`` rows, the tiled kernel above; per-channel: ``torch._scaled_mm``). The
+#: switch for a GPU where ``bench/fp8_gpu.py`` reports it wrong; read when kvik_cuda.tuning is
+#: imported (a process sets it before starting the engine).
+FP8_SKINNY = env_switch("KVIK_FP8_SKINNY", default=True)
 #: Per-channel products of up to this many rows take the few-rows kernel rather than
 #: ``torch._scaled_mm`` (``bench/fp8_gpu.py`` times both at decode sizes; 0 gives them all to
 #: ``torch._scaled_mm``).

@@ -175,19 +175,21 @@ def fp8_skinny_kernel(
         out_ptrs = out_ptr + rows[None, :] * out_stride + n[:, None]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
+        # A split's sums [M, N]: M * N fits int32 (M <= 64); the split's offset is taken in int64
+        # (SPLIT_K * M * N need not fit), and the reduction below steps a pointer instead.
+        split_sums = M * N
         partial_ptrs = partial_ptr + rows[None, :] * N + n[:, None]  # [BLOCK_N, M_PAD]
-        tl.store(partial_ptrs + split * M * N, acc, mask=mask)
+        tl.store(partial_ptrs + split.to(tl.int64) * split_sums, acc, mask=mask)
         # Every thread's partial sums are written before one thread announces them (release),
         # and the last split reads the others' only after its atomic saw them all (acquire).
         tl.debug_barrier()
         arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, M_PAD], tl.float32)
-            for s in range(0, SPLIT_K):  # not unrolled: one split's sums in registers at a time
+            for _ in range(0, SPLIT_K):  # not unrolled: one split's sums in registers at a time
                 # Past L1 (".cg"): the other splits' sums were written by other multiprocessors.
-                total += tl.load(
-                    partial_ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg"
-                )
+                total += tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                partial_ptrs += split_sums
             if HAS_BIAS:
                 total += tl.load(bias_ptr + n_load).to(tl.float32)[:, None]
             out_ptrs = out_ptr + rows[None, :] * out_stride + n[:, None]
@@ -207,6 +209,14 @@ def split_counters(device: torch.device) -> Tensor:
     split products running at once on two streams would share them."""
     counters = _counters.get(device)
     if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Allocated inside a capture, they would come from that graph's private pool and be
+            # zeroed by a memset the graph replays: run a product eagerly before capturing (the
+            # engine's and the bench's warm-up runs do).
+            raise RuntimeError(
+                "the fp8 few-rows kernel's split-K counters are allocated on a device's first "
+                "split product, which must run outside CUDA graph capture (warm up first)"
+            )
         counters = _counters[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
     return counters
 
