@@ -10,6 +10,7 @@ scales included; products are compared in float64 with the reference's own quant
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -446,6 +447,19 @@ if ON_GPU:
         Fp8SkinnyConfig(256, 2, 8, 3),
         Fp8SkinnyConfig(128, 4, 4, 4, quantize=False),
     ]
+    VARIANT_SIZE = (3000, 4096)
+    # (M, N, K, dtype, bias) and (M, N, K, weight scales, static activation scale, bias): every
+    # combination on the GPU.
+    SKINNY_BLOCK_CASES = [
+        (*shape, dtype, bias)
+        for dtype, shape, bias in itertools.product(DTYPES, SKINNY_SHAPES, [False, True])
+    ]
+    SKINNY_SCALED_CASES = [
+        (*shape, scales, static, bias)
+        for shape, scales, static, bias in itertools.product(
+            SKINNY_SHAPES[::2], ["tensor", "channel"], [False, True], [False, True]
+        )
+    ]
 else:
     # Sizes that split K (4 groups of 128), tiles narrower and wider than a weight-scale block,
     # rows padded to 16, 32 and 64, K tails.
@@ -459,12 +473,25 @@ else:
         Fp8SkinnyConfig(256, 4, 1, 1),
         Fp8SkinnyConfig(128, 1, 1, 1, quantize=False),
     ]
+    VARIANT_SIZE = (160, 512)
+    # The interpreter runs every program in Python: each shape once, the dtypes, biases and
+    # scale kinds spread over them (seconds in all).
+    SKINNY_BLOCK_CASES = [
+        (1, 40, 512, torch.float32, False),
+        (3, 200, 520, torch.float16, True),
+        (17, 72, 512, torch.bfloat16, True),
+        (40, 130, 256, torch.float32, False),
+    ]
+    SKINNY_SCALED_CASES = [
+        (1, 40, 512, "channel", False, True),
+        (3, 200, 520, "tensor", False, True),
+        (17, 72, 512, "tensor", True, False),
+        (40, 130, 256, "channel", True, False),
+    ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_skinny_block_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: bool) -> None:
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias"), SKINNY_BLOCK_CASES)
+def test_skinny_block_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
     x, weight, weight_scale = activations(m, k, dtype), fp8_weight(n, k), block_scales(n, k)
     b = randn(n, dtype=dtype) if bias else None
     poison_allocator()
@@ -477,7 +504,7 @@ def test_skinny_block_linear(dtype: torch.dtype, m: int, n: int, k: int, bias: b
 @pytest.mark.parametrize("m", [1, 5, 64] if ON_GPU else [1, 20])
 def test_skinny_block_linear_variants(config: Fp8SkinnyConfig, m: int) -> None:
     """Other tilings, splits and quantization choices than the tuning's: the same product."""
-    n, k = (3000, 4096) if ON_GPU else (300, 512)
+    n, k = VARIANT_SIZE
     x, weight, weight_scale = (
         activations(m, k, torch.bfloat16),
         fp8_weight(n, k),
@@ -489,10 +516,7 @@ def test_skinny_block_linear_variants(config: Fp8SkinnyConfig, m: int) -> None:
     check(out, ref_block_linear(x, weight, weight_scale, bias), torch.bfloat16)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), SKINNY_SHAPES[::2])
-@pytest.mark.parametrize("weight_scales", ["tensor", "channel"])
-@pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("m", "n", "k", "weight_scales", "static", "bias"), SKINNY_SCALED_CASES)
 def test_skinny_scaled_linear(m: int, n: int, k: int, weight_scales: str, static: bool, bias: bool):
     dtype = torch.bfloat16
     x, weight = activations(m, k, dtype), fp8_weight(n, k)
