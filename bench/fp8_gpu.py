@@ -74,9 +74,11 @@ NEW, OLD, BF16 = "fp8 few-rows (new)", "fp8 before (KVIK_FP8_SKINNY=0)", "bf16 F
 LARGE = (4096, 8192, 8192)
 # The kernels and the reference quantize the activations alike (bit for bit); the sums differ in
 # order and Hopper's fp8 MMA adds a group's 128 products with fewer bits than fp32. Outputs are
-# bf16: one rounding step (2**-8 relative) apart at most where the two fp32 sums straddle one.
-REL_NORM_TOLERANCE = 5e-3
-ELEMENT_TOLERANCE = 1e-2  # of |ref| plus the same share of ref's root mean square
+# bf16: one rounding step (2**-8 relative) apart at most where the two fp32 sums straddle one,
+# so a correct kernel stays far below these (the GPU tests' bf16 bound), while a lost K group
+# (~1/sqrt(groups) of a value), a wrong scale or an unwritten tile exceeds them many times.
+REL_NORM_TOLERANCE = 1e-2
+ELEMENT_TOLERANCE = 2e-2  # of |ref| plus the same share of ref's root mean square
 REPLAYS = 25
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
