@@ -25,6 +25,7 @@ Run from the repository root (kvik installed, or with PYTHONPATH naming the pack
 
     python3 bench/fp8_gpu.py                 # JSON to $OUT/fp8_gpu.json where $OUT is set
     python3 bench/fp8_gpu.py --out f.json    # or to f.json; --sweep: other tilings at one row
+    python3 bench/fp8_gpu.py --rows 1,16,64  # fewer row counts; --budget-s: when timing stops
 
 A failed check is printed with FAIL on its line and again in a banner at the end, and the script
 exits 1 (the JSON is written first). Where the few-rows kernel fails, ``KVIK_FP8_SKINNY=0`` in the
@@ -199,12 +200,12 @@ def check_product(product: Product, x: torch.Tensor, w, s, ref: torch.Tensor) ->
     return result
 
 
-def correctness(arch: str, failures: list) -> list[dict]:
+def correctness(arch: str, rows: list[int], failures: list) -> list[dict]:
     records = []
     for seed, (scheme, (layer, (n, k))) in enumerate(itertools.product(SCHEMES, LAYERS.items())):
         torch.manual_seed(seed)
         w, s = fp8_weight(n, k, scheme)
-        for m in ROWS:
+        for m in rows:
             x = activations(m, k)
             ref = reference(scheme, x, w, s)
             for kernel, skinny in ((NEW, True), (OLD, False)):
@@ -275,14 +276,14 @@ def print_timing(record: dict) -> None:
           f"{record['of_bandwidth']:6.1%}{note}")  # fmt: skip
 
 
-def timing(sweep: bool, deadline: float, failures: list) -> list[dict]:
+def timing(rows: list[int], sweep: bool, deadline: float, failures: list) -> list[dict]:
     records = []
     for seed, (scheme, layer) in enumerate(itertools.product(SCHEMES, LAYERS)):
         if time.time() > deadline:
             print(f"time  {scheme} {layer}: skipped, past the time budget")
             continue
         torch.manual_seed(100 + seed)
-        records += time_layer(scheme, layer, sweep, failures)
+        records += time_layer(scheme, layer, rows, sweep, failures)
         torch.cuda.empty_cache()
     return records
 
@@ -292,7 +293,7 @@ def walk(product: Product, x: torch.Tensor, weights: list) -> Callable[[], list]
     return lambda: [product(x, w, s) for w, s in weights]
 
 
-def time_layer(scheme: str, layer: str, sweep: bool, failures: list) -> list[dict]:
+def time_layer(scheme: str, layer: str, rows: list[int], sweep: bool, failures: list) -> list[dict]:
     """A layer's products at every row count, and bf16's (once a layer, on the block weights
     dequantized)."""
     n, k = LAYERS[layer]
@@ -305,7 +306,7 @@ def time_layer(scheme: str, layer: str, sweep: bool, failures: list) -> list[dic
         bf16_copies = max(1, triton.cdiv(4 * L2_BYTES, 2 * n * k))
         bf16 = [(dequantized_bf16(*weights[i % copies]), None) for i in range(bf16_copies)]
     records = []
-    for m in ROWS:
+    for m in rows:
         x = activations(m, k)
         products = {NEW: engine_product(scheme, True), OLD: engine_product(scheme, False)}
         if sweep and m == 1 and scheme == "block" and layer in PROJECTIONS:
@@ -420,11 +421,20 @@ def banner(failures: list[dict]) -> None:
     print(line)
 
 
+def row_counts(text: str) -> list[int]:
+    rows = [int(part) for part in text.split(",") if part.strip()]
+    if not rows or any(not 1 <= m <= 64 for m in rows):
+        raise argparse.ArgumentTypeError(f"row counts from 1 to 64, comma-separated, not {text!r}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default_out = os.path.join(os.environ["OUT"], "fp8_gpu.json") if os.environ.get("OUT") else None
     parser.add_argument("--out", default=default_out, help="the JSON file ($OUT/fp8_gpu.json)")
     parser.add_argument("--sweep", action="store_true", help="other few-rows tilings at M = 1")
+    parser.add_argument("--rows", type=row_counts, default=list(ROWS),
+                        help="row counts, comma-separated (default 1,2,4,8,16,32,64)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=135.0,
                         help="skip the remaining timings past this many seconds")  # fmt: skip
     args = parser.parse_args()
@@ -436,10 +446,10 @@ def main() -> int:
           f"triton {triton.__version__}, KVIK_FP8_SKINNY in the environment: "
           f"{os.environ.get('KVIK_FP8_SKINNY', '(unset)')}")  # fmt: skip
     failures: list[dict] = []
-    checks = correctness(arch, failures)
+    checks = correctness(arch, args.rows, failures)
     checked_s = time.time() - started
     print(f"correctness: {sum(r['ok'] for r in checks)} of {len(checks)} ok in {checked_s:.0f} s")
-    records = timing(args.sweep, started + args.budget_s - 10, failures)
+    records = timing(args.rows, args.sweep, started + args.budget_s - 10, failures)
     step = batch_one_step(records)
     print("batch-1 step, weight products only:", json.dumps(step, indent=1))
     large_records = large(failures) if time.time() < started + args.budget_s else []
