@@ -10,6 +10,7 @@ scales included; products are compared in float64 with the reference's own quant
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -25,6 +26,7 @@ from kvik.triton_kernels.fp8_linear import (
     fp8_scaled_linear,
 )
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
+from kvik.triton_kernels.fp8_skinny import SPLIT_COUNTERS, Fp8SkinnyConfig, split_counters
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
@@ -127,7 +129,7 @@ if ON_GPU:
 
     ARCH = device_arch(DEVICE)[0]
 
-    def block_config(m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig:
+    def block_config(m: int, n: int, k: int) -> Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig:
         return fp8_block_config(ARCH, m, n, k)
 
     def gemm_config(m: int, n: int, k: int) -> Fp8GemmConfig:
@@ -419,3 +421,155 @@ def test_fp8_gemm_refuses_bad_scales() -> None:
         fp8_gemm(q, weight, ones, block_scales(n, k), None, torch.float32, config, True)
     with pytest.raises(ValueError, match="weight scales must be fp32"):
         fp8_scaled_linear(q.float(), weight, ones.double(), None, None, config)
+
+
+# --- the few-rows tensor-core kernel (kvik.triton_kernels.fp8_skinny) ---------------------------
+
+if ON_GPU:
+    from kvik_cuda.tuning import fp8_skinny_config
+
+    # (M, N, K): Llama-3.1-8B's qkv, down, gate_up and o at decode batch sizes (the tuning's
+    # split-K for narrow layers), and an edge shape with a K tail and a partial tile.
+    SKINNY_SHAPES = [
+        (1, 6144, 4096),
+        (4, 4096, 14336),
+        (16, 28672, 4096),
+        (17, 4096, 4096),
+        (64, 6144, 4096),
+        (33, 1000, 1500),
+    ]
+
+    def skinny_config(m: int, n: int, k: int) -> Fp8SkinnyConfig:
+        return fp8_skinny_config(ARCH, m, n, k)
+
+    SKINNY_VARIANTS = [
+        Fp8SkinnyConfig(64, 8, 4, 4),
+        Fp8SkinnyConfig(256, 2, 8, 3),
+        Fp8SkinnyConfig(128, 4, 4, 4, quantize=False),
+    ]
+    VARIANT_SIZE = (3000, 4096)
+    # (M, N, K, dtype, bias) and (M, N, K, weight scales, static activation scale, bias): every
+    # combination on the GPU.
+    SKINNY_BLOCK_CASES = [
+        (*shape, dtype, bias)
+        for dtype, shape, bias in itertools.product(DTYPES, SKINNY_SHAPES, [False, True])
+    ]
+    SKINNY_SCALED_CASES = [
+        (*shape, scales, static, bias)
+        for shape, scales, static, bias in itertools.product(
+            SKINNY_SHAPES[::2], ["tensor", "channel"], [False, True], [False, True]
+        )
+    ]
+else:
+    # Sizes that split K (4 groups of 128; 6 with a K tail, in 3 splits whose last holds the
+    # tail), tiles narrower and wider than a weight-scale block, rows padded to 16, 32 and 64.
+    SKINNY_SHAPES = [(1, 40, 512), (3, 200, 648), (17, 72, 512), (40, 130, 256)]
+
+    def skinny_config(m: int, n: int, k: int) -> Fp8SkinnyConfig:
+        return Fp8SkinnyConfig(32, 4, 1, 1, quantize=m <= 16)
+
+    SKINNY_VARIANTS = [
+        Fp8SkinnyConfig(16, 2, 1, 1),
+        Fp8SkinnyConfig(256, 4, 1, 1),
+        Fp8SkinnyConfig(128, 1, 1, 1, quantize=False),
+    ]
+    VARIANT_SIZE = (160, 512)
+    # The interpreter runs every program in Python: each shape once, the dtypes, biases and
+    # scale kinds spread over them (seconds in all).
+    SKINNY_BLOCK_CASES = [
+        (1, 40, 512, torch.float32, False),
+        (3, 200, 648, torch.float16, True),
+        (17, 72, 512, torch.bfloat16, True),
+        (40, 130, 256, torch.float32, False),
+    ]
+    SKINNY_SCALED_CASES = [
+        (1, 40, 512, "channel", False, True),
+        (3, 200, 648, "tensor", False, True),
+        (17, 72, 512, "tensor", True, False),
+        (40, 130, 256, "channel", True, False),
+    ]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias"), SKINNY_BLOCK_CASES)
+def test_skinny_block_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    x, weight, weight_scale = activations(m, k, dtype), fp8_weight(n, k), block_scales(n, k)
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), b, skinny_config(m, n, k))
+    assert out.dtype == dtype
+    check(out, ref_block_linear(x, weight, weight_scale, b), dtype)
+
+
+@pytest.mark.parametrize("config", SKINNY_VARIANTS, ids=str)
+@pytest.mark.parametrize("m", [1, 5, 64] if ON_GPU else [1, 20])
+def test_skinny_block_linear_variants(config: Fp8SkinnyConfig, m: int) -> None:
+    """Other tilings, splits and quantization choices than the tuning's: the same product."""
+    n, k = VARIANT_SIZE
+    x, weight, weight_scale = (
+        activations(m, k, torch.bfloat16),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    bias = randn(n, dtype=torch.bfloat16)
+    poison_allocator()
+    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), bias, config)
+    check(out, ref_block_linear(x, weight, weight_scale, bias), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "weight_scales", "static", "bias"), SKINNY_SCALED_CASES)
+def test_skinny_scaled_linear(m: int, n: int, k: int, weight_scales: str, static: bool, bias: bool):
+    dtype = torch.bfloat16
+    x, weight = activations(m, k, dtype), fp8_weight(n, k)
+    weight_scale = (torch.rand(1 if weight_scales == "tensor" else n) * 1e-3 + 1e-4).to(DEVICE)
+    input_scale = (x.float().abs().max() / 448.0).reshape(1) if static else None
+    b = randn(n, dtype=dtype) if bias else None
+    poison_allocator()
+    out = fp8_scaled_linear(x, weight, weight_scale, input_scale, b, skinny_config(m, n, k))
+    assert out.dtype == dtype
+    check(out, ref_scaled_linear(x, weight, weight_scale, input_scale, b), dtype)
+
+
+def test_skinny_split_k_is_deterministic_and_leaves_its_counters_at_zero() -> None:
+    """The last split adds the partial sums in split order: equal bits call after call; and
+    every launch puts the tile counters it used back to zero."""
+    m, n, k = SKINNY_SHAPES[0]
+    config = Fp8SkinnyConfig(SKINNY_VARIANTS[0].block_n, 4, SKINNY_VARIANTS[0].num_warps, 2)
+    x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
+    weight_scale = weight_scale.to(DEVICE)
+    first = fp8_block_linear(x, weight, weight_scale, None, config)
+    for _ in range(3):
+        assert torch.equal(fp8_block_linear(x, weight, weight_scale, None, config), first)
+    counters = split_counters(x.device)
+    assert counters.shape == (SPLIT_COUNTERS,)
+    assert not counters.any()
+
+
+def test_skinny_agrees_with_the_tiled_kernel() -> None:
+    """The same quantized operands and group scaling as the tiled kernel: equal up to the order
+    of the fp32 sums."""
+    m, n, k = SKINNY_SHAPES[1]
+    x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
+    weight_scale = weight_scale.to(DEVICE)
+    skinny = fp8_block_linear(x, weight, weight_scale, None, skinny_config(m, n, k))
+    tiled = fp8_block_linear(x, weight, weight_scale, None, gemm_config(m, n, k))
+    check(skinny, tiled, torch.float32)
+
+
+def test_skinny_refuses_bad_operands() -> None:
+    m, n, k = SKINNY_SHAPES[1]
+    x, weight, weight_scale = (
+        activations(65, k, torch.float32),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    config = skinny_config(m, n, k)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        fp8_block_linear(x, weight, weight_scale.to(DEVICE), None, config)
+    with pytest.raises(ValueError, match="block weight scales"):
+        fp8_block_linear(x[:m], weight, weight_scale.T.contiguous().to(DEVICE), None, config)
+    with pytest.raises(ValueError, match="weight scales must hold"):
+        fp8_scaled_linear(x[:m], weight, torch.ones(n + 1, device=DEVICE), None, None, config)
+    with pytest.raises(ValueError, match="block_n"):
+        Fp8SkinnyConfig(48, 1, 4, 4)
+    with pytest.raises(ValueError, match="split_k"):
+        Fp8SkinnyConfig(128, 0, 4, 4)

@@ -7,6 +7,8 @@ fp8; ROCm's MI300X has the fnuz variant, which these kernels are not registered 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -32,12 +34,17 @@ from kvik.triton_kernels.fp8_quant import (  # noqa: E402
     per_token_group_quant_kernel,
     per_token_quant_kernel,
 )
+from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
+    Fp8SkinnyConfig,
+    fp8_skinny_kernel,
+    padded_rows,
+)
 
 ARCHS = list(aot.TARGETS)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 DTYPES = list(TRITON_TYPES)
 FP8_POINTERS = ("q_ptr", "a_ptr", "w_ptr")
-FP32_POINTERS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "x_scale_ptr")
+FP32_POINTERS = ("scale_ptr", "a_scale_ptr", "w_scale_ptr", "x_scale_ptr", "partial_ptr")
 
 
 def types(kernel, dtype: torch.dtype, fp8_inputs: bool = False) -> dict[str, str]:
@@ -49,6 +56,8 @@ def types(kernel, dtype: torch.dtype, fp8_inputs: bool = False) -> dict[str, str
             return "*fp8e4nv"
         if name in FP32_POINTERS:
             return "*fp32"
+        if name == "counter_ptr":
+            return "*i32"
         return f"*{TRITON_TYPES[dtype]}" if name.endswith("_ptr") else "i32"
 
     return {name: one(name) for name in kernel.arg_names}
@@ -205,11 +214,90 @@ def test_fp8_block_gemv(arch: str, config: Fp8GemvConfig, k: int, rows: int) -> 
     assert ("div.rn.f32" in compiled.asm["ptx"]) != config.prequantize
 
 
+LLAMA_8B_LAYERS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+def skinny_cases() -> list:
+    """The tuning's choices for Llama-3.1-8B's projections at every padded row count (1, 16: the
+    activations quantized inside; 32, 64: beforehand), and per-channel scales at one row."""
+    cases = []
+    for n, k in LLAMA_8B_LAYERS:
+        for rows in (1, 32, 64):
+            config = tuning.fp8_skinny_config("sm90", rows, n, k)
+            cases.append(pytest.param(config, n, k, rows, True, id=f"{n}x{k}-m{rows}"))
+        config = tuning.fp8_skinny_config("sm90", 1, n, k)
+        cases.append(pytest.param(config, n, k, 1, False, id=f"{n}x{k}-m1-channel"))
+    return cases
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("config", "n", "k", "rows", "block_scales"), skinny_cases())
+def test_fp8_skinny(
+    arch: str, config: Fp8SkinnyConfig, n: int, k: int, rows: int, block_scales: bool
+) -> None:
+    quantize = config.quantize and block_scales
+    groups = k // GROUP_SIZE
+    split_k = max(d for d in range(1, config.split_k + 1) if groups % d == 0)
+    compiled = compiled_ok(
+        fp8_skinny_kernel,
+        arch,
+        types=types(fp8_skinny_kernel, torch.bfloat16, fp8_inputs=not quantize),
+        constexprs={
+            "K": k,
+            "BLOCK_SCALES": block_scales,
+            "QUANTIZE": quantize,
+            "HAS_BIAS": False,
+            "M_PAD": padded_rows(rows),
+            "BLOCK_N": config.block_n,
+            "SPLIT_K": split_k,
+            "GROUPS_PER_SPLIT": groups // split_k,
+            "GROUP": GROUP_SIZE,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        aligned=aligned(fp8_skinny_kernel),
+    )
+    ptx = compiled.asm["ptx"]
+    if quantize:
+        check_quantization(ptx)
+    else:
+        assert "div.rn.f32" not in ptx
+    if arch == "sm90":
+        # The weight streamed into shared memory in 16-byte copies, multiplied there as e4m3 by
+        # wgmma (the activations' rows the MMA's N side), never converted on the CUDA cores.
+        assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
+        assert k_steps_start_from_zero(compiled.asm["ttgir"])
+    # A split product's last split reads the others' sums past L1 and resets its counter.
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
+    assert ("ld.global.cg" in ptx) == (split_k > 1)
+
+
+def k_steps_start_from_zero(ttgir: str) -> bool:
+    """Every wgmma product of the kernel starts from a zero accumulator, so its K step's 128
+    products are summed on the tensor cores and the steps in fp32 on the CUDA cores. Hopper's fp8
+    MMA adds with about 14 bits (Triton's sm90 default lets it: ``maxNumImpreciseAcc`` 2**30):
+    had Triton folded ``acc += part`` (per-channel scales) into the MMA's accumulator, all of K
+    would be summed at that precision."""
+    zeros = set(re.findall(r"(%[\w.]+) = arith.constant dense<0.000000e\+00>", ttgir))
+    accumulators = re.findall(r"ttng.warp_group_dot %[\w.]+, %[\w.]+, (%[\w.]+)", ttgir)
+    return bool(accumulators) and all(acc in zeros for acc in accumulators)
+
+
 def test_tuning_picks_by_rows() -> None:
-    assert isinstance(tuning.fp8_block_config("sm90", 1, 4096, 4096), Fp8GemvConfig)
-    small = tuning.fp8_block_config("sm90", tuning.FP8_GEMV_MAX_ROWS + 1, 4096, 4096)
-    assert small == tuning.FP8_GEMM_SMALL_NARROW
-    assert tuning.fp8_block_config("sm90", 16, 28672, 4096) == tuning.FP8_GEMM_SMALL
+    for rows in (1, 4, 16, 64):
+        assert isinstance(tuning.fp8_block_config("sm90", rows, 4096, 4096), Fp8SkinnyConfig)
+        assert isinstance(tuning.fp8_scaled_config("sm90", rows, 4096, 4096), Fp8SkinnyConfig)
+    assert tuning.fp8_skinny_config("sm90", 16, 4096, 4096).quantize
+    assert not tuning.fp8_skinny_config("sm90", 17, 4096, 4096).quantize
+    # Narrow layers split K until about three programs a multiprocessor; wide ones do not.
+    assert tuning.skinny_split(4096, 4096) == 8
+    assert tuning.skinny_split(4096, 14336) == 8
+    assert tuning.skinny_split(28672, 4096) == 1
+    assert tuning.skinny_split(4096, 256) == 1  # too few K steps to split
+    above = tuning.fp8_block_config("sm90", tuning.SKINNY_MAX_ROWS + 1, 4096, 4096)
+    assert above == tuning.fp8_gemm_config("sm90", tuning.SKINNY_MAX_ROWS + 1, 4096, 4096)
+    assert tuning.fp8_scaled_config("sm90", tuning.SKINNY_MAX_ROWS + 1, 4096, 4096) == above
     assert tuning.fp8_block_config("sm100", 4096, 8192, 8192) == tuning.FP8_GEMM_LARGE
     # Hopper's cuBLAS blockwise scaling from FP8_CUBLAS_MIN_ROWS, the tiled kernel below it.
     assert tuning.fp8_block_config("sm90", 4096, 8192, 8192) == CublasBlockwise(
@@ -219,3 +307,30 @@ def test_tuning_picks_by_rows() -> None:
     assert below == tuning.FP8_GEMM_LARGE
     with pytest.raises(ValueError, match="NVIDIA"):
         tuning.fp8_gemm_config("gfx942", 4096, 8192, 8192)
+
+
+def test_the_few_rows_kernel_switches_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVIK_FP8_SKINNY=0`` (tuning.FP8_SKINNY): the kernels used before the few-rows kernel."""
+    monkeypatch.setattr(tuning, "FP8_SKINNY", False)
+    for rows in (1, tuning.FP8_GEMV_MAX_ROWS):
+        config = tuning.fp8_block_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemv_config("sm90", 6144, 4096)
+    for rows in (tuning.FP8_GEMV_MAX_ROWS + 1, 16, 64):
+        config = tuning.fp8_block_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 6144, 4096)
+    for rows in (1, 64):
+        config = tuning.fp8_scaled_config("sm90", rows, 6144, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 6144, 4096)
+
+
+def test_the_switch_reads_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, expected in (("", True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setenv("KVIK_FP8_SKINNY", raw)
+        assert tuning.env_switch("KVIK_FP8_SKINNY", default=True) is expected
+    monkeypatch.delenv("KVIK_FP8_SKINNY")
+    assert tuning.env_switch("KVIK_FP8_SKINNY", default=False) is False
+    monkeypatch.setenv("KVIK_FP8_SKINNY", "off")
+    with pytest.raises(
+        ValueError, match=r"KVIK_FP8_SKINNY must be 1 \(on\) or 0 \(off\), not 'off'"
+    ):
+        tuning.env_switch("KVIK_FP8_SKINNY", default=True)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from kvik.triton_kernels import fp8_linear
 from kvik.triton_kernels.attention import device_arch
-from kvik_cuda.tuning import fp8_block_config, fp8_gemm_config
+from kvik_cuda.tuning import fp8_block_config, fp8_scaled_config
 
 
 @functools.cache
@@ -39,5 +39,5 @@ def fp8_scaled_linear(
     """x [..., K] -> [..., N]: per-tensor or per-channel weight scales, a static activation scale
     or (None) dynamic per-token ones."""
     n, k = weight.shape
-    config = fp8_gemm_config(arch_of(x.device), x.numel() // max(k, 1), n, k)
+    config = fp8_scaled_config(arch_of(x.device), x.numel() // max(k, 1), n, k)
     return fp8_linear.fp8_scaled_linear(x, weight, weight_scale, input_scale, bias, config)

@@ -9,12 +9,14 @@ architecture is this platform's choice, registered for the "sm" architectures wh
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
 from kvik.triton_kernels.fp8_linear import CublasBlockwise
+from kvik.triton_kernels.fp8_skinny import SKINNY_MAX_ROWS, Fp8SkinnyConfig, padded_rows
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -119,18 +121,101 @@ def fp8_gemv_config(arch: str, n: int, k: int) -> Fp8GemvConfig:
 
 def fp8_block_config(
     arch: str, m: int, n: int, k: int
-) -> Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise:
+) -> Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise:
     """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows: the
-    GEMV for a few rows, the Triton tiled kernel up to ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise
-    scaling above (on Hopper). On the H200 with Llama-3.1-8B's projections, CUDA-graph timed
-    (docs/benchmarks.md), cuBLAS took 161 µs a layer's four products at 256 rows against the tiled
-    kernel's 244 and 3.68 ms against 5.44 at 8192 rows, while at 16 and 64 rows the tiled kernel
-    was as fast or faster."""
+    few-rows tensor-core kernel up to ``SKINNY_MAX_ROWS`` (with ``FP8_SKINNY`` off, the CUDA-core
+    GEMV up to ``FP8_GEMV_MAX_ROWS`` instead), the Triton tiled kernel up to
+    ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise scaling above (on Hopper). On the H200 with
+    Llama-3.1-8B's projections, CUDA-graph timed (docs/benchmarks.md), cuBLAS took 161 µs a
+    layer's four products at 256 rows against the tiled kernel's 244 and 3.68 ms against 5.44 at
+    8192 rows."""
+    if FP8_SKINNY and m <= SKINNY_MAX_ROWS:
+        return fp8_skinny_config(arch, m, n, k)
     if m <= FP8_GEMV_MAX_ROWS:
         return fp8_gemv_config(arch, n, k)
     if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
         return CublasBlockwise(fallback=fp8_gemm_config(arch, m, n, k))
     return fp8_gemm_config(arch, m, n, k)
+
+
+def fp8_scaled_config(arch: str, m: int, n: int, k: int) -> Fp8GemmConfig | Fp8SkinnyConfig:
+    """``kvik.triton_kernels.fp8_linear.fp8_scaled_linear``'s configuration (per-tensor or
+    per-channel scales): the few-rows kernel up to ``FP8_SCALED_SKINNY_MAX_ROWS`` rows (where
+    ``FP8_SKINNY`` is on), else the tiled kernel's tiles (which that function uses where
+    ``torch._scaled_mm`` does not take the case)."""
+    if FP8_SKINNY and m <= FP8_SCALED_SKINNY_MAX_ROWS:
+        return fp8_skinny_config(arch, m, n, k)
+    return fp8_gemm_config(arch, m, n, k)
+
+
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: "1" or "0" (unset or empty: ``default``)."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 1 (on) or 0 (off), not {raw!r}")
+    return default if raw == "" else raw == "1"
+
+
+#: ``KVIK_FP8_SKINNY=0`` turns the few-rows tensor-core kernel off: FP8 products of up to 64 rows
+#: go back to the kernels used before it (block scales: the CUDA-core GEMV up to
+#: ``FP8_GEMV_MAX_ROWS`` rows, the tiled kernel above; per-channel: ``torch._scaled_mm``). The
+#: switch for a GPU where ``bench/fp8_gpu.py`` reports it wrong; read when kvik_cuda.tuning is
+#: imported (a process sets it before starting the engine).
+FP8_SKINNY = env_switch("KVIK_FP8_SKINNY", default=True)
+#: Per-channel products of up to this many rows take the few-rows kernel rather than
+#: ``torch._scaled_mm`` (``bench/fp8_gpu.py`` times both at decode sizes; 0 gives them all to
+#: ``torch._scaled_mm``).
+FP8_SCALED_SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
+#: The few-rows kernel's programs: 128 weight rows (a weight-scale block: one scale a K step),
+#: 4 warps (one warpgroup's wgmma), 3 pipeline stages (two 16 KB weight tiles in flight while one
+#: is multiplied). K is split until the layer has as many programs as fit on the GPU at once
+#: (the H100's and H200's 132 multiprocessors; three programs each up to 32 padded rows, two at
+#: 64 rows, where the [128, 64] fp32 sums take about 240 registers a thread), so all are resident
+#: and stream their weight rows together, while each keeps at least
+#: ``SKINNY_MIN_GROUPS_PER_SPLIT`` K steps to pipeline.
+SKINNY_BLOCK_N = 128
+SKINNY_MULTIPROCESSORS = 132
+SKINNY_MIN_GROUPS_PER_SPLIT = 4
+SKINNY_MAX_SPLIT = 16
+#: Up to this many rows the activations are quantized inside the few-rows kernel (one launch);
+#: above, each program would redo too much of it (CUDA-core work per weight byte grows with the
+#: padded rows), so a launch of their own quantizes them first.
+SKINNY_QUANTIZE_MAX_ROWS = 16
+
+
+def skinny_programs_per_sm(rows: int) -> int:
+    """Programs of the few-rows kernel resident on a multiprocessor at ``rows`` padded rows."""
+    return 3 if rows <= 32 else 2
+
+
+def skinny_split(n: int, k: int, rows: int = 16) -> int:
+    """How many ways the few-rows kernel splits K for a weight [n, k] at ``rows`` padded rows
+    (at most: the launcher takes the most ways up to it that divide K's groups evenly)."""
+    tiles, groups = triton.cdiv(n, SKINNY_BLOCK_N), triton.cdiv(k, 128)
+    resident = skinny_programs_per_sm(rows) * SKINNY_MULTIPROCESSORS
+    split = 1
+    while (
+        split * 2 <= SKINNY_MAX_SPLIT
+        and tiles * split * 2 <= resident
+        and groups // (split * 2) >= SKINNY_MIN_GROUPS_PER_SPLIT
+    ):
+        split *= 2
+    return split
+
+
+def fp8_skinny_config(arch: str, m: int, n: int, k: int) -> Fp8SkinnyConfig:
+    """The few-rows kernel's launch for ``m`` rows (1 to ``SKINNY_MAX_ROWS``) of a weight [n, k]:
+    it depends on the layer and on the rows' padded size (16, 32, 64) only, so every variant
+    compiles when the decode batch sizes are captured."""
+    check_nvidia(arch)
+    rows = padded_rows(m)
+    return Fp8SkinnyConfig(
+        block_n=SKINNY_BLOCK_N,
+        split_k=skinny_split(n, k, rows),
+        num_warps=4,
+        num_stages=3,
+        quantize=rows <= SKINNY_QUANTIZE_MAX_ROWS,
+    )
 
 
 #: From this many rows block-FP8 products go to cuBLAS's blockwise scaling (``fp8_block_config``).

@@ -27,6 +27,11 @@ from kvik.triton_kernels.fp8_gemm import (
     fp8_gemm,
 )
 from kvik.triton_kernels.fp8_quant import as_rows, per_token_group_quant_fp8, per_token_quant_fp8
+from kvik.triton_kernels.fp8_skinny import (
+    Fp8SkinnyConfig,
+    fp8_skinny_block_matmul,
+    fp8_skinny_scaled_matmul,
+)
 
 
 @dataclass(frozen=True)
@@ -85,13 +90,17 @@ def fp8_block_linear(
     weight: Tensor,
     weight_scale: Tensor,
     bias: Tensor | None,
-    config: Fp8GemmConfig | Fp8GemvConfig | CublasBlockwise,
+    config: Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise,
 ) -> Tensor:
     """x [..., K] -> [..., N]; weight e4m3 [N, K], weight_scale fp32 [ceil(N/128), ceil(K/128)]
-    (multiplied: w = q * scale). An ``Fp8GemvConfig`` runs the few-rows kernel, an
-    ``Fp8GemmConfig`` the group quantization and the tiled kernel, a ``CublasBlockwise`` cuBLAS
-    where it takes the case."""
+    (multiplied: w = q * scale). An ``Fp8SkinnyConfig`` runs the few-rows tensor-core kernel
+    (``kvik.triton_kernels.fp8_skinny``, up to 64 rows), an ``Fp8GemvConfig`` the few-rows
+    CUDA-core kernel, an ``Fp8GemmConfig`` the group quantization and the tiled kernel, a
+    ``CublasBlockwise`` cuBLAS where it takes the case."""
     rows = as_rows(x)
+    if isinstance(config, Fp8SkinnyConfig):
+        out = fp8_skinny_block_matmul(rows, weight, weight_scale, bias, config)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if isinstance(config, CublasBlockwise):
         n = check_weight(weight, rows.shape[1])
         check_block_weight_scale(weight_scale, n, rows.shape[1])
@@ -110,7 +119,7 @@ def fp8_scaled_linear(
     weight_scale: Tensor,
     input_scale: Tensor | None,
     bias: Tensor | None,
-    config: Fp8GemmConfig,
+    config: Fp8GemmConfig | Fp8SkinnyConfig,
     use_scaled_mm: bool = True,
 ) -> Tensor:
     """x [..., K] -> [..., N]; weight e4m3 [N, K], weight_scale fp32 [1] or [N], input_scale fp32
@@ -126,8 +135,12 @@ def fp8_scaled_linear(
     So fp16 and fp32 activations with a per-token or per-channel scale, K or N not a multiple of 16,
     and CPU tensors (the Triton interpreter) take the Triton kernel; so does ``use_scaled_mm``
     False. A bias joins ``torch._scaled_mm``'s call where the output is bf16 or fp16 (it refuses
-    one with an fp32 output); else it is added after, in fp32."""
+    one with an fp32 output); else it is added after, in fp32. An ``Fp8SkinnyConfig`` (up to 64
+    rows) runs the few-rows tensor-core kernel instead of either."""
     rows = as_rows(x)
+    if isinstance(config, Fp8SkinnyConfig):
+        out = fp8_skinny_scaled_matmul(rows, weight, weight_scale, input_scale, bias, config)
+        return out.view(*x.shape[:-1], out.shape[-1])
     m, k = rows.shape
     n = check_weight(weight, k)
     check_bias(bias, n)
