@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from kvik.layers.moe import FusedMoE
 from kvik.ops import grouped_experts
+from kvik.quantization.moe_methods import UnquantizedMoeMethod
 from kvik_cpu.isa import CpuIsa
 from kvik_cpu.linear import AmxLinear, OneDnnLinear
 
@@ -36,11 +37,12 @@ class PackedExperts:
 
 
 def pack_expert_weights(model: nn.Module, path: CpuIsa) -> int:
-    """Give each ``FusedMoE`` of ``model`` its ``PackedExperts`` and release the dense stacks
+    """Give each unquantized ``FusedMoE`` of ``model`` its ``PackedExperts`` and release the dense stacks
     (only the packed copies are read). Returns how many layers were packed."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, FusedMoE):
+        # Quantized experts keep their method's kernels.
+        if isinstance(module, FusedMoE) and isinstance(module.quant_method, UnquantizedMoeMethod):
             module.kernel = PackedExperts(module, path)
             for param in (module.gate_up_proj, module.down_proj):
                 param.data = param.data.new_empty(0)
