@@ -80,11 +80,9 @@ class SparseMoeBlock(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        # Quantized where the checkpoint quantizes them: FP8 releases list the routers among
-        # the modules they leave unconverted.
-        self.gate = Linear(
-            hidden_size, spec.num_experts, quant_config=quant_config, prefix=f"{prefix}.gate"
-        )
+        # The routers stay unquantized, as in the FP8 releases (and vLLM's models): their few
+        # outputs decide the routing, and rounding them would move tokens between experts.
+        self.gate = Linear(hidden_size, spec.num_experts, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
             spec.num_experts,
             spec.top_k,
@@ -102,9 +100,7 @@ class SparseMoeBlock(nn.Module):
                 quant_config,
                 prefix=f"{prefix}.shared_expert",
             )
-            self.shared_expert_gate = Linear(
-                hidden_size, 1, quant_config=quant_config, prefix=f"{prefix}.shared_expert_gate"
-            )
+            self.shared_expert_gate = Linear(hidden_size, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.experts(x, self.gate(x))  # [T, hidden]
