@@ -16,7 +16,7 @@ from kvik.layers.moe import FusedMoE
 from kvik_cpu import extension
 from kvik_cpu.isa import CpuIsa
 from kvik_cpu.linear import packed_linear_supported
-from kvik_cpu.moe import PackedExperts, pack_expert_weights
+from kvik_cpu.moe import PackedExperts, expert_product, pack_expert_weights
 
 cpu_path = cpu_paths.cpu_path  # the fixture: each kernel path this CPU runs
 
@@ -43,6 +43,9 @@ def test_packed_experts_equal_the_reference(cpu_path, tokens: int) -> None:
     expected = ops._fused_moe(x, logits, w13, w2, top_k, True)
     assert pack_expert_weights(layer, cpu_path) == 1
     assert isinstance(layer.kernel, PackedExperts) and layer.gate_up_proj.numel() == 0
+    assert all(
+        type(p) is expert_product(cpu_path) for p in layer.kernel.gate_up + layer.kernel.down
+    )
     got = layer(x, logits)
     # Each product rounds to bf16 as F.linear does; AMX sums in another order.
     err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fp8_checkpoints import FORMATS, MODEL_KINDS, PLANTED_BUGS, build_original
+from fp8_checkpoints import ALL_FORMATS, ALL_PLANTED_BUGS, build_original
 from fp8_reference import (
     GREEDY_PROMPTS,
     GREEDY_TOKENS,
@@ -71,10 +71,21 @@ class Fp8Case:
         return self._greedy
 
 
+class _Originals(dict):
+    """Model kind -> the folder of its unquantized original, built on first use."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, kind: str) -> Path:
+        self[kind] = build_original(kind, self.root / kind)
+        return self[kind]
+
+
 @pytest.fixture(scope="session")
 def fp8_originals(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("fp8-originals")
-    return {kind: build_original(kind, root / kind) for kind in MODEL_KINDS}
+    return _Originals(tmp_path_factory.mktemp("fp8-originals"))
 
 
 @pytest.fixture(scope="session")
@@ -92,13 +103,13 @@ def original_logprobs(fp8_originals):
 
 @pytest.fixture(scope="session")
 def fp8_case(tmp_path_factory, fp8_originals, original_logprobs):
-    """fp8_case(name) -> Fp8Case for a format of fp8_checkpoints.FORMATS, made on first use."""
+    """fp8_case(name) -> Fp8Case for a format of fp8_checkpoints.ALL_FORMATS, made on first use."""
     root = tmp_path_factory.mktemp("fp8-checkpoints")
     made: dict[str, Fp8Case] = {}
 
     def get(name: str) -> Fp8Case:
         if name not in made:
-            kind, maker = FORMATS[name]
+            kind, maker = ALL_FORMATS[name]
             folder = maker(fp8_originals[kind], root / name)
             reference_model = independent_reference(folder)
             sequences = scored_sequences()
@@ -124,7 +135,7 @@ def planted_bug(tmp_path_factory, fp8_case):
 
     def get(name: str):
         if name not in made:
-            format_name, plant = PLANTED_BUGS[name]
+            format_name, plant = ALL_PLANTED_BUGS[name]
             case = fp8_case(format_name)
             made[name] = case, plant(case.folder, root / name)
         return made[name]

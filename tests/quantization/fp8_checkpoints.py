@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = 128
-MODEL_KINDS = ("llama", "qwen3")
+MODEL_KINDS = ("llama", "qwen3", "qwen3moe")
 
 #: Dims are multiples of 128 so every projection, and every shard of the fused q/k/v and
 #: gate/up projections, is a whole number of 128 x 128 weight blocks.
@@ -56,16 +56,23 @@ QUANTIZED_PROJECTIONS = (
 )
 #: Each original is saved in the dtype real checkpoints of its family ship in: Llama in fp32,
 #: Qwen3 in bf16 (so compressed-tensors writes bf16 scales for it, as it does for real models).
-ORIGINAL_DTYPES = {"llama": torch.float32, "qwen3": torch.bfloat16}
+ORIGINAL_DTYPES = {"llama": torch.float32, "qwen3": torch.bfloat16, "qwen3moe": torch.bfloat16}
+
+
+#: The mixture of experts: Qwen3-30B-A3B's layout (renormalised top-k, q/k norms) at a small
+#: size whose experts are whole 128 x 128 blocks.
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True)
 
 
 def original_config(kind: str):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
     if kind == "llama":
         return LlamaConfig(**_COMMON, rope_theta=10000.0)
     if kind == "qwen3":
         return Qwen3Config(**_COMMON, rope_theta=1000000.0)
+    if kind == "qwen3moe":
+        return Qwen3MoeConfig(**_COMMON, **_MOE, rope_theta=1000000.0)
     raise ValueError(f"unknown model kind {kind!r}; expected one of {MODEL_KINDS}")
 
 
@@ -79,18 +86,26 @@ def is_quantized_projection(name: str) -> bool:
 _PROJECTION_SCALES = {"q_proj": 1.0, "k_proj": 2.0, "v_proj": 0.5, "o_proj": 1.0, "gate_proj": 2.0, "up_proj": 0.5, "down_proj": 1.0}  # fmt: skip
 
 
+def _block_magnitudes(w: torch.Tensor, overall: float, generator: torch.Generator) -> None:
+    n, k = w.shape
+    blocks = 2.0 ** torch.empty(n // BLOCK, k // BLOCK).uniform_(-1.5, 1.5, generator=generator)
+    rows = 2.0 ** torch.empty(n, 1).uniform_(-0.5, 0.5, generator=generator)
+    grid = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+    w.mul_(grid * rows * overall)
+
+
 @torch.no_grad()
 def _give_blocks_distinct_magnitudes(model: torch.nn.Module, generator: torch.Generator) -> None:
     for name, module in model.named_modules():
-        if not (isinstance(module, torch.nn.Linear) and is_quantized_projection(name)):
-            continue
-        w = module.weight
-        n, k = w.shape
-        blocks = 2.0 ** torch.empty(n // BLOCK, k // BLOCK).uniform_(-1.5, 1.5, generator=generator)
-        rows = 2.0 ** torch.empty(n, 1).uniform_(-0.5, 0.5, generator=generator)
-        overall = _PROJECTION_SCALES[name.rsplit(".", 1)[-1]]
-        grid = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-        w.mul_(grid * rows * overall)
+        if isinstance(module, torch.nn.Linear) and is_quantized_projection(name):
+            overall = _PROJECTION_SCALES[name.rsplit(".", 1)[-1]]
+            _block_magnitudes(module.weight, overall, generator)
+        elif name.endswith(".mlp.experts"):  # transformers' stacked experts
+            half = module.gate_up_proj.shape[1] // 2
+            for e in range(module.gate_up_proj.shape[0]):
+                _block_magnitudes(module.gate_up_proj[e, :half], _PROJECTION_SCALES["gate_proj"], generator)  # fmt: skip
+                _block_magnitudes(module.gate_up_proj[e, half:], _PROJECTION_SCALES["up_proj"], generator)  # fmt: skip
+                _block_magnitudes(module.down_proj[e], _PROJECTION_SCALES["down_proj"], generator)
 
 
 def build_original(kind: str, folder: Path, seed: int = 0) -> Path:
@@ -133,12 +148,23 @@ def calibrate_input_absmax(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _load_original_state(original: Path) -> dict[str, torch.Tensor]:
+    """The original's tensors, stacked experts (``experts.gate_up_proj`` [E, 2I, H], as
+    transformers 5 may save them) split per expert (``experts.N.gate_proj.weight``), the layout
+    FP8 MoE releases (Qwen3-30B-A3B-FP8) ship."""
     files = sorted(original.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {original}")
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
+    for key in [k for k in state if k.endswith(".experts.gate_up_proj")]:
+        experts = key.removesuffix(".gate_up_proj")
+        gate_up, down = state.pop(key), state.pop(f"{experts}.down_proj")
+        for e in range(gate_up.shape[0]):
+            gate, up = gate_up[e].chunk(2)
+            state[f"{experts}.{e}.gate_proj.weight"] = gate
+            state[f"{experts}.{e}.up_proj.weight"] = up
+            state[f"{experts}.{e}.down_proj.weight"] = down[e]
     return state
 
 
@@ -334,6 +360,12 @@ FORMATS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
     ),
     "modelopt-tensor-llama": ("llama", make_modelopt_fp8),
 }
+#: The mixture-of-experts formats (their own tests: test_fp8_moe.py), by the same rules.
+MOE_FORMATS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
+    # Qwen3-30B-A3B-FP8's layout: per-expert block-FP8 projections, the routers unquantized.
+    "hf-block-qwen3moe": ("qwen3moe", lambda o, f: make_hf_block_fp8(o, f, "qwen-release")),
+}
+ALL_FORMATS = {**FORMATS, **MOE_FORMATS}
 
 
 # --- planted bugs ---------------------------------------------------------------------------
@@ -390,6 +422,18 @@ def plant_swapped_shard_scales(src: Path, dst: Path, scale_name: str = "weight_s
     return _rewrite_tensors(src, dst, change)
 
 
+def plant_transposed_expert_block_scales(src: Path, dst: Path) -> Path:
+    """As ``plant_transposed_block_scales``, on the experts' scales only: a MoE loader or kernel
+    that indexes an expert's tile scales ``[k_block, n_block]``."""
+
+    def change(tensors):
+        for key in [k for k in tensors if ".experts." in k and k.endswith(".weight_scale_inv")]:
+            scale = tensors[key]
+            tensors[key] = scale.t().contiguous().reshape(scale.shape)
+
+    return _rewrite_tensors(src, dst, change)
+
+
 #: bug name -> (the format it is planted in, planter(clean folder, output folder)).
 PLANTED_BUGS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
     "block-scales-transposed": ("hf-block-llama", plant_transposed_block_scales),
@@ -398,3 +442,8 @@ PLANTED_BUGS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
     # Not the input scales: the shards of a fused layer share their input, and so its scale.
     "modelopt-shard-scales-swapped": ("modelopt-tensor-llama", plant_swapped_shard_scales),
 }
+
+MOE_PLANTED_BUGS: dict[str, tuple[str, Callable[[Path, Path], Path]]] = {
+    "expert-block-scales-transposed": ("hf-block-qwen3moe", plant_transposed_expert_block_scales),
+}
+ALL_PLANTED_BUGS = {**PLANTED_BUGS, **MOE_PLANTED_BUGS}

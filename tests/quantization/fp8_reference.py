@@ -11,10 +11,12 @@ so the emulation's error against the unquantized original is the format's own.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 
 FP8 = torch.float8_e4m3fn
@@ -193,11 +195,14 @@ class ReferenceModel:
         from transformers import AutoModelForCausalLM
 
         config, tensors, layers = read_checkpoint(Path(folder))
+        # Eager experts: transformers' grouped-GEMM experts take no float64.
+        extra = {"experts_implementation": "eager"} if hasattr(config, "num_experts") else {}
         model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float64, attn_implementation="eager"
+            config, dtype=torch.float64, attn_implementation="eager", **extra
         )
         state = {k: v.double() for k, v in tensors.items()}
         state.update({f"{name}.weight": layer.dense_weight for name, layer in layers.items()})
+        expert_schemes = stack_experts(state, layers)
         missing, unexpected = model.load_state_dict(state, strict=False)
         # Tied or derived buffers (rotary inv_freq) may be absent; no weight may be.
         if unexpected or [m for m in missing if m.endswith("weight")]:
@@ -207,12 +212,68 @@ class ReferenceModel:
                 model.get_submodule(name).register_forward_pre_hook(
                     lambda _m, args, scheme=layer.activations: (scheme.apply(args[0]),)
                 )
+            for name, scheme in expert_schemes.items():
+                experts = model.get_submodule(name)
+                experts.forward = _rounding_experts_forward(experts, scheme)
         self.model = model.eval()
         self.layers = layers
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(ids).logits
+
+
+_PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)$")  # fmt: skip
+
+
+def stack_experts(
+    state: dict[str, torch.Tensor], layers: dict[str, QuantizedLayer]
+) -> dict[str, ActivationScheme]:
+    """Per-expert weights (``<experts>.N.gate_proj.weight`` ..., dense or dequantized) in
+    ``state`` -> transformers' stacked ``<experts>.gate_up_proj`` [E, 2I, H] and ``down_proj``
+    [E, H, I]. The quantized experts leave ``layers``; returns each quantized experts module's
+    activation scheme (one per module: a checkpoint rounds all its experts alike)."""
+    per_module: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for key in list(state):
+        match = _PER_EXPERT.match(key.removesuffix(".weight"))
+        if key.endswith(".weight") and match:
+            part = (int(match["expert"]), match["proj"])
+            per_module.setdefault(match["experts"], {})[part] = state.pop(key)
+    schemes = {}
+    for experts, parts in per_module.items():
+        count = len(parts) // 3
+        if set(parts) != {(e, p) for e in range(count) for p in ("gate_proj", "up_proj", "down_proj")}:  # fmt: skip
+            raise ValueError(f"{experts}: the checkpoint's experts are incomplete")
+        state[f"{experts}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[e, "gate_proj"], parts[e, "up_proj"]]) for e in range(count)]
+        )
+        state[f"{experts}.down_proj"] = torch.stack([parts[e, "down_proj"] for e in range(count)])
+        quantized = [layers.pop(f"{experts}.{e}.{p}", None) for e, p in parts]
+        if None in quantized and any(quantized):
+            raise ValueError(f"{experts}: some experts are quantized and some are not")
+        if None not in quantized:
+            (scheme,) = {layer.activations for layer in quantized}
+            schemes[experts] = scheme
+    return schemes
+
+
+def _rounding_experts_forward(experts: torch.nn.Module, scheme: ActivationScheme):
+    """transformers' experts forward (each token through its top-k experts, weighted, summed)
+    with the input of both of each expert's products rounded as ``scheme`` says."""
+
+    def forward(hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e in range(experts.gate_up_proj.shape[0]):
+            token, k = torch.where(top_k_index == e)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(scheme.apply(hidden[token]), experts.gate_up_proj[e]).chunk(2, -1)
+            act = scheme.apply(experts.act_fn(gate) * up)
+            y = F.linear(act, experts.down_proj[e]) * top_k_weights[token, k, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    return forward
 
 
 class TransformersModel:

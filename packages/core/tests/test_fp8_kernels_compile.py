@@ -39,6 +39,8 @@ from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
     fp8_skinny_kernel,
     padded_rows,
 )
+from kvik.triton_kernels.fused_moe import moe_gemm_kernel  # noqa: E402
+from kvik_cuda.moe_tuning import fused_moe_config  # noqa: E402
 
 ARCHS = list(aot.TARGETS)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -334,3 +336,57 @@ def test_the_switch_reads_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:
         ValueError, match=r"KVIK_FP8_SKINNY must be 1 \(on\) or 0 \(off\), not 'off'"
     ):
         tuning.env_switch("KVIK_FP8_SKINNY", default=True)
+
+
+#: Qwen3-30B-A3B-FP8's experts (128 of 768 over 2048, top-8) at decode and prefill token counts.
+FP8_MOE_TOKENS = [1, 8, 64, 4096]
+
+
+def moe_aligned(gated: bool, experts: int = 128, inter: int = 768, hidden: int = 2048):
+    """The pointers, and the sizes and strides that are multiples of 16 at these shapes (as the
+    JIT specializes for them at a launch): the down GEMM's activation scales have 6 groups."""
+    n, k = (inter, hidden) if gated else (hidden, inter)
+    rows = 2 * inter if gated else hidden
+    scale_rows, scale_cols = rows // 128, -(-k // 128)
+    sizes = {
+        "N": n, "K": k, "stride_am": k, "stride_we": rows * k, "stride_wn": k, "stride_om": n,
+        "stride_asm": scale_cols, "stride_wse": scale_rows * scale_cols, "stride_wsn": scale_cols,
+    }  # fmt: skip
+    pointers = [name for name in moe_gemm_kernel.arg_names if name.endswith("_ptr")]
+    return (*pointers, *(name for name, size in sizes.items() if size % 16 == 0))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tokens", FP8_MOE_TOKENS)
+def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
+    """The block-FP8 grouped GEMMs (e4m3 operands, fp32 block scales, bf16 out) at the
+    configurations kvik_cuda picks; on Hopper with fp8 wgmma where the row block allows it."""
+    up, down = fused_moe_config(arch, tokens, 128, 768, 2048, 8, torch.float8_e4m3fn)
+    signature = types(moe_gemm_kernel, torch.bfloat16) | {
+        "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
+        "weights_ptr": "*fp32",
+    }  # fmt: skip
+    for config, gated in ((up, True), (down, False)):
+        assert 128 % config.block_k == 0  # one scale group a K step
+        compiled = compiled_ok(
+            moe_gemm_kernel,
+            arch,
+            types=signature,
+            constexprs={
+                "A_ROW_DIV": 8 if gated else 1,
+                "GATED": gated,
+                "WEIGHTED": not gated,
+                "FP8_BLOCK": True,
+                "BLOCK_M": config.block_m,
+                "BLOCK_N": config.block_n,
+                "BLOCK_K": config.block_k,
+                "GROUP_M": config.group_m,
+            },  # fmt: skip
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+            aligned=moe_aligned(gated),
+        )
+        if arch == "sm90":
+            assert "cp.async" in compiled.asm["ptx"]  # loads pipelined in the stages asked for
+            if config.block_m >= 64:
+                assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in compiled.asm["ptx"]

@@ -17,8 +17,10 @@ from kvik_cpu.decode_layers import _amx_packed
 from kvik_cpu.isa import CpuIsa
 from kvik_cpu.linear import (
     AmxLinear,
+    Avx512Bf16Linear,
     OneDnnLinear,
     PackedLinearKernel,
+    avx512_bf16_linear_runs,
     packed_linear_kernel,
     packed_linear_supported,
 )
@@ -80,3 +82,27 @@ def test_the_decode_loop_reads_amx_weights_through_the_method():
     assert _amx_packed(layer) is kernel.packed
     kernel.packed = object.__new__(OneDnnLinear)
     assert _amx_packed(layer) is None
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 1024, 512), (3, 100, 70), (8, 512, 512), (13, 40, 33), (0, 64, 64)])  # fmt: skip
+def test_avx512_bf16_linear_against_fp32(rows: int, out_features: int, in_features: int) -> None:
+    """The AVX512-BF16 product (the experts' kernel without AMX): fp32 sums of the bf16 values,
+    rounded once to bf16; any column and K count (padding), with and without a bias; a row's
+    result the same whatever rows share the call."""
+    if not avx512_bf16_linear_runs():
+        pytest.skip("kvik_cpu's C++ ops did not build with AVX512-BF16 here")
+    torch.manual_seed(rows * 1000 + out_features)
+    weight = torch.randn(out_features, in_features).to(torch.bfloat16)
+    bias = torch.randn(out_features).to(torch.bfloat16)
+    x = torch.randn(rows, in_features).to(torch.bfloat16)
+    for b in (None, bias):
+        product = Avx512Bf16Linear(weight, b)
+        got = product(x)
+        want = x.float() @ weight.float().T + (0 if b is None else b.float())
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        # One bf16 rounding of an fp32 sum: half a bf16 step of the largest output at most.
+        if rows:
+            assert (got.float() - want).abs().max() <= 2**-8 * want.abs().max()
+            assert torch.equal(product(x[-1:])[0], got[-1])
+    with pytest.raises(RuntimeError, match="does not fit"):
+        torch.ops.kvik_cpu.bf16_linear(x, product.weight, out_features + 64, None)

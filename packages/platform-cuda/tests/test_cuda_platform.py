@@ -193,3 +193,19 @@ def test_selected_cuda_registers_its_launch_configurations() -> None:
     with pytest.raises(ValueError, match="NVIDIA architectures"):
         tuning.attention_config("gfx942", 128, 4, 1, torch.bfloat16)
     assert TRITON_ATTENTION_BACKEND.startswith("kvik.triton_kernels.attention:")
+
+
+def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
+    """kvik::fused_moe_fp8_block runs kvik_cuda's Triton kernel on CUDA tensors, and every
+    configuration chosen for e4m3 experts keeps each K step inside one 128-wide scale group."""
+    from kvik.triton_kernels.fused_moe import fused_moe_fp8_block
+    from kvik_cuda.moe_tuning import fused_moe_config
+    from kvik_cuda.registration import KERNELS
+
+    assert KERNELS["kvik::fused_moe_fp8_block"] is fused_moe_fp8_block
+    for tokens in (1, 8, 64, 512, 4096, 65536):
+        for experts, inter, hidden, top_k in [(128, 768, 2048, 8), (8, 14336, 4096, 2)]:
+            for config in fused_moe_config(
+                "sm90", tokens, experts, inter, hidden, top_k, torch.float8_e4m3fn
+            ):
+                assert 128 % config.block_k == 0

@@ -1,6 +1,6 @@
-"""The FP8 kernels' tests (core's tests/fp8_kernel_cases.py) on the GPU at full sizes, with this
-platform's launch configurations and its contract functions (kvik_cuda.fp8); skipped without
-CUDA."""
+"""The FP8 kernels' tests (core's tests/fp8_kernel_cases.py, and the block-FP8 fused MoE's
+fp8_moe_kernel_cases.py) on the GPU, with this platform's launch configurations and its contract
+functions (kvik_cuda.fp8); skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 HERE = Path(__file__).parent
-CASES = HERE.parents[1] / "core" / "tests" / "fp8_kernel_cases.py"
+CASES = HERE.parents[1] / "core" / "tests"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fp8_kernels_on_the_gpu() -> None:
+@pytest.mark.parametrize("cases", ["fp8_kernel_cases.py", "fp8_moe_kernel_cases.py"])
+def test_fp8_kernels_on_the_gpu(cases: str) -> None:
     env = os.environ | {"KVIK_KERNEL_DEVICE": "cuda"}
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run(
@@ -28,7 +29,7 @@ def test_fp8_kernels_on_the_gpu() -> None:
             "-q",
             "-p",
             "no:cacheprovider",
-            str(CASES),
+            str(CASES / cases),
         ],
         env=env,
         cwd=HERE.parents[2],

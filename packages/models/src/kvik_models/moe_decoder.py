@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -21,10 +21,13 @@ from kvik.distributed.parallel_state import get_tp_group
 from kvik.layers.activation import SiluAndMul
 from kvik.layers.embedding import LMHead, VocabEmbedding
 from kvik.layers.linear import Linear, MergedColumnLinear
-from kvik.layers.moe import FusedMoE, expert_shard
+from kvik.layers.moe import FusedMoE, expert_shard, is_stacked_expert_param
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
 from kvik_models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_size
+
+if TYPE_CHECKING:
+    from kvik.quantization.base import QuantizationConfig
 
 
 @dataclass(frozen=True)
@@ -42,10 +45,23 @@ class MoeSpec:
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), checkpoint names gate_proj, up_proj, down_proj."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnLinear(hidden_size, [intermediate_size] * 2)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedColumnLinear(
+            hidden_size,
+            [intermediate_size] * 2,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
+        self.down_proj = Linear(
+            intermediate_size, hidden_size, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -56,16 +72,35 @@ class SparseMoeBlock(nn.Module):
     """A router (``gate``: hidden -> one logit per expert) and the experts; Qwen2-MoE's shared
     expert is added, scaled by the sigmoid of its own one-logit gate."""
 
-    def __init__(self, hidden_size: int, spec: MoeSpec) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        spec: MoeSpec,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
-        self.gate = Linear(hidden_size, spec.num_experts)
+        # The routers stay unquantized, as in the FP8 releases (and vLLM's models): their few
+        # outputs decide the routing, and rounding them would move tokens between experts.
+        self.gate = Linear(hidden_size, spec.num_experts, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(
-            spec.num_experts, spec.top_k, hidden_size, spec.intermediate_size, spec.renormalize
+            spec.num_experts,
+            spec.top_k,
+            hidden_size,
+            spec.intermediate_size,
+            spec.renormalize,
+            quant_config=quant_config,
+            prefix=f"{prefix}.experts",
         )
         self.shared_expert: GatedMLP | None = None
         if spec.shared_intermediate_size:
-            self.shared_expert = GatedMLP(hidden_size, spec.shared_intermediate_size)
-            self.shared_expert_gate = Linear(hidden_size, 1)
+            self.shared_expert = GatedMLP(
+                hidden_size,
+                spec.shared_intermediate_size,
+                quant_config,
+                prefix=f"{prefix}.shared_expert",
+            )
+            self.shared_expert_gate = Linear(hidden_size, 1, prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.experts(x, self.gate(x))  # [T, hidden]
@@ -87,7 +122,13 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 
 
 class MoeModel(nn.Module):
-    def __init__(self, config: Any, owner: type[MoeForCausalLM]) -> None:
+    def __init__(
+        self,
+        config: Any,
+        owner: type[MoeForCausalLM],
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "model",
+    ) -> None:
         super().__init__()
         d, base, scaling = head_size(config), *rope_config(config)
         rotary_emb: RotaryEmbedding = get_rope(d, d, config.max_position_embeddings, base, scaling)
@@ -96,11 +137,22 @@ class MoeModel(nn.Module):
         attention_cls = owner.attention_class(config)
         layers = []
         for i in range(config.num_hidden_layers):
+            layer_prefix = f"{prefix}.layers.{i}"
             if owner.is_sparse_layer(config, i):
-                mlp: nn.Module = SparseMoeBlock(config.hidden_size, spec)
+                mlp: nn.Module = SparseMoeBlock(
+                    config.hidden_size, spec, quant_config, prefix=f"{layer_prefix}.mlp"
+                )
             else:
-                mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-            layers.append(MoeDecoderLayer(config, attention_cls(config, i, rotary_emb), mlp))
+                mlp = GatedMLP(
+                    config.hidden_size,
+                    config.intermediate_size,
+                    quant_config,
+                    prefix=f"{layer_prefix}.mlp",
+                )
+            attention = attention_cls(
+                config, i, rotary_emb, quant_config, prefix=f"{layer_prefix}.self_attn"
+            )
+            layers.append(MoeDecoderLayer(config, attention, mlp))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -129,7 +181,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             )
         hf = config.hf_config
         self.tie_word_embeddings = bool(getattr(hf, "tie_word_embeddings", False))
-        self.model = MoeModel(hf, type(self))
+        self.model = MoeModel(hf, type(self), config.quant_config, prefix="model")
         self.lm_head = LMHead(hf.vocab_size, hf.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
@@ -159,7 +211,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         def noted(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
             for name, tensor in weights:
                 target, shard_id = self._packed_name(name)
-                if target.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                if is_stacked_expert_param(target):
                     shards.setdefault(target, set()).add(shard_id)
                 yield name, tensor
 
@@ -168,9 +220,11 @@ class MoeForCausalLM(LlamaForCausalLM):
             if not isinstance(module, FusedMoE):
                 continue
             experts = range(module.num_experts)
+            halves = {(e, half) for e in experts for half in ("gate", "up")}
+            # Every stacked parameter of the layer's method (weights, and block scales in FP8).
             expected = {
-                f"{name}.gate_up_proj": {(e, half) for e in experts for half in ("gate", "up")},
-                f"{name}.down_proj": set(experts),
+                f"{name}.{param}": halves if param.startswith("gate_up_proj") else set(experts)
+                for param, _ in module.named_parameters(recurse=False)
             }
             for target, wanted in expected.items():
                 got = shards.get(target, set())

@@ -3,7 +3,7 @@ q, k and v, and 64 experts of which each token takes 8."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
@@ -12,10 +12,20 @@ from kvik.layers.rotary import RotaryEmbedding
 from kvik_models.llama import LlamaAttention
 from kvik_models.moe_decoder import MoeForCausalLM, MoeSpec
 
+if TYPE_CHECKING:
+    from kvik.quantization.base import QuantizationConfig
+
 
 class OlmoeAttention(LlamaAttention):
-    def __init__(self, config: Any, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(config, layer_idx, rotary_emb)
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(config, layer_idx, rotary_emb, quant_config, prefix)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
         # transformers sizes the key's norm from hidden_size / heads, which is the head size in
         # every OLMoE config; a config where it is not would not load (shape mismatch).

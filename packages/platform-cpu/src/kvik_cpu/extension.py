@@ -31,6 +31,7 @@ SOURCES = tuple(
         "paged_attention.cpp",
         "small_ops.cpp",
         "amx_linear.cpp",
+        "bf16_linear.cpp",
         "decode_layers.cpp",
         "isa.cpp",
     )

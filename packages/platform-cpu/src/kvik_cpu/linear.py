@@ -7,6 +7,10 @@ weights once. Two packings:
   contiguous run per 32 output columns. It reads the weights close to the memory's speed, faster
   than oneDNN at decode batch sizes (docs/benchmarks.md), and a row's result does not depend on the
   other rows of the call.
+- ``Avx512Bf16Linear`` (csrc/bf16_linear.cpp): AVX512-BF16 dot products over AMX's packing, for
+  CPUs with bf16 but no AMX. At the 1 to 8 rows an expert gets in a decode step oneDNN's kernels
+  spend more per call than reading the weights takes; the mixture-of-experts layers use it
+  (kvik_cpu.moe), the dense layers keep oneDNN.
 - ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
   for the avx512bf16 path (CPUs with bf16 but no AMX, or forced there: kvik_cpu.isa). Same bits as
   ``F.linear``.
@@ -47,6 +51,28 @@ class AmxLinear:
         rows = x.reshape(-1, x.shape[-1])
         y = torch.ops.kvik_cpu.amx_linear(rows, self.weight, self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class Avx512Bf16Linear:
+    """y = x W^T + b in AVX512-BF16; W packed by ``kvik_cpu::amx_pack`` (needs the C++ ops:
+    ``avx512_bf16_linear_runs``)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.out_features = weight.shape[0]
+        self.weight = torch.ops.kvik_cpu.amx_pack(weight.detach())
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.kvik_cpu.bf16_linear(rows, self.weight, self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def avx512_bf16_linear_runs() -> bool:
+    """Whether kvik_cpu's C++ ops built here with AVX512-BF16 (what ``Avx512Bf16Linear`` runs)."""
+    from kvik_cpu import extension
+
+    return extension.load() is None and torch.ops.kvik_cpu.built_isa() >= CpuIsa.AVX512BF16
 
 
 class OneDnnLinear:

@@ -2,7 +2,9 @@
 
 ``PackedExperts`` is the ``kernel`` a bf16 ``FusedMoE`` gets at load time (``pack_expert_weights``,
 from ``CpuPlatform.prepare_model``): each expert's gate/up and down projections packed once for
-the matrix kernel of the engine's path (``AmxLinear`` or ``OneDnnLinear``, kvik_cpu.linear), and
+the matrix kernel of the engine's path (kvik_cpu.linear: ``AmxLinear`` on AMX, else
+``Avx512Bf16Linear`` where the C++ ops built, else ``OneDnnLinear``; an expert's few rows in a
+decode step cost oneDNN more per call than reading its weights takes), and
 the step's tokens gathered per expert with index ops, as ``kvik.ops.grouped_experts`` does for the
 reference: one loop over the experts that have tokens, none over tokens.
 """
@@ -14,13 +16,21 @@ from torch import Tensor, nn
 
 from kvik.layers.moe import FusedMoE
 from kvik.ops import grouped_experts
+from kvik.quantization.moe_methods import UnquantizedMoeMethod
 from kvik_cpu.isa import CpuIsa
-from kvik_cpu.linear import AmxLinear, OneDnnLinear
+from kvik_cpu.linear import AmxLinear, Avx512Bf16Linear, OneDnnLinear, avx512_bf16_linear_runs
+
+
+def expert_product(path: CpuIsa) -> type[AmxLinear] | type[Avx512Bf16Linear] | type[OneDnnLinear]:
+    """The matrix kernel experts are packed for on kernel path ``path`` (avx512bf16 or amx)."""
+    if path >= CpuIsa.AMX:
+        return AmxLinear
+    return Avx512Bf16Linear if avx512_bf16_linear_runs() else OneDnnLinear
 
 
 class PackedExperts:
     def __init__(self, layer: FusedMoE, path: CpuIsa) -> None:
-        kernel = AmxLinear if path >= CpuIsa.AMX else OneDnnLinear
+        kernel = expert_product(path)
         self.top_k, self.renormalize = layer.top_k, layer.renormalize
         self.gate_up = [kernel(w.contiguous(), None) for w in layer.gate_up_proj.detach()]
         self.down = [kernel(w.contiguous(), None) for w in layer.down_proj.detach()]
@@ -36,11 +46,12 @@ class PackedExperts:
 
 
 def pack_expert_weights(model: nn.Module, path: CpuIsa) -> int:
-    """Give each ``FusedMoE`` of ``model`` its ``PackedExperts`` and release the dense stacks
+    """Give each unquantized ``FusedMoE`` of ``model`` its ``PackedExperts`` and release the dense stacks
     (only the packed copies are read). Returns how many layers were packed."""
     packed = 0
     for module in model.modules():
-        if isinstance(module, FusedMoE):
+        # Quantized experts keep their method's kernels.
+        if isinstance(module, FusedMoE) and isinstance(module.quant_method, UnquantizedMoeMethod):
             module.kernel = PackedExperts(module, path)
             for param in (module.gate_up_proj, module.down_proj):
                 param.data = param.data.new_empty(0)

@@ -41,8 +41,14 @@ def _tables(path: Path = TABLE) -> dict[tuple[Any, ...], dict[int, tuple[MoeConf
 def default_moe_config(num_tokens: int, experts: int, top_k: int, dtype: torch.dtype) -> MoeConfig:
     """For shapes without a table row: 16-row tiles while an expert gets a few rows (decode), up
     to 64-row tiles with 128 columns when it gets many (prefill); fp32 takes shorter K steps so the
-    tiles fit in shared memory."""
+    tiles fit in shared memory, FP8 (a weight dtype of one byte) steps of 128, its scale groups."""
     rows_per_expert = num_tokens * top_k / experts
+    if dtype.itemsize == 1:  # block-FP8 experts: one 128-wide scale group a K step
+        if rows_per_expert <= 16:
+            return MoeConfig(16, 64, 128, 1, 4, 4)
+        if rows_per_expert <= 64:
+            return MoeConfig(32, 64, 128, 8, 4, 4)
+        return MoeConfig(64, 128, 128, 8, 8, 3)
     block_k = 32 if dtype == torch.float32 else 64
     if rows_per_expert <= 16:
         return MoeConfig(16, 64, 2 * block_k, 1, 4, 3)

@@ -14,7 +14,7 @@ import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import register_attention_configs
-from kvik.triton_kernels.fused_moe import fused_moe, register_moe_configs
+from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
@@ -32,6 +32,7 @@ KERNELS = {
     # Through custom ops so that torch.compile does not trace into the Triton launchers.
     "kvik::fp8_block_linear": fp8.fp8_block_linear,
     "kvik::fp8_scaled_linear": fp8.fp8_scaled_linear,
+    "kvik::fused_moe_fp8_block": fused_moe_fp8_block,
 }
 
 

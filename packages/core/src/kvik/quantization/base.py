@@ -36,7 +36,9 @@ from kvik.quantization.kernels import LinearKernel, reference_kernel
 
 if TYPE_CHECKING:
     from kvik.layers.linear import Linear
+    from kvik.layers.moe import FusedMoE
     from kvik.platforms.base import Platform
+    from kvik.quantization.moe_methods import MoeMethod
 
 
 class LinearMethod:
@@ -123,6 +125,35 @@ class QuantizationConfig:
         """The method of a layer that is quantized; ``names``: its checkpoint modules (one per
         shard of a fused layer)."""
         raise NotImplementedError
+
+    def get_moe_method(self, layer: FusedMoE, prefix: str) -> MoeMethod:
+        """The method of the mixture-of-experts layer named ``prefix`` (``model.layers.0.mlp.
+        experts``): unquantized where the ignore list names every expert projection (by
+        transformers' per-expert names, ``<prefix>.N.gate_proj``), else ``quantized_moe_method``.
+        """
+        from kvik.layers.moe import EXPERT_PROJECTIONS
+        from kvik.quantization.moe_methods import UnquantizedMoeMethod
+
+        names = [
+            f"{prefix}.{e}.{proj}" for e in range(layer.num_experts) for proj in EXPERT_PROJECTIONS
+        ]
+        skipped = [self.is_ignored(name) for name in names]
+        if all(skipped):
+            return UnquantizedMoeMethod()
+        if any(skipped):
+            raise ValueError(
+                f"{self.name}: the ignore list leaves some but not all expert projections of "
+                f"{prefix} unquantized (e.g. {names[skipped.index(True)]}); kvik computes a "
+                "layer's experts in one scheme"
+            )
+        return self.quantized_moe_method(layer, prefix)
+
+    def quantized_moe_method(self, layer: FusedMoE, prefix: str) -> MoeMethod:
+        """The method of a mixture-of-experts layer whose experts are quantized."""
+        raise ValueError(
+            f"quantization method {self.name!r} does not quantize mixture-of-experts layers "
+            f"({prefix}); put the experts in its ignore list or use an unquantized checkpoint"
+        )
 
     def ignored_modules(self) -> Iterable[str]:
         """The checkpoint's ignore list (names, ``re:`` regular expressions or ``*`` patterns)."""

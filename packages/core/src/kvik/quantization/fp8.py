@@ -82,3 +82,14 @@ class Fp8Config(QuantizationConfig):
         if self.block_size is not None:
             return Fp8BlockLinearMethod("weight_scale_inv")
         return Fp8ScaledLinearMethod("tensor", self.static_input)
+
+    def quantized_moe_method(self, layer, prefix: str):
+        from kvik.quantization.fp8_moe import Fp8BlockMoeMethod
+
+        if self.block_size is None:
+            what = "per-tensor FP8" if self.serialized else "online FP8 (--quantization fp8)"
+            raise ValueError(
+                f"fp8: {prefix}: {what} experts are not supported; kvik runs block-FP8 experts "
+                f"(weight_block_size [{BLOCK}, {BLOCK}], a fine-grained FP8 checkpoint)"
+            )
+        return Fp8BlockMoeMethod()

@@ -52,3 +52,26 @@ def fp8_scaled_linear(
 @fp8_scaled_linear.register_fake
 def _(x, weight, weight_scale, input_scale, bias):
     return _out(x, weight)
+
+
+@torch.library.custom_op("kvik::fused_moe_fp8_block", mutates_args=())
+def fused_moe_fp8_block(
+    hidden: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    top_k: int,
+    renormalize: bool,
+) -> Tensor:
+    """``kvik::fused_moe`` with block-FP8 experts (kvik.quantization.fp8_moe): e4m3 w13
+    [E, 2I, H], w2 [E, H, I] with their 128 x 128 tile scales; activations per token group."""
+    from kvik.quantization.fp8_moe import fused_moe_fp8_block as reference
+
+    return reference(hidden, router_logits, w13, w13_scale, w2, w2_scale, top_k, renormalize)
+
+
+@fused_moe_fp8_block.register_fake
+def _(hidden, router_logits, w13, w13_scale, w2, w2_scale, top_k, renormalize):
+    return torch.empty_like(hidden)

@@ -18,6 +18,11 @@ step replays under a CUDA graph (nothing is read back to the host):
 
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
+
+Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
+two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
+down GEMM); the GEMMs multiply e4m3 tiles and scale each K step's product by its row group's
+and weight tile's scales.
 """
 
 from __future__ import annotations
@@ -178,6 +183,8 @@ def moe_gemm_kernel(
     block_expert_ptr,
     total_ptr,
     weights_ptr,
+    a_scale_ptr,  # FP8_BLOCK: [rows of A, ceil(K/128)] fp32; else unused
+    w_scale_ptr,  # FP8_BLOCK: [E, ceil(rows of W/128), ceil(K/128)] fp32; else unused
     num_pairs,
     max_blocks,
     N,
@@ -186,9 +193,13 @@ def moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
     A_ROW_DIV: tl.constexpr,
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
+    FP8_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -197,7 +208,10 @@ def moe_gemm_kernel(
     """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
 
     GATED: W's rows [0, N) are the gate and [N, 2N) the up projection, out = silu(gate) * up.
-    WEIGHTED: out is scaled by the pair's routing weight."""
+    WEIGHTED: out is scaled by the pair's routing weight.
+    FP8_BLOCK: A is e4m3 with one scale per row and 128 columns, W e4m3 with one scale per
+    128 x 128 tile of each expert; each BLOCK_K step (BLOCK_K divides 128, so it lies in one
+    group) adds its e4m3 product times the two scales."""
     pid = tl.program_id(0)
     blocks_n = tl.cdiv(N, BLOCK_N)
     # Row blocks in groups of GROUP_M sweep the columns together, sharing the weights in L2.
@@ -217,16 +231,30 @@ def moe_gemm_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
     w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    if FP8_BLOCK:
+        a_scale_ptrs = a_scale_ptr + a_row * stride_asm
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (cols // 128) * stride_wsn
+        w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((N + cols) // 128) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = ks < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision="ieee")  # fp32 without TF32
+        if FP8_BLOCK:
+            group = k * BLOCK_K // 128
+            a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + group, mask=col_ok, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision="ieee")  # fp32 without TF32
         if GATED:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+            if FP8_BLOCK:
+                w_up_scale = tl.load(w_up_scale_ptrs + group, mask=col_ok, other=0.0)
+                acc_up += tl.dot(a, w_up) * a_scale[:, None] * w_up_scale[None, :]
+            else:
+                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
@@ -306,17 +334,31 @@ def grouped_gemm(
     a_row_div: int,
     gated: bool,
     config: MoeConfig,
+    scales: tuple[Tensor, Tensor] | None = None,
 ) -> None:
+    """``scales``: (A's per-row-group scales, W's tile scales) for block-FP8 operands."""
     sorted_pairs, block_expert, total = aligned
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     blocks = block_expert.shape[0]
     grid = (blocks * triton.cdiv(n, config.block_n),)
+    if scales is None:
+        a_scale = w_scale = out  # not read unless FP8_BLOCK
+        scale_strides = (0, 0, 0)
+    else:
+        a_scale, w_scale = scales
+        if a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
+            # The kernel steps through K's scale groups at unit stride.
+            raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
+        scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
     moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
         out if weights is None else weights,  # not read unless WEIGHTED
+        a_scale, w_scale,
         out.shape[0], blocks, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        *scale_strides,
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        FP8_BLOCK=scales is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -355,6 +397,58 @@ def fused_moe(
         aligned = align_to_blocks(ids, experts, down_config.block_m)
     out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=hidden.device)
     grouped_gemm(act, w2, out, aligned, weights, 1, False, down_config)
+    if top_k == 1:
+        return out
+    return out.view(tokens, top_k, size).sum(dim=1)
+
+
+def fused_moe_fp8_block(
+    hidden: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    top_k: int,
+    renormalize: bool,
+    configs: tuple[MoeConfig, MoeConfig] | None = None,
+) -> Tensor:
+    """``kvik::fused_moe_fp8_block`` (reference: kvik.quantization.fp8_moe): block-FP8 experts,
+    the hidden states and then the gated activations quantized per token in groups of 128
+    (kvik.triton_kernels.fp8_quant) before each grouped GEMM. The launches, like the
+    unquantized op's, depend on the token count alone (graph-safe)."""
+    from kvik.quantization.fp8_moe import check_fp8_block_moe_shapes
+    from kvik.triton_kernels.attention import device_arch
+    from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
+
+    check_fp8_block_moe_shapes(hidden, router_logits, w13, w13_scale, w2, w2_scale, top_k)
+    tokens, size = hidden.shape
+    experts, inter = w13.shape[0], w2.shape[2]
+    if tokens == 0:
+        return torch.empty_like(hidden)
+    if configs is None:
+        arch = device_arch(hidden.device)[0]
+        configs = moe_configs(arch, tokens, experts, inter, size, top_k, w13.dtype)
+    up_config, down_config = configs
+    for config in configs:
+        if 128 % config.block_k:
+            raise ValueError(
+                f"block-FP8 experts need a BLOCK_K that divides 128 (one scale group a step), "
+                f"got {config}"
+            )
+    w13, w2 = w13.contiguous(), w2.contiguous()
+    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
+    weights, ids = route(router_logits, top_k, renormalize)
+    num_pairs = tokens * top_k
+    q, q_scale = per_token_group_quant_fp8(hidden.contiguous())
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
+    aligned = align_to_blocks(ids, experts, up_config.block_m)
+    grouped_gemm(q, w13, act, aligned, None, top_k, True, up_config, (q_scale, w13_scale))
+    if down_config.block_m != up_config.block_m:
+        aligned = align_to_blocks(ids, experts, down_config.block_m)
+    act_q, act_scale = per_token_group_quant_fp8(act)
+    out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=hidden.device)
+    grouped_gemm(act_q, w2, out, aligned, weights, 1, False, down_config, (act_scale, w2_scale))
     if top_k == 1:
         return out
     return out.view(tokens, top_k, size).sum(dim=1)

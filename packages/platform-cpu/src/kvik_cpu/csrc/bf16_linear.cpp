@@ -1,0 +1,159 @@
+// bf16 matrix products in AVX512-BF16 over weights packed as for AMX (kvik_cpu::amx_pack), for
+// the few rows a mixture-of-experts layer gives each expert in a decode step.
+//
+// y[M, N] = x[M, K] W[N, K]^T (+ bias), x and y bf16, fp32 accumulation. amx_pack's layout holds
+// each block of 16 output columns as K/2 runs of 64 bytes: 16 column pairs [k, k+1], exactly the
+// operand of vdpbf16ps. So one instruction adds a row's pair x[k, k+1] times 16 columns' pair, and
+// a 32-column panel of W (two such blocks) is one contiguous run of memory, streamed once per call
+// for up to kRows rows at a time. oneDNN's kernels read such weights at about half the memory's
+// speed at 1 to 8 rows on an AVX512-BF16 CPU without AMX (docs/benchmarks.md), which is what an
+// expert's product in a decode step is bound by.
+//
+// Each row's sums run in the same order whatever the other rows are, so a row's result does not
+// depend on how many rows share the call. Built at run time by kvik_cpu.extension for the host's
+// CPU; where the compiler does not target AVX512-BF16, the op only raises.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // output columns per work item (two 16-column blocks)
+constexpr int64_t kKStep = 32;  // amx_pack pads K to a multiple of this
+constexpr int kRows = 8;        // rows per pass: 16 accumulators, 2 weight registers
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#if defined(__AVX512BF16__)
+
+// Rows [0, R) of x (row stride K, K even) times one packed panel (b0: its first 16-column block,
+// b1 the second; a run of 64 bytes per pair of K) -> fp32 c[R][32].
+template <int R>
+inline void panel_rows(const c10::BFloat16* x, int64_t K, const c10::BFloat16* b0,
+                       const c10::BFloat16* b1, float* c) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = _mm512_setzero_ps();
+    acc1[r] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = K / 2;  // K is even (the caller pads odd K)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + p * 32));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + p * 32));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * K + 2 * p, sizeof(pair));
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], a, w0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], a, w1);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * kPanel, acc0[r]);
+    _mm512_storeu_ps(c + r * kPanel + 16, acc1[r]);
+  }
+}
+
+// out[m, n0:n0+cols] = c[m, :cols] (+ bias) in bf16, rounded to nearest even as PyTorch rounds.
+inline void store_rows(const float* c, int64_t rows, int64_t cols, const float* bias,
+                       c10::BFloat16* out, int64_t ld_out) {
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols >= 32 ? 0xFFFF
+                       : cols <= 16 ? 0
+                                    : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel), bias0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel + 16), bias1);
+    const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));
+    _mm512_mask_storeu_epi16(out + m * ld_out, (static_cast<__mmask32>(hi) << 16) | lo, packed);
+  }
+}
+
+void bf16_linear_kernel(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w,
+                        int64_t Kp, int64_t N, const float* bias, c10::BFloat16* out) {
+  const int64_t panels = round_up(N, kPanel) / kPanel;
+  const int64_t panel_elems = kPanel * Kp;
+  const int64_t block_elems = 16 * Kp;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[kRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const c10::BFloat16* b0 = w + p * panel_elems;
+      const c10::BFloat16* b1 = b0 + block_elems;
+      const int64_t n0 = p * kPanel;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, M - m0);
+        const c10::BFloat16* a = x + m0 * K;
+        switch (rows) {
+          case 1: panel_rows<1>(a, K, b0, b1, c); break;
+          case 2: panel_rows<2>(a, K, b0, b1, c); break;
+          case 3: panel_rows<3>(a, K, b0, b1, c); break;
+          case 4: panel_rows<4>(a, K, b0, b1, c); break;
+          case 5: panel_rows<5>(a, K, b0, b1, c); break;
+          case 6: panel_rows<6>(a, K, b0, b1, c); break;
+          case 7: panel_rows<7>(a, K, b0, b1, c); break;
+          default: panel_rows<8>(a, K, b0, b1, c); break;
+        }
+        store_rows(c, rows, std::min(kPanel, N - n0), bias ? bias + n0 : nullptr,
+                   out + m0 * N + n0, N);
+      }
+    }
+  });
+}
+
+#endif  // __AVX512BF16__
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       const std::optional<at::Tensor>& bias) {
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(false, "bf16_linear: this build of kvik_cpu's ops has no AVX512-BF16");
+#endif
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                  packed.scalar_type() == at::kBFloat16,
+              "bf16_linear: expected 2-D bfloat16 input and weight");
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) * 16 == round_up(N, kPanel) &&
+                  packed.size(1) * 2 == round_up(K, kKStep),
+              "bf16_linear: packed weight ", packed.sizes(), " does not fit input ", x.sizes(),
+              " and ", N, " output features");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
+                "bf16_linear: the bias must be ", N, " contiguous float32 values");
+  }
+  at::Tensor input = x;
+  if (K % 2 != 0) {  // pairs of K: pad the rows with a zero column (the packed weight has one)
+    input = at::zeros({M, K + 1}, x.options());
+    input.narrow(1, 0, K).copy_(x);
+  } else {
+    input = x.contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+#if defined(__AVX512BF16__)
+  bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
+                     packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N,
+                     bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                     out.data_ptr<c10::BFloat16>());
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor",
+        &bf16_linear);
+}
