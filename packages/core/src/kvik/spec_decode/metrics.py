@@ -62,6 +62,15 @@ class SpecDecodingStats:
         for drafted, accepted in zip(num_draft_tokens, num_accepted_tokens, strict=True):
             self.observe_draft(drafted, accepted)
 
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+
     def merge(self, other: SpecDecodingStats) -> None:
         if other.num_spec_tokens != self.num_spec_tokens:
             raise ValueError(
