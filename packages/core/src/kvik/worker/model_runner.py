@@ -394,7 +394,11 @@ class ModelRunner:
             # Else (a piecewise step) the padding tokens belong to no request: attention's
             # programs past the last request's tokens return, and their rows are never read.
         num_logits = len(sample_rows)
+        decode_requests = None
         if any(drafts):
+            # A verification (the newest token, then drafts) is computed as decodes are.
+            spec_lens = np.array([len(s.spec_token_ids) for s in scheduled], dtype=np.int64)
+            decode_requests = torch.from_numpy((lens - spec_lens == 1) | (lens == 1))
             # Each sampling request scores its last k_i + 1 rows: its drafts' and the one after.
             ends = query_start_loc[1:][sample_rows]
             counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
@@ -426,6 +430,7 @@ class ModelRunner:
             max_query_len=int(lens.max()),
             max_seq_len=int((starts + lens).max()),
             block_size=bs,
+            decode_requests=decode_requests,
         )
         sampling_requests = [scheduled[r].request for r in sample_rows]
         inputs = StepInputs(
