@@ -97,6 +97,13 @@ def timed(llm: LLM, messages: list[dict], params: SamplingParams) -> tuple[list[
     return list(output.token_ids), time.perf_counter() - start
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first output token where ``a`` and ``b`` differ (None: they are equal)."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main() -> int:
     args = parse_args()
     if args.threads:
@@ -123,6 +130,8 @@ def main() -> int:
     for i, messages in enumerate(conversations):
         paragraph_tokens = len(tokenizer.encode(PARAGRAPHS[i]))
         params = SamplingParams(temperature=0.0, max_tokens=paragraph_tokens + 16)
+        parted = []  # per round: the first output token where the engines' outputs differ
+        outputs: dict[str, list[list[int]]] = {"plain": [], "ngram": []}
         for _ in range(args.rounds):
             expected, plain_s = timed(plain, messages, params)
             got, ngram_s = timed(speculative, messages, params)
@@ -130,16 +139,20 @@ def main() -> int:
             seconds["ngram"] += ngram_s
             tokens["plain"] += len(expected)
             tokens["ngram"] += len(got)
-        parted = next(
-            (j for j, (a, b) in enumerate(zip(expected, got)) if a != b),
-            None if len(got) == len(expected) else min(len(got), len(expected)),
-        )
+            parted.append(first_difference(expected, got))
+            outputs["plain"].append(expected)
+            outputs["ngram"].append(got)
         per_prompt.append(
             {
                 "paragraph_tokens": paragraph_tokens,
                 "plain_output_tokens": len(expected),
                 "ngram_output_tokens": len(got),
-                "outputs_part_at": parted,
+                "outputs_part_at": parted,  # per round, None: identical
+                # Whether each engine repeated its own output in every round (the later rounds
+                # find the prompt in the prefix cache).
+                "rounds_agree": {
+                    name: all(o == runs[0] for o in runs) for name, runs in outputs.items()
+                },
                 "plain_tok_s": round(len(expected) / plain_s, 2),
                 "ngram_tok_s": round(len(got) / ngram_s, 2),
             }
@@ -147,8 +160,7 @@ def main() -> int:
         print(
             f"prompt {i}: paragraph {paragraph_tokens} tokens, output {len(expected)} tokens; "
             f"plain {len(expected) / plain_s:.1f} tok/s, ngram {len(got) / ngram_s:.1f} tok/s "
-            "(last round); outputs "
-            + ("identical" if parted is None else f"part at output token {parted}"),
+            f"(last round); outputs part at (per round, None: identical) {parted}",
             file=sys.stderr,
         )
     stats = speculative.stats.spec_decoding.minus(before)
@@ -167,7 +179,7 @@ def main() -> int:
         "plain_output_tok_s": round(plain_rate, 2),
         "ngram_output_tok_s": round(ngram_rate, 2),
         "speedup": round(ngram_rate / plain_rate, 3),
-        "outputs_identical": all(p["outputs_part_at"] is None for p in per_prompt),
+        "outputs_identical": all(p is None for q in per_prompt for p in q["outputs_part_at"]),
         "spec_decoding": stats.to_json(),
         "prompts": per_prompt,
     }
