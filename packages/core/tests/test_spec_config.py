@@ -1,5 +1,5 @@
 """speculative_config: vLLM's keys checked with clear errors, reaching EngineConfig.speculative
-from the command line and from LLM(...), and an engine refusing it until it runs speculation."""
+from the command line and from LLM(...), and engines speculation does not run on refusing it clearly."""
 
 from __future__ import annotations
 
@@ -11,11 +11,7 @@ import pytest
 from kvik.cli.engine_args import engine_args
 from kvik.cli.main import build_parser
 from kvik.engine.args import EngineArgs
-from kvik.spec_decode.config import (
-    SpeculativeConfig,
-    parse_speculative_config,
-    refuse_unwired_speculation,
-)
+from kvik.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 
 def test_ngram_defaults_follow_vllm():
@@ -118,11 +114,21 @@ def test_command_line_and_llm_keywords_reach_engine_config(tiny_llama):
 def test_engine_refuses_speculation_it_does_not_run(tiny_llama):
     from kvik import LLM
 
-    refuse_unwired_speculation(None)  # no speculation: nothing to refuse
-    with pytest.raises(NotImplementedError, match="not wired into the engine yet"):
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="one in-process rank"):
         LLM(
             tiny_llama,
             dtype="float32",
             enforce_eager=True,
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            tensor_parallel_size=2,
+            speculative_config=ngram,
+        )
+    with pytest.raises(ValueError, match="synchronous scheduling only"):
+        LLM(
+            tiny_llama,
+            dtype="float32",
+            enforce_eager=True,
+            async_scheduling=True,
+            num_kv_blocks=64,
+            speculative_config=ngram,
         )

@@ -64,3 +64,19 @@ def test_impossible_counts_are_errors():
         stats.merge(SpecDecodingStats(num_spec_tokens=3))
     with pytest.raises(ValueError, match="num_spec_tokens"):
         SpecDecodingStats(num_spec_tokens=0)
+
+
+def test_counts_since_an_earlier_copy():
+    stats = SpecDecodingStats(num_spec_tokens=2)
+    stats.observe_batch([2, 1], [1, 1])
+    before = stats.copy()
+    stats.observe_batch([2, 2], [2, 0])
+    run = stats.minus(before)
+    assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (2, 4, 2)
+    assert run.num_accepted_tokens_per_pos == [1, 1]
+    assert stats.minus(None) == stats
+    figures = run.to_json()
+    assert figures["acceptance_rate"] == 0.5 and figures["mean_accepted_length"] == 2.0
+    assert figures["acceptance_rate_per_pos"] == [0.5, 0.5]
+    with pytest.raises(ValueError, match="cannot subtract"):
+        stats.minus(SpecDecodingStats(num_spec_tokens=3))

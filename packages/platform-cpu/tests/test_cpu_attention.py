@@ -190,6 +190,8 @@ def check_against_dense(
     in_order=False,
     with_output=False,
     kv_scales=None,
+    decode_requests=None,
+    with_state=False,
 ):
     """Runs ``backend`` on one step of ``requests`` against ``dense_reference``; returns the impl
     (and, ``with_output``, the output). With ``kv_scales`` (k_scale, v_scale) the cache is FP8,
@@ -242,6 +244,7 @@ def check_against_dense(
             max_query_len=int(query_lens.max()),
             max_seq_len=int(seq_lens.max()),
             block_size=BLOCK,
+            decode_requests=decode_requests,
         )
     )
     impl = backend.impl_class()(heads, d, scale, kv_heads, window, k_scale, v_scale)
@@ -265,4 +268,49 @@ def check_against_dense(
         for half, new, s in ((0, ks, k_scale), (1, vs, v_scale)):
             got = flat[half, torch.tensor(slots)].view(torch.uint8)
             assert torch.equal(got, stored(torch.cat(new), s).view(torch.uint8))
+    if with_state:  # and what a test needs to run more steps over the same cache
+        return impl, out, (q, kv_cache, block_table, seq_lens, query_lens)
     return (impl, out) if with_output else impl
+
+
+# A prompt, a verification of 4 drafts (5 tokens), a decode, a verification of 3 drafts.
+VERIFICATIONS = [(37, 37), (50, 5), (23, 1), (30, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 7])
+def test_verification_tokens_are_computed_as_decodes(dtype, window):
+    """Speculative verifications (``decode_requests``): each token attends up to its own
+    position, and gets the very bits it would get as a one-token decode step."""
+    from kvik_cpu.paged_attention import CpuPagedBackend
+
+    if CpuPagedBackend not in backends():
+        pytest.skip("the paged kernel is not built here")
+    flags = torch.tensor([False, True, True, True])
+    impl, out, (q, kv_cache, block_table, seq_lens, query_lens) = check_against_dense(
+        CpuPagedBackend, dtype, VERIFICATIONS, 9, 3, window, d=32, with_state=True,
+        decode_requests=flags,
+    )  # fmt: skip
+    starts = torch.cat((torch.zeros(1, dtype=torch.int64), query_lens.cumsum(0)))
+    for r in (1, 3):
+        for i in range(int(query_lens[r])):
+            row = int(starts[r]) + i
+            position = int(seq_lens[r] - query_lens[r]) + i
+            decode = CpuPagedBackend.build_metadata(
+                AttentionMetadata(
+                    num_actual_tokens=1,
+                    num_reqs=1,
+                    query_start_loc=torch.tensor([0, 1], dtype=torch.int32),
+                    query_lens=torch.ones(1, dtype=torch.int32),
+                    seq_lens=torch.tensor([position + 1], dtype=torch.int32),
+                    block_table=block_table[r : r + 1],
+                    slot_mapping=torch.tensor([-1]),  # the key is in the cache already
+                    max_query_len=1,
+                    max_seq_len=position + 1,
+                    block_size=BLOCK,
+                )
+            )
+            alone = torch.empty_like(q[row : row + 1])
+            empty = q.new_empty(1, 3 * 32)
+            impl.forward(q[row : row + 1], empty, empty, kv_cache, decode, alone)
+            assert torch.equal(alone[0], out[row]), (r, i)

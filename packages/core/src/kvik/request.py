@@ -79,6 +79,9 @@ class Request:
     # The grammar of sampling_params.structured_outputs, set by the engine core's
     # StructuredOutputManager when the request is added.
     structured_output: StructuredOutputRequest | None = field(default=None, init=False)
+    # Speculative decoding: the draft tokens the proposer made after the last step, to verify
+    # in the next one (scheduled after the last known token, within the token budget).
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -5,14 +5,17 @@ place, prompt chunks in PyTorch's SDPA.
 cache and attends each token over its context in one call per layer, with no gathered copy of the
 context: at batch 1 it is several times faster than SDPA, mostly through the calls it saves
 (docs/benchmarks.md). It attends one query token at a time, though, so for prompt chunks (many
-query tokens per request) SDPA's flash attention, built on matrix products, is faster: prompt chunks go through the
-SDPA backend's path (kvik_cpu.attention). A step that holds both is split by rows, so that a decode
-token is computed by the same kernel whatever else its step holds (the two round differently in
-bf16, and a request's output should not depend on its batch). The kernel runs float32 and
-bfloat16, in bfloat16 on the engine's kernel path (kvik_cpu.isa: portable loops, AVX512-BF16, or
-AMX scores); the backend is unavailable, and TORCH_SDPA chosen instead, where it cannot be built
-(kvik_cpu.extension). An FP8 KV cache (``--kv-cache-dtype fp8``) is written and read by the same
-kernel (its portable loops), dequantized as it reads.
+query tokens per request) SDPA's flash attention, built on matrix products, is faster: prompt
+chunks go through the SDPA backend's path (kvik_cpu.attention). A step that holds both is split by
+rows, so that a decode token is computed by the same kernel whatever else its step holds (the two
+round differently in bf16, and a request's output should not depend on its batch). A speculative
+verification's tokens (``AttentionMetadata.decode_requests``: the newest token and its drafts)
+are decodes too, each attending up to its own position, so that greedy outputs do not depend on
+whether speculation is on. The kernel runs float32 and bfloat16, in bfloat16 on the engine's
+kernel path (kvik_cpu.isa: portable loops, AVX512-BF16, or AMX scores); the backend is
+unavailable, and TORCH_SDPA chosen instead, where it cannot be built (kvik_cpu.extension). An FP8
+KV cache (``--kv-cache-dtype fp8``) is written and read by the same kernel (its portable loops),
+dequantized as it reads.
 """
 
 from __future__ import annotations
@@ -121,8 +124,12 @@ class CpuPagedBackend(TorchSdpaBackend):
         if common.max_query_len == 1:
             return cls._decode_metadata(common)
         is_decode = common.query_lens == 1
+        if common.decode_requests is not None:
+            is_decode = common.decode_requests[: common.num_reqs]
         if not bool(is_decode.any()):
             return super().build_metadata(common)
+        if bool(is_decode.all()):
+            return cls._decode_metadata(common)
         token_is_decode = torch.repeat_interleave(is_decode, common.query_lens.long())
         return MixedMetadata(
             decode_rows=token_is_decode.nonzero().flatten(),
@@ -133,13 +140,27 @@ class CpuPagedBackend(TorchSdpaBackend):
 
     @classmethod
     def _decode_metadata(cls, common: AttentionMetadata) -> PagedMetadata:
-        """For steps whose requests each have one query token (decodes): token r is request r's
-        next token, at position seq_lens[r] - 1."""
+        """For requests whose query tokens are decodes: one each (token r is request r's, at
+        position seq_lens[r] - 1), or a verification's few, each attending up to its own
+        position (the kernel writes every new key before it attends)."""
+        block_table = common.block_table.to(torch.int32).contiguous()
+        if common.max_query_len == 1:
+            return PagedMetadata(
+                common=common,
+                block_table=block_table,
+                token_request=torch.arange(common.num_reqs, dtype=torch.int32),
+                token_position=(common.seq_lens - 1).to(torch.int32),
+            )
+        query_lens = common.query_lens.long()
+        token_request = torch.repeat_interleave(torch.arange(common.num_reqs), query_lens)
+        first = (common.seq_lens - common.query_lens).long()
+        start = common.query_start_loc[: common.num_reqs].long()
+        offset = torch.arange(int(query_lens.sum())) - start[token_request]
         return PagedMetadata(
             common=common,
-            block_table=common.block_table.to(torch.int32).contiguous(),
-            token_request=torch.arange(common.num_reqs, dtype=torch.int32),
-            token_position=(common.seq_lens - 1).to(torch.int32),
+            block_table=block_table,
+            token_request=token_request.to(torch.int32),
+            token_position=(first[token_request] + offset).to(torch.int32),
         )
 
     @classmethod

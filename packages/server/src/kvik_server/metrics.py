@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvik.engine.async_llm import IterationStats
 from kvik.scheduler.output import SchedulerStats
+from kvik.spec_decode.metrics import METRIC_DOCS, NUM_ACCEPTED_TOKENS_PER_POS, SpecDecodingStats
 
 
 def _latency_buckets() -> tuple[float, ...]:
@@ -62,6 +63,10 @@ class PrometheusStatLogger:
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, end to end.")
         self.queue_time = histogram("request_queue_time_seconds", "Time spent waiting.")
         self._last = SchedulerStats(0, 0, 0.0, 0, 0, 0, 0, 0)
+        # Speculative decoding's counters (vLLM's names), made when the engine first reports
+        # speculation: an engine without it exposes none.
+        self._spec_counters: dict[str, Counter] = {}
+        self._last_spec: SpecDecodingStats | None = None
 
     def record(self, stats: SchedulerStats, iteration: IterationStats) -> None:
         self.running.set(stats.num_running)
@@ -74,6 +79,8 @@ class PrometheusStatLogger:
         )
         self.prefix_hits.inc(max(0, stats.prefix_cache_hits - self._last.prefix_cache_hits))
         self._last = stats
+        if stats.spec_decoding is not None:
+            self._record_spec_decoding(stats.spec_decoding)
         self.prompt_tokens.inc(iteration.num_prompt_tokens)
         self.generation_tokens.inc(iteration.num_generation_tokens)
         for value in iteration.time_to_first_tokens:
@@ -87,3 +94,19 @@ class PrometheusStatLogger:
                 self.queue_time.observe(finished.queue_time)
             if finished.mean_time_per_output_token is not None:
                 self.tpot.observe(finished.mean_time_per_output_token)
+
+    def _record_spec_decoding(self, stats: SpecDecodingStats) -> None:
+        """The engine's counts are cumulative: the counters take what grew since the last call."""
+        if not self._spec_counters:
+            for name, doc in METRIC_DOCS.items():
+                labels = ["model_name"]
+                if name == NUM_ACCEPTED_TOKENS_PER_POS:
+                    labels.append("position")
+                self._spec_counters[name] = Counter(
+                    name, doc, labelnames=labels, registry=self.registry
+                )
+        for name, labels, grown in stats.minus(self._last_spec).prometheus_increments():
+            counter = self._spec_counters[name].labels(model_name=self.model_name, **labels)
+            if grown > 0:
+                counter.inc(grown)
+        self._last_spec = stats

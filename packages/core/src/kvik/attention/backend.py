@@ -30,6 +30,11 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    #: [R] bool on the host: requests whose query tokens are each to be computed as a decode token
+    #: is (a speculative verification: the newest token and its drafts), so that greedy outputs do
+    #: not depend on whether speculation is on. None: just the requests of one query token. A
+    #: backend whose kernels round prompt chunks and decodes alike may ignore it.
+    decode_requests: Tensor | None = None
 
 
 @dataclass(frozen=True)

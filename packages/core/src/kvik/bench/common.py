@@ -9,11 +9,13 @@ import os
 import platform as host
 import random
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import kvik
+from kvik.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass
@@ -223,6 +225,24 @@ def run_metadata(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     if platform.device_type == "cpu":
         metadata["threads"] = torch.get_num_threads()
     return metadata
+
+
+def spec_decoding_counts(llm: Any) -> SpecDecodingStats | None:
+    """The engine's cumulative speculative decoding counts (None: speculation is off)."""
+    return llm.stats.spec_decoding
+
+
+def report_spec_decoding(
+    llm: Any, before: SpecDecodingStats | None, result: dict[str, Any], command: str
+) -> None:
+    """Acceptance over the timed run (the counts now minus ``before``) into ``result`` and onto
+    stderr, where the engine speculates: acceptance rate, mean accepted length, per position."""
+    after = spec_decoding_counts(llm)
+    if after is None:
+        return
+    run = after.minus(before)
+    result["spec_decoding"] = run.to_json()
+    print(f"{command}: speculative decoding: {run.summary()}", file=sys.stderr)
 
 
 def write_json(result: dict[str, Any], path: str | None) -> None:

@@ -17,7 +17,9 @@ from kvik.bench.common import (
     mean,
     percentiles,
     random_workload,
+    report_spec_decoding,
     run_metadata,
+    spec_decoding_counts,
     write_json,
 )
 from kvik.bench.roofline import engine_device_limits, engine_model_cost, roofline_fields
@@ -59,8 +61,11 @@ def run(args: argparse.Namespace) -> int:
         ]
         device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         latencies = []
+        spec_before = None
         iterations = tqdm(batches, desc="iterations", unit="batch")
         for i, batch in enumerate(iterations):
+            if i == args.num_iters_warmup:  # acceptance counts the timed iterations only
+                spec_before = spec_decoding_counts(llm)
             start = time.perf_counter()
             produced = generate(llm, batch, ignore_eos=True, use_tqdm=False)
             elapsed = time.perf_counter() - start
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         engine_model_cost(llm), device, args.batch_size, args.input_len, args.output_len, avg
     )
     result.update(fields)
+    report_spec_decoding(llm, spec_before, result, "kvik bench latency")
     print(
         f"latency over {args.num_iters} iterations: mean {avg:.3f} s, "
         + ", ".join(f"{k} {v:.3f} s" for k, v in result["percentiles_s"].items())

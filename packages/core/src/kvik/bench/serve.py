@@ -41,7 +41,7 @@ from kvik.bench.roofline import (
     measure_cpu,
     roofline_fields,
 )
-from kvik.bench.server_metrics import comparison, scrape, server_figures
+from kvik.bench.server_metrics import comparison, scrape, server_figures, spec_decoding_between
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
@@ -152,9 +152,15 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     result.update(fields)
     print(line, file=sys.stderr)
     # The server's own histograms over the same requests, beside the client's figures.
-    result["server_metrics"] = server_figures(metrics_before, metrics_after)
+    result["server_metrics"] = server_figures(
+        metrics_before and metrics_before.histograms, metrics_after and metrics_after.histograms
+    )
     if result["server_metrics"]:
         print(comparison(result, result["server_metrics"]), file=sys.stderr)
+    spec = spec_decoding_between(metrics_before, metrics_after)
+    if spec is not None:
+        result["spec_decoding"] = spec.to_json()
+        print(f"kvik bench serve: speculative decoding: {spec.summary()}", file=sys.stderr)
     return result
 
 

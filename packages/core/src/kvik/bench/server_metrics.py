@@ -1,6 +1,6 @@
 """The server's side of a `kvik bench serve` run: its Prometheus latency histograms, scraped before
 and after the run, and the median, p99 and mean of what it observed in between, to set beside what
-the client measured.
+the client measured; and, where it speculates, its draft acceptance over the run.
 
 Quantiles are read from the cumulative buckets as Prometheus' ``histogram_quantile`` reads them:
 linearly within the bucket that holds the rank (from 0 for the first bucket), the last finite bound
@@ -12,6 +12,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvik.spec_decode.metrics import (
+    NUM_ACCEPTED_TOKENS,
+    NUM_ACCEPTED_TOKENS_PER_POS,
+    NUM_DRAFT_TOKENS,
+    NUM_DRAFTS,
+    SpecDecodingStats,
+)
 
 #: The client's metric name -> the server's histogram (vLLM's names, under kvik's prefix).
 SERVER_HISTOGRAMS = {
@@ -97,8 +105,47 @@ def _label(labels: str, key: str) -> str | None:
     return None
 
 
-async def scrape(client: Any) -> dict[str, Histogram] | None:
-    """The server's kvik histograms at /metrics, or None where it has none."""
+def parse_spec_decoding(text: str) -> SpecDecodingStats | None:
+    """The speculative decoding counters of an exposition (vLLM's names, kvik's prefix), or None
+    where the server does not speculate."""
+    totals: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("kvik:spec_decode_"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        if not name.endswith("_total"):  # prometheus_client's *_created lines
+            continue
+        name = name.removesuffix("_total")
+        if name == NUM_ACCEPTED_TOKENS_PER_POS:
+            position = _label(labels, "position")
+            if position is not None:
+                per_pos[int(position)] = float(value)
+        else:
+            totals[name] = float(value)
+    if NUM_DRAFTS not in totals or not per_pos:
+        return None
+    return SpecDecodingStats(
+        num_spec_tokens=max(per_pos) + 1,
+        num_drafts=int(totals[NUM_DRAFTS]),
+        num_draft_tokens=int(totals.get(NUM_DRAFT_TOKENS, 0)),
+        num_accepted_tokens=int(totals.get(NUM_ACCEPTED_TOKENS, 0)),
+        num_accepted_tokens_per_pos=[int(per_pos.get(i, 0)) for i in range(max(per_pos) + 1)],
+    )
+
+
+@dataclass
+class Scrape:
+    """What a kvik server's /metrics said at one moment."""
+
+    histograms: dict[str, Histogram]
+    spec_decoding: SpecDecodingStats | None
+
+
+async def scrape(client: Any) -> Scrape | None:
+    """The server's kvik histograms and speculative decoding counters at /metrics, or None where
+    it has no kvik histograms."""
     try:
         response = await client.get("/metrics")
     except Exception:
@@ -106,7 +153,16 @@ async def scrape(client: Any) -> dict[str, Histogram] | None:
     if response.status_code != 200:
         return None
     histograms = parse_histograms(response.text)
-    return histograms if SERVER_HISTOGRAMS["ttft"] in histograms else None
+    if SERVER_HISTOGRAMS["ttft"] not in histograms:
+        return None
+    return Scrape(histograms, parse_spec_decoding(response.text))
+
+
+def spec_decoding_between(before: Scrape | None, after: Scrape | None) -> SpecDecodingStats | None:
+    """The server's acceptance counts over the run (None where it does not speculate)."""
+    if before is None or after is None or after.spec_decoding is None:
+        return None
+    return after.spec_decoding.minus(before.spec_decoding)
 
 
 def server_figures(

@@ -19,7 +19,9 @@ from kvik.bench.common import (
     add_workload_arguments,
     base_result,
     random_workload,
+    report_spec_decoding,
     run_metadata,
+    spec_decoding_counts,
     warmup_workload,
     write_json,
 )
@@ -57,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             )
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
         device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
+        spec_before = spec_decoding_counts(llm)
         start = time.perf_counter()
         produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)
         elapsed = time.perf_counter() - start
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         elapsed, concurrency,
     )  # fmt: skip
     result.update(fields)
+    report_spec_decoding(llm, spec_before, result, "kvik bench throughput")
     print(
         f"throughput: {result['output_tok_s']:,.1f} output tok/s, "
         f"{result['total_tok_s']:,.1f} total tok/s; {line}",

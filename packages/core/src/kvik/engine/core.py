@@ -17,6 +17,10 @@ the device. When a request that may be scheduled next has a token in flight and 
 that reads its output history (penalties, min tokens, bad words), the step in flight is collected
 first, making that iteration synchronous (``Scheduler.must_collect_before_schedule``).
 
+Speculative decoding (``EngineConfig.speculative``): the runner proposes each request's drafts
+after its step and the scheduler schedules them in the next one; scheduling is then synchronous
+(``_resolve_async_scheduling``), since the drafts depend on the tokens the step accepted.
+
 Structured outputs: the ``StructuredOutputManager`` compiles each request's grammar on its own
 threads; after scheduling, the core fills the step's token bitmasks (``grammar_bitmask`` of the
 ``SchedulerOutput``), which the runner applies to the logits. A request with a grammar reads its
@@ -37,7 +41,7 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
-from kvik.spec_decode.config import refuse_unwired_speculation
+from kvik.spec_decode.config import check_speculative_engine
 from kvik.structured_output import StructuredOutputManager
 from kvik.worker.nvtx import nvtx_range
 
@@ -68,7 +72,7 @@ class EngineCore:
         """``platform`` defaults to the selected platform, the executor to the kind
         ``config.parallel`` names. ``runner``: a model runner for one in-process rank (tests pass
         a fake device)."""
-        refuse_unwired_speculation(config.speculative)
+        check_speculative_engine(config)
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
         # Checks the backend and reasoning parser; xgrammar loads at the first grammar.
@@ -94,6 +98,12 @@ class EngineCore:
         self.async_scheduling = self._resolve_async_scheduling()
         config.async_scheduling = self.async_scheduling
         config.scheduler.async_scheduling = self.async_scheduling
+        speculative = config.speculative
+        if speculative is not None:
+            config.scheduler.num_speculative_tokens = speculative.num_speculative_tokens
+            if speculative.method == "draft_model":
+                # The draft writes its proposals' keys past the scheduled tokens.
+                config.scheduler.num_lookahead_tokens = speculative.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
         self._in_flight: _InFlight | None = None
         logger.info(
@@ -114,6 +124,15 @@ class EngineCore:
         leaves it open (None), the platform's default (on for devices that run asynchronously to
         the host, i.e. not the CPU)."""
         wanted = self.config.async_scheduling
+        if self.config.speculative is not None:
+            # Drafts are proposed from the tokens a step accepted, so a step cannot be scheduled
+            # before the previous one is back: speculation runs synchronously.
+            if wanted:
+                raise ValueError(
+                    "speculative decoding runs with synchronous scheduling only; leave "
+                    "async_scheduling unset or false"
+                )
+            return False
         if wanted is not None:
             return bool(wanted)
         default = getattr(self.platform, "async_scheduling_default", None)
@@ -218,7 +237,9 @@ class EngineCore:
     ) -> list[EngineCoreOutput]:
         with nvtx_range("update", self.config.enable_nvtx):
             outputs = self.scheduler.update_from_output(
-                scheduler_output, runner_output.sampled_token_ids
+                scheduler_output,
+                runner_output.sampled_token_ids,
+                getattr(runner_output, "spec_token_ids", None),
             )
         for out in outputs:
             out.new_logprobs = runner_output.logprobs.get(out.request_id)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvik.request import Request
+from kvik.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from kvik.structured_output.manager import GrammarBitmask
@@ -25,6 +26,10 @@ class ScheduledRequest:
     # not yet collected; its position is len(request.all_token_ids) when the step is launched,
     # and the runner takes it from that step's sampled tokens on the device.
     num_placeholder_tokens: int = 0
+    # Speculative decoding: draft tokens scheduled after the request's last known token (the
+    # last ``len(spec_token_ids)`` of the scheduled tokens). The step scores all of them and
+    # the rejection sampler keeps a prefix; the scheduler rolls back the rest.
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -75,3 +80,5 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     num_prefill_chunks: int  # cumulative: chunks ending before the end of their prompt
     num_steps: int  # cumulative
+    # Speculative decoding's counts, cumulative (None when speculation is off).
+    spec_decoding: SpecDecodingStats | None = None

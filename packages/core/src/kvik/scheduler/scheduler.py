@@ -27,6 +27,16 @@ the device from the previous step's sampled tokens. The rules:
   engine collects the in-flight step before scheduling when such a request has a token in flight
   (``must_collect_before_schedule``). A grammar (structured outputs) counts as one.
 
+Speculative decoding (vLLM V1's): a running request carries the draft tokens its proposer made
+after its last step (``Request.spec_token_ids``). The scheduler schedules them after the request's
+last known token, within the token budget (a budget too small cuts the drafts first) and within
+``max_tokens`` and ``max_model_len``; their KV slots are allocated like any token's, plus
+``num_lookahead_tokens`` slots a draft model writes while proposing. After the step the accepted
+tokens are appended one by one, each checked against the stop rules (a stop inside an accepted
+run ends the request there), and ``num_computed_tokens`` is rolled back over the rejected drafts:
+their KV slots are simply overwritten later, and no block hash ever covers them (hashes cover
+known tokens only). Speculation runs with synchronous scheduling only (the EngineCore's rule).
+
 Structured outputs: a waiting request whose grammar is still compiling is passed over (it keeps
 its place) while the others are admitted; one whose grammar failed to compile is finished as
 aborted, its output handed out by ``take_early_outputs``. A request whose grammar has reached its
@@ -48,6 +58,7 @@ from kvik.scheduler.output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from kvik.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from kvik.structured_output.manager import StructuredOutputManager
@@ -62,6 +73,11 @@ class SchedulerConfig:
     policy: Literal["fcfs", "priority"] = "fcfs"
     #: Schedule a step before the previous one's tokens are back (set by the EngineCore).
     async_scheduling: bool = False
+    #: Speculative decoding: the most draft tokens a request proposes per step (0: off), and
+    #: the KV slots allocated past a sampling request's scheduled tokens for a draft model to
+    #: write while proposing (set by the EngineCore).
+    num_speculative_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -152,6 +168,13 @@ class Scheduler:
         self.structured_outputs = structured_outputs
         # Outputs of requests finished outside a step (a grammar that failed to compile).
         self._early_outputs: list[EngineCoreOutput] = []
+        if config.num_speculative_tokens and config.async_scheduling:
+            raise ValueError("speculative decoding runs with synchronous scheduling only")
+        self.spec_stats = (
+            SpecDecodingStats(config.num_speculative_tokens)
+            if config.num_speculative_tokens
+            else None
+        )
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -195,12 +218,15 @@ class Scheduler:
                 index += 1
                 continue
             assert request.num_output_placeholders <= 1, "more than one step in flight"
-            num_new = min(
-                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens,
-                budget,
+            num_known = (
+                request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
             )
+            num_new = min(num_known + self._num_spec_tokens(request), budget)
+            num_spec = max(0, num_new - num_known)
+            end = request.num_computed_tokens + num_new
+            num_slots = num_new + self._lookahead(end, num_new >= num_known)
             # Preempt until the blocks fit; the else branch runs unless the request was the victim.
-            while self.kv.allocate_slots(request, num_new) is None:
+            while self.kv.allocate_slots(request, num_slots) is None:
                 victim_index = self._victim_index()
                 victim = self.running.pop(victim_index)
                 if victim_index < index:
@@ -216,7 +242,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled[request.request_id] = self._schedule(request, num_new)
+                scheduled[request.request_id] = self._schedule(request, num_new, num_spec)
                 budget -= num_new
                 index += 1
 
@@ -245,7 +271,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.kv.allocate_slots(request, num_new, hit_blocks, num_hit_tokens) is None:
+            end = num_hit_tokens + num_new
+            lookahead = self._lookahead(end, end == request.num_tokens)
+            if (
+                self.kv.allocate_slots(request, num_new + lookahead, hit_blocks, num_hit_tokens)
+                is None
+            ):
                 break
             self.waiting.pop()
             if request.num_cached_tokens < 0:
@@ -268,7 +299,10 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, list[int]]
+        self,
+        scheduler_output: SchedulerOutput,
+        sampled_token_ids: dict[str, list[int]],
+        spec_token_ids: dict[str, list[int]] | None = None,
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply the stop rules, and free what finished.
 
@@ -279,6 +313,9 @@ class Scheduler:
         last one: a request may have finished since (a stop seen in the step before, an abort),
         and then its token is dropped; or it may have been preempted since, and then the token
         is appended all the same (it is part of the sequence the request will recompute).
+
+        Speculative decoding: ``sampled_token_ids`` holds each request's accepted drafts and the
+        target's own token; ``spec_token_ids`` the drafts proposed for the next step.
         """
         outputs = []
         for item in scheduler_output.scheduled:
@@ -291,8 +328,11 @@ class Scheduler:
             if self.config.async_scheduling:
                 request.num_output_placeholders -= 1
             preempted = request.status == RequestStatus.PREEMPTED
+            generated = sampled_token_ids[request.request_id]
+            if item.spec_token_ids:
+                self._roll_back_rejected(request, item, generated)
             new_token_ids = []
-            for token_id in sampled_token_ids[request.request_id]:
+            for token_id in generated:
                 request.append_output_token(token_id)
                 if request.structured_output is not None:
                     self.structured_outputs.accept_token(request, token_id)
@@ -302,6 +342,8 @@ class Scheduler:
                         self.waiting.remove(request)
                     self._release(request)
                     break
+            if not request.is_finished() and spec_token_ids is not None:
+                request.spec_token_ids = list(spec_token_ids.get(request.request_id, ()))
             outputs.append(self._output(request, new_token_ids))
         self.running = [r for r in self.running if not r.is_finished()]
         return outputs
@@ -357,16 +399,56 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_prefill_chunks=self._num_prefill_chunks,
             num_steps=self._num_steps,
+            spec_decoding=None if self.spec_stats is None else self.spec_stats.copy(),
         )
 
-    def _schedule(self, request: Request, num_tokens: int) -> ScheduledRequest:
+    def _num_spec_tokens(self, request: Request) -> int:
+        """How many of the request's drafts may be scheduled: all of them, unless the drafts and
+        the token after them would pass ``max_tokens`` or ``max_model_len`` (tokens past those
+        would be dropped, and positions past ``max_model_len`` have no slot)."""
+        if not request.spec_token_ids:
+            return 0
+        if request.num_computed_tokens != request.num_tokens - 1:
+            return 0  # not decoding (a recompute after preemption): drafts are stale
+        room = min(
+            request.max_tokens - request.num_output_tokens,
+            self.config.max_model_len - request.num_tokens,
+        )
+        return max(0, min(len(request.spec_token_ids), room - 1))
+
+    def _lookahead(self, end: int, samples: bool) -> int:
+        """KV slots a draft model writes past a sampling step's tokens (which end at ``end``)
+        while proposing the drafts of the next step, within ``max_model_len``."""
+        if not self.config.num_lookahead_tokens or not samples:
+            return 0
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
+
+    def _roll_back_rejected(
+        self, request: Request, item: ScheduledRequest, generated: list[int]
+    ) -> None:
+        """Count a verification and forget the rejected drafts: ``generated`` holds the
+        accepted drafts and one token more."""
+        num_drafts = len(item.spec_token_ids)
+        num_accepted = len(generated) - 1
+        if not 0 <= num_accepted <= num_drafts:
+            raise RuntimeError(
+                f"request {request.request_id}: {len(generated)} tokens back for {num_drafts} "
+                "drafts (expected 1 to drafts + 1)"
+            )
+        if self.spec_stats is not None:
+            self.spec_stats.observe_draft(num_drafts, num_accepted)
+        # Only accepted drafts' KV counts as computed; the new last token is computed next step.
+        if request.status == RequestStatus.RUNNING:
+            request.num_computed_tokens -= num_drafts - num_accepted
+
+    def _schedule(self, request: Request, num_tokens: int, num_spec: int = 0) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_tokens
         if start < request.num_prompt_tokens and end < request.num_prompt_tokens:
             self._num_prefill_chunks += 1
         request.num_computed_tokens = end
-        num_placeholder_tokens = max(0, end - request.num_tokens)
-        samples = end == request.num_tokens + request.num_output_placeholders
+        num_placeholder_tokens = max(0, end - num_spec - request.num_tokens)
+        samples = end - num_spec == request.num_tokens + request.num_output_placeholders
         if samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         return ScheduledRequest(
@@ -376,6 +458,7 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(request.request_id),
             samples=samples,
             num_placeholder_tokens=num_placeholder_tokens,
+            spec_token_ids=tuple(request.spec_token_ids[:num_spec]),
         )
 
     def _finishes_in_flight(self, request: Request) -> bool:
@@ -399,6 +482,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self._num_preemptions += 1

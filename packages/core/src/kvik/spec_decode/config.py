@@ -111,14 +111,19 @@ def parse_speculative_config(
     return SpeculativeConfig.from_dict(value)
 
 
-def refuse_unwired_speculation(speculative: SpeculativeConfig | None) -> None:
-    """Raise if speculation is asked for: the proposers, rejection sampler and metrics exist, but
-    the scheduler and runner do not run them yet, and silently decoding without would mislead."""
-    if speculative is not None:
-        raise NotImplementedError(
-            f"speculative decoding (method {speculative.method!r}) is not wired into the engine "
-            "yet: kvik.spec_decode has the proposers and the rejection sampler, but the scheduler "
-            "and model runner do not run them; leave speculative_config unset"
+def check_speculative_engine(config: Any) -> None:
+    """Refuse, with a clear message, engines speculation does not run on (``config``: the
+    EngineConfig): tensor parallelism, and model runners in other processes (the drafts are
+    proposed in the runner of an in-process rank, and steps carry them to it only there)."""
+    speculative = config.speculative
+    if speculative is None:
+        return
+    parallel = config.parallel
+    if parallel.world_size > 1 or parallel.executor_backend != "uni":
+        raise ValueError(
+            f"speculative decoding (method {speculative.method!r}) runs with one in-process rank "
+            f"(the 'uni' executor); this engine has tensor_parallel_size="
+            f"{parallel.tensor_parallel_size} and executor {parallel.executor_backend!r}"
         )
 
 

@@ -247,10 +247,13 @@ class Eagle3Head(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Causal pass over rows [B, T]: (draft logits [B, T, draft_vocab], pre-norm outputs
         [B, T, hidden], the hidden input of a following draft step)."""
+        prenorm = self._prenorm(token_ids, hidden, positions)
+        return self.lm_head(self.norm(prenorm)), prenorm
+
+    def _prenorm(self, token_ids: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
         q, k, v, residual = self.midlayer.attention_inputs(self.embed(token_ids), hidden, positions)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        prenorm = self.midlayer.finish(attended, residual)
-        return self.lm_head(self.norm(prenorm)), prenorm
+        return self.midlayer.finish(attended, residual)
 
     @torch.no_grad()
     def propose_greedy(self, token_ids: Tensor, hidden: Tensor, k: int) -> Tensor:
@@ -261,8 +264,10 @@ class Eagle3Head(nn.Module):
         drafted = []
         for _ in range(k):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-            logits, prenorm = self(tokens, states, positions)
-            draft = self.draft_to_target(logits[0, -1].argmax())
+            prenorm = self._prenorm(tokens, states, positions)
+            # Only the newest row's logits are read: the LM head runs on it alone.
+            logits = self.lm_head(self.norm(prenorm[0, -1]))
+            draft = self.draft_to_target(logits.argmax())
             drafted.append(draft)
             tokens = torch.cat([tokens, draft.view(1, 1)], dim=1)
             states = torch.cat([states, prenorm[:, -1:]], dim=1)

@@ -62,6 +62,15 @@ class SpecDecodingStats:
         for drafted, accepted in zip(num_draft_tokens, num_accepted_tokens, strict=True):
             self.observe_draft(drafted, accepted)
 
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
+
     def merge(self, other: SpecDecodingStats) -> None:
         if other.num_spec_tokens != self.num_spec_tokens:
             raise ValueError(
@@ -73,6 +82,24 @@ class SpecDecodingStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         for i, n in enumerate(other.num_accepted_tokens_per_pos):
             self.num_accepted_tokens_per_pos[i] += n
+
+    def minus(self, before: SpecDecodingStats | None) -> SpecDecodingStats:
+        """What was counted since ``before`` (an earlier copy of the same cumulative counts)."""
+        if before is None:
+            return self.copy()
+        if before.num_spec_tokens != self.num_spec_tokens:
+            raise ValueError(
+                f"cannot subtract counts for {before.num_spec_tokens} speculative tokens from "
+                f"counts for {self.num_spec_tokens}"
+            )
+        pairs = zip(self.num_accepted_tokens_per_pos, before.num_accepted_tokens_per_pos)
+        return SpecDecodingStats(
+            self.num_spec_tokens,
+            self.num_drafts - before.num_drafts,
+            self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens,
+            [now - then for now, then in pairs],
+        )
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,6 +126,19 @@ class SpecDecodingStats:
             f"{self.acceptance_rate:.3f}, per position [{per_pos}] over {self.num_drafts} drafts, "
             f"{self.num_draft_tokens} draft tokens, {self.num_accepted_tokens} accepted"
         )
+
+    def to_json(self) -> dict[str, object]:
+        """The counts and what is read from them, for a benchmark's JSON."""
+        return {
+            "num_spec_tokens": self.num_spec_tokens,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "acceptance_rate_per_pos": [round(r, 4) for r in self.acceptance_rate_per_pos],
+        }
 
     def prometheus_increments(self) -> list[tuple[str, dict[str, str], int]]:
         """These counts as increments of vLLM's counters: (name, labels, amount)."""

@@ -12,6 +12,7 @@ sampled tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -30,6 +31,8 @@ from kvik.layers.logits_processors import LogitsProcessor, build_logits_processo
 from kvik.layers.sampler import LogprobTensors, Sampler, SamplingBatch, logprob_tensors
 from kvik.model_loader.loader import load_model
 from kvik.scheduler.output import TokenLogprobs
+from kvik.spec_decode.proposer import Proposer, make_proposer
+from kvik.spec_decode.rejection_sampler import RejectionSampler
 from kvik.structured_output.bitmask import apply_token_bitmask
 from kvik.worker.nvtx import nvtx_range
 from kvik.worker.step_buffers import BlockTable, StagedBuffer
@@ -49,6 +52,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Complete prompt logprobs of requests whose prompt finished computing in this step.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding: the drafts proposed for each request's next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -58,7 +63,7 @@ class StepInputs:
     input_ids: Tensor  # [T_pad]
     positions: Tensor  # [T_pad]
     attn_metadata: object  # the backend's metadata
-    logits_indices: Tensor  # [N] rows of the hidden states that sample
+    logits_indices: Tensor  # [sum(k_i + 1)] rows of the hidden states that sample
     num_tokens: int  # T, the scheduled tokens; rows T..T_pad are padding
     num_padded: int  # T_pad
     #: Every request computes one token and samples, and none needs prompt logprobs: a step that
@@ -68,6 +73,19 @@ class StepInputs:
     sampling_requests: list[Request]  # the N requests that sample, in row order
     #: Their settings, staged with the other inputs (None when nothing samples).
     sampling: SamplingBatch | None = None
+    #: Speculative decoding: per sampling request, its draft tokens scored in this step (each
+    #: request's logits rows are its drafts' positions, then the position after them).
+    draft_token_ids: list[tuple[int, ...]] = field(default_factory=list)
+    #: The backend-neutral metadata the backend's was built from (a draft model builds its own).
+    common_metadata: AttentionMetadata | None = None
+
+    @property
+    def num_draft_tokens(self) -> list[int]:
+        return [len(d) for d in self.draft_token_ids]
+
+    @property
+    def has_drafts(self) -> bool:
+        return any(self.draft_token_ids)
 
     @property
     def num_sampling(self) -> int:
@@ -84,12 +102,15 @@ class PendingStep:
         sampled_host: Tensor | None = None,
         done: object | None = None,
         finishers: list[Callable[[ModelRunnerOutput], None]] | None = None,
+        output: ModelRunnerOutput | None = None,
     ) -> None:
+        """``output``: a step already read back (speculative decoding's, which proposes the
+        next step's drafts from the tokens it accepted)."""
         self._requests = requests or []
         self._sampled_host = sampled_host  # pinned [>= N] int64
         self._done = done  # a device event recorded after the copy to sampled_host; None: ready
         self._finishers = finishers or []
-        self._output: ModelRunnerOutput | None = None
+        self._output: ModelRunnerOutput | None = output
 
     def ready(self) -> bool:
         """Whether ``collect()`` would return without waiting for the device."""
@@ -170,6 +191,8 @@ class ModelRunner:
         # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
         self.max_num_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         self.max_model_len = model_config.max_model_len
+        speculative = config.speculative
+        self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
         self.metadata_builder = self.backend.builder_class()(
             self.backend,
             AttentionSpec(
@@ -194,6 +217,10 @@ class ModelRunner:
         self._prev_sampled: Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self.step_runner: StepRunner = platform.step_runner_class(config)(self)
+        self.rejection_sampler = RejectionSampler(generator)
+        # The proposer of speculative decoding's drafts (None: off); a draft model or an EAGLE-3
+        # head is loaded here, beside the target.
+        self.proposer: Proposer | None = make_proposer(self) if speculative else None
 
     def _allocate_buffers(self, separate: bool | None = None) -> None:
         """The persistent step buffers (``separate``: host and device copies even on the CPU, so
@@ -209,7 +236,8 @@ class ModelRunner:
         self.query_start_loc = staged(r + 1, torch.int32)
         self.query_lens = staged(r, torch.int32)
         self.seq_lens = staged(r, torch.int32, fill=1)
-        self.logits_indices = staged(r, torch.int64)
+        # One row per sampling request, and one per draft token it verifies.
+        self.logits_indices = staged(r * (1 + self.num_speculative_tokens), torch.int64)
         # Rows of the flat token layout whose token is still in flight, and where it is.
         self.in_flight_rows = staged(r, torch.int64)
         self.in_flight_sources = staged(r, torch.int64)
@@ -236,7 +264,9 @@ class ModelRunner:
             2 * self.block_size * layer.num_kv_heads * layer.head_size
             for layer in self.attention_layers.values()
         )
-        return per_layer * self.kv_cache_dtype.itemsize
+        # A draft model keeps its own cache in the same blocks.
+        own = per_layer * self.kv_cache_dtype.itemsize
+        return own + (self.proposer.kv_cache_bytes_per_block() if self.proposer else 0)
 
     def initialize_kv_cache(self, num_blocks: int, warm_up: bool = True) -> None:
         for layer in self.attention_layers.values():
@@ -246,6 +276,8 @@ class ModelRunner:
             # Zeros, not empty: masked-out slots still meet a zero attention weight, and 0 * NaN
             # from uninitialised memory would poison the sum.
             layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(num_blocks)
         if warm_up:
             self.step_runner.on_kv_cache_ready()
 
@@ -281,6 +313,10 @@ class ModelRunner:
             self._prev_sampled, self._prev_rows = None, {}
             for layer in self.attention_layers.values():
                 layer.kv_cache = None
+            if self.proposer is not None:
+                self.proposer.initialize_kv_cache(0)
+                for s in scheduled:
+                    self.proposer.drop(s.request.request_id)
 
     # --- one step -------------------------------------------------------------------------
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> StepInputs:
@@ -294,6 +330,7 @@ class ModelRunner:
         token_ids: list[int] = []
         in_flight: list[tuple[int, int]] = []  # (flat row, row in the previous step's tokens)
         sample_rows: list[int] = []
+        drafts: list[tuple[int, ...]] = []
         table_rows: list[tuple[object, list[int]]] = []
         needs_hidden = False
         for r, s in enumerate(scheduled):
@@ -301,7 +338,11 @@ class ModelRunner:
             start, n = s.start, s.num_tokens
             starts[r], lens[r] = start, n
             known = request.all_token_ids
-            if start + n <= len(known):
+            if s.spec_token_ids:
+                # A verification: the known tokens, then the drafts after the last one.
+                token_ids.extend(known[start:])
+                token_ids.extend(s.spec_token_ids)
+            elif start + n <= len(known):
                 if n == 1:
                     token_ids.append(known[start])
                 else:
@@ -313,6 +354,7 @@ class ModelRunner:
                 in_flight.append((len(token_ids) - 1, self._in_flight_source(request)))
             if s.samples:
                 sample_rows.append(r)
+                drafts.append(s.spec_token_ids)
             table_rows.append(((request, request.num_preemptions), s.block_ids))
             if request.sampling_params.prompt_logprobs is not None and (
                 start < request.num_prompt_tokens - 1
@@ -355,7 +397,20 @@ class ModelRunner:
                 )
             # Else (a piecewise step) the padding tokens belong to no request: attention's
             # programs past the last request's tokens return, and their rows are never read.
-        self.logits_indices.np[: len(sample_rows)] = query_start_loc[1:][sample_rows] - 1
+        num_logits = len(sample_rows)
+        decode_requests = None
+        if any(drafts):
+            # A verification (the newest token, then drafts) is computed as decodes are.
+            spec_lens = np.array([len(s.spec_token_ids) for s in scheduled], dtype=np.int64)
+            decode_requests = torch.from_numpy((lens - spec_lens == 1) | (lens == 1))
+            # Each sampling request scores its last k_i + 1 rows: its drafts' and the one after.
+            ends = query_start_loc[1:][sample_rows]
+            counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
+            num_logits = int(counts.sum())
+            offsets = np.arange(num_logits) - np.repeat(np.cumsum(counts) - counts, counts)
+            self.logits_indices.np[:num_logits] = np.repeat(ends - counts, counts) + offsets
+        else:
+            self.logits_indices.np[:num_logits] = query_start_loc[1:][sample_rows] - 1
 
         input_ids = self.input_ids.upload(padded)
         if in_flight:
@@ -379,19 +434,22 @@ class ModelRunner:
             max_query_len=int(lens.max()),
             max_seq_len=int((starts + lens).max()),
             block_size=bs,
+            decode_requests=decode_requests,
         )
         sampling_requests = [scheduled[r].request for r in sample_rows]
         inputs = StepInputs(
             input_ids=input_ids,
             positions=self.positions.upload(padded),
             attn_metadata=self.metadata_builder.build(common),
-            logits_indices=self.logits_indices.upload(len(sample_rows)),
+            logits_indices=self.logits_indices.upload(num_logits),
             num_tokens=num_tokens,
             num_padded=padded,
             uniform_decode=uniform_decode,
             query_starts=query_start_loc[:num_reqs].tolist(),
             sampling_requests=sampling_requests,
             sampling=self._sampling_batch(sampling_requests) if sampling_requests else None,
+            draft_token_ids=drafts,
+            common_metadata=common,
         )
         # Every pinned staging buffer of this step has had its copy queued: the next step's
         # prepare waits for this event (not for the step's compute) before rewriting them.
@@ -467,15 +525,22 @@ class ModelRunner:
         device from that step's sampled tokens."""
         for request_id in scheduler_output.finished_req_ids:
             self.requests.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(request_id)
         if not scheduler_output.scheduled:
             return PendingStep()
         with nvtx_range("prepare", self.nvtx):
             inputs = self.prepare_inputs(scheduler_output)
         with nvtx_range("forward", self.nvtx):
-            hidden, logits = self.step_runner.forward(inputs)
+            if self.proposer is not None:
+                hidden, logits = self.proposer.run_target(inputs)
+            else:
+                hidden, logits = self.step_runner.forward(inputs)
         finishers: list[Callable[[ModelRunnerOutput], None]] = []
         if hidden is not None:
             self._prompt_logprobs(scheduler_output, inputs, hidden, finishers)
+        if self.proposer is not None:
+            return self._speculative_step(scheduler_output, inputs, logits, finishers)
         requests = inputs.sampling_requests
         if not requests:
             return PendingStep(finishers=finishers)
@@ -494,20 +559,152 @@ class ModelRunner:
         self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
         return PendingStep(requests, sampled_host, done, finishers)
 
+    def _speculative_step(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        logits: Tensor | None,
+        finishers: list[Callable[[ModelRunnerOutput], None]],
+    ) -> PendingStep:
+        """The step's tokens with speculative decoding (synchronous: the drafts of the next step
+        are proposed from the tokens accepted in this one). A step that verifies drafts goes
+        through the rejection sampler; one without drafts samples as usual."""
+        output = ModelRunnerOutput()
+        requests = inputs.sampling_requests
+        if requests:
+            first_rows = self._first_logits_rows(inputs)
+            if scheduler_output.grammar_bitmask is not None:
+                self._apply_grammar_bitmask(
+                    logits, requests, scheduler_output.grammar_bitmask, first_rows
+                )
+            with nvtx_range("sample", self.nvtx):
+                if inputs.has_drafts:
+                    tokens = self._verify(logits, requests, inputs, first_rows, finishers)
+                else:
+                    sampled = self._sample(logits, requests, inputs.sampling, finishers)
+                    tokens = [[t] for t in sampled.tolist()]
+            for request, new in zip(requests, tokens, strict=True):
+                output.sampled_token_ids[request.request_id] = new
+        for finish in finishers:
+            finish(output)
+        self._prev_sampled, self._prev_rows = None, {}
+        with nvtx_range("propose", self.nvtx):
+            output.spec_token_ids = self.proposer.propose(
+                scheduler_output,
+                inputs,
+                output.sampled_token_ids,
+                self._proposal_caps(inputs, output.sampled_token_ids),
+            )
+        return PendingStep(output=output)
+
+    @staticmethod
+    def _first_logits_rows(inputs: StepInputs) -> list[int]:
+        """Each sampling request's first row in the step's logits (its k_i + 1 rows follow)."""
+        rows, row = [], 0
+        for k in inputs.num_draft_tokens:
+            rows.append(row)
+            row += k + 1
+        return rows
+
+    def _verify(
+        self,
+        logits: Tensor,
+        requests: list[Request],
+        inputs: StepInputs,
+        first_rows: list[int],
+        finishers: list[Callable[[ModelRunnerOutput], None]],
+    ) -> list[list[int]]:
+        """Rejection-sample a step that scored drafts: per request, its accepted drafts and one
+        token more. Requests with logits processors or logprobs never get drafts (see
+        ``_proposal_caps``): their one row is processed and read here as a plain sample's."""
+        batch = inputs.sampling
+        wanted = [r.sampling_params.logprobs for r in requests]
+        logprob_rows = [i for i, w in enumerate(wanted) if w is not None]
+        raw_logprobs = None
+        if logprob_rows:
+            index = torch.tensor([first_rows[i] for i in logprob_rows], device=logits.device)
+            raw_logprobs = logits[index].log_softmax(-1)
+        for row, processors, output_ids in batch.processors:
+            if inputs.draft_token_ids[row]:
+                raise RuntimeError("a request with logits processors was given draft tokens")
+            at = first_rows[row]
+            for processor in processors:
+                logits[at] = processor(output_ids, logits[at])
+        drafts = [t for d in inputs.draft_token_ids for t in d]
+        result = self.rejection_sampler(
+            logits,
+            torch.tensor(drafts, dtype=torch.int64, device=logits.device),
+            inputs.num_draft_tokens,
+            dataclasses.replace(batch, processors=[]),
+        )
+        if raw_logprobs is not None:
+            rows = torch.tensor(logprob_rows, device=logits.device)
+            chosen = result.token_ids[rows, 0]
+            tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i in logprob_rows])
+            ids = [requests[i].request_id for i in logprob_rows]
+
+            def finish(output: ModelRunnerOutput) -> None:
+                for request_id, entry in zip(ids, tensors.to_lists()):
+                    output.logprobs[request_id] = [entry]
+
+            finishers.append(finish)
+        return result.to_lists()
+
+    def _proposal_caps(
+        self, inputs: StepInputs, new_tokens: dict[str, list[int]]
+    ) -> dict[str, int]:
+        """How many drafts each sampling request may get for its next step: up to
+        num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
+        tokens ``new_tokens``, not appended yet). None for a request whose sampling reads more than one row's
+        logits (logprobs, logits processors such as penalties, a grammar: those are computed for
+        the position after the known tokens only), and none for anyone when the batch is larger
+        than ``disable_by_batch_size``."""
+        limit = self.config.speculative.disable_by_batch_size
+        requests = inputs.sampling_requests
+        if limit is not None and len(inputs.query_starts) > limit:
+            return {}
+        caps = {}
+        for request in requests:
+            params = request.sampling_params
+            if (
+                params.logprobs is not None
+                or params.structured_outputs is not None
+                or self._state(request).processors
+            ):
+                continue
+            num_new = len(new_tokens[request.request_id])
+            num_tokens = request.num_tokens + num_new
+            num_output = request.num_output_tokens + num_new
+            cap = min(
+                self.num_speculative_tokens,
+                request.max_tokens - num_output - 1,
+                self.max_model_len - num_tokens - 1,
+            )
+            if cap > 0:
+                caps[request.request_id] = cap
+        return caps
+
     def _apply_grammar_bitmask(
-        self, logits: Tensor, requests: list[Request], grammar: GrammarBitmask
+        self,
+        logits: Tensor,
+        requests: list[Request],
+        grammar: GrammarBitmask,
+        first_rows: list[int] | None = None,
     ) -> None:
         """Structured outputs: forbid, in the sampling rows' logits, what each request's grammar
         does not allow next. Before sampling and before logprobs, as vLLM does, so logprobs are
-        those of the constrained distribution."""
-        row_of = {r.request_id: row for row, r in enumerate(requests)}
+        those of the constrained distribution. ``first_rows``: each request's logits row where
+        not its index (a speculative step; requests with a grammar get no drafts)."""
+        at = first_rows if first_rows is not None else range(len(requests))
+        row_of = {r.request_id: at[row] for row, r in enumerate(requests)}
         rows = [row_of[request_id] for request_id in grammar.request_ids]
         bitmask = grammar.bitmask
         if rows != sorted(rows):
             order = sorted(range(len(rows)), key=rows.__getitem__)
             rows, bitmask = [rows[i] for i in order], bitmask[order]
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        apply_token_bitmask(logits, bitmask, None if len(rows) == len(requests) else rows)
+        whole = len(rows) == len(requests) == logits.shape[0]
+        apply_token_bitmask(logits, bitmask, None if whole else rows)
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
