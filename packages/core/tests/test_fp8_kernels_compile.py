@@ -287,9 +287,21 @@ def k_steps_start_from_zero(ttgir: str) -> bool:
 
 
 def test_tuning_picks_by_rows() -> None:
-    for rows in (1, 4, 16, 64):
+    # Block scales: the GEMV at one row, the tiled kernel to 16, the few-rows kernel 17 to 64.
+    assert tuning.fp8_block_config("sm90", 1, 4096, 4096) == tuning.fp8_gemv_config(
+        "sm90", 4096, 4096
+    )
+    for rows in (2, 4, 16):
+        config = tuning.fp8_block_config("sm90", rows, 4096, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 4096, 4096)
+    for rows in (tuning.FP8_BLOCK_SKINNY_MIN_ROWS, 32, 64):
         assert isinstance(tuning.fp8_block_config("sm90", rows, 4096, 4096), Fp8SkinnyConfig)
+    # Per-channel scales: the few-rows kernel up to 32 rows.
+    for rows in (1, 4, 16, tuning.FP8_SCALED_SKINNY_MAX_ROWS):
         assert isinstance(tuning.fp8_scaled_config("sm90", rows, 4096, 4096), Fp8SkinnyConfig)
+    assert tuning.fp8_scaled_config("sm90", 33, 4096, 4096) == tuning.fp8_gemm_config(
+        "sm90", 33, 4096, 4096
+    )
     assert tuning.fp8_skinny_config("sm90", 16, 4096, 4096).quantize
     assert not tuning.fp8_skinny_config("sm90", 17, 4096, 4096).quantize
     # Narrow layers split K until about three programs a multiprocessor; wide ones do not.

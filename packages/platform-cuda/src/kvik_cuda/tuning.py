@@ -123,15 +123,19 @@ def fp8_block_config(
     arch: str, m: int, n: int, k: int
 ) -> Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise:
     """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows: the
-    few-rows tensor-core kernel up to ``SKINNY_MAX_ROWS`` (with ``FP8_SKINNY`` off, the CUDA-core
-    GEMV up to ``FP8_GEMV_MAX_ROWS`` instead), the Triton tiled kernel up to
-    ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise scaling above (on Hopper). On the H200 with
+    CUDA-core GEMV at one row, the Triton tiled kernel from 2 rows, the few-rows tensor-core kernel
+    from ``FP8_BLOCK_SKINNY_MIN_ROWS`` to ``SKINNY_MAX_ROWS`` (with ``FP8_SKINNY`` off: the GEMV up
+    to ``FP8_GEMV_MAX_ROWS`` and the tiled kernel above, as before that kernel), the tiled kernel
+    again up to ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise scaling above (on Hopper). On the H200 with
     Llama-3.1-8B's projections, CUDA-graph timed (docs/benchmarks.md), cuBLAS took 161 µs a
     layer's four products at 256 rows against the tiled kernel's 244 and 3.68 ms against 5.44 at
     8192 rows."""
-    if FP8_SKINNY and m <= SKINNY_MAX_ROWS:
-        return fp8_skinny_config(arch, m, n, k)
-    if m <= FP8_GEMV_MAX_ROWS:
+    if FP8_SKINNY:
+        if FP8_BLOCK_SKINNY_MIN_ROWS <= m <= SKINNY_MAX_ROWS:
+            return fp8_skinny_config(arch, m, n, k)
+        if m == 1:
+            return fp8_gemv_config(arch, n, k)
+    elif m <= FP8_GEMV_MAX_ROWS:
         return fp8_gemv_config(arch, n, k)
     if m >= FP8_CUBLAS_MIN_ROWS and arch == "sm90":
         return CublasBlockwise(fallback=fp8_gemm_config(arch, m, n, k))
@@ -162,10 +166,15 @@ def env_switch(name: str, default: bool) -> bool:
 #: switch for a GPU where ``bench/fp8_gpu.py`` reports it wrong; read when kvik_cuda.tuning is
 #: imported (a process sets it before starting the engine).
 FP8_SKINNY = env_switch("KVIK_FP8_SKINNY", default=True)
-#: Per-channel products of up to this many rows take the few-rows kernel rather than
-#: ``torch._scaled_mm`` (``bench/fp8_gpu.py`` times both at decode sizes; 0 gives them all to
-#: ``torch._scaled_mm``).
-FP8_SCALED_SKINNY_MAX_ROWS = SKINNY_MAX_ROWS
+#: Where the few-rows kernel is faster, from ``bench/fp8_gpu.py`` on the H200 (2026-12-01,
+#: docs/benchmarks.md; CUDA-graph timed, Llama-3.1-8B's projections). Block scales: slower than
+#: the GEMV and the tiled kernel up to 16 rows (gate_up at one row 132 µs against the GEMV's 47,
+#: at 8 rows 133 against the tiled kernel's 39), faster or level from 17 to 64 (down at 32 rows 28
+#: µs against 53, o 15 against 19); between 2 and 16 rows the tiled kernel beats the GEMV (gate_up
+#: 39 µs at 8 rows against the GEMV's 75 at 2). Per-channel scales: faster than the kernels before
+#: it up to 32 rows (qkv at one row 14 µs against 23, gate_up 36 against 51), level or slower at 64.
+FP8_BLOCK_SKINNY_MIN_ROWS = 17
+FP8_SCALED_SKINNY_MAX_ROWS = 32
 #: The few-rows kernel's programs: 128 weight rows (a weight-scale block: one scale a K step),
 #: 4 warps (one warpgroup's wgmma), 3 pipeline stages (two 16 KB weight tiles in flight while one
 #: is multiplied). K is split until the layer has as many programs as fit on the GPU at once
