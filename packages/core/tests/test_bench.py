@@ -439,7 +439,7 @@ def test_run_gpu_options(capsys) -> None:
     assert run_gpu.check_kvik_args(["--no-async-scheduling", "--cudagraph-mode", "none"]) is None
     assert "--bogus" in run_gpu.check_kvik_args(["--bogus"])
     assert "load_format" in run_gpu.check_kvik_args(["--load-format", "safetensors"])
-    for bad in (["--workloads", "D"], ["--enforce-eagr"]):
+    for bad in (["--workloads", "E"], ["--enforce-eagr"]):
         with pytest.raises(SystemExit):
             run_gpu.parse_args(bad)
     capsys.readouterr()
@@ -483,7 +483,16 @@ def test_run_gpu_on_the_cpu(tiny_config, tmp_path, monkeypatch) -> None:
         {"B": run_gpu.GpuWorkload("B", "gpu-decode-throughput", 3, 12, 5, 2, 3, False)},
     )
     out, results = tmp_path / "out", tmp_path / "results"
-    argv = ["--model", str(tiny_config), "--device", "cpu", "--dtype", "float32"]
+    argv = [
+        "--model",
+        str(tiny_config),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--workloads",
+        "B",
+    ]
     assert run_gpu.main([*argv, "--out", str(out), "--results-dir", str(results)]) == 0
     files = sorted(p.name for p in out.iterdir())
     assert files == sorted(p.name for p in results.iterdir()) and len(files) == 2
