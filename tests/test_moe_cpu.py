@@ -15,7 +15,7 @@ from kvik import LLM
 from kvik.layers.moe import FusedMoE
 from kvik_cpu import extension
 from kvik_cpu.isa import CpuIsa
-from kvik_cpu.linear import packed_linear_supported
+from kvik_cpu.linear import Avx512Bf16Linear, packed_linear_supported
 from kvik_cpu.moe import PackedExperts, expert_product, pack_expert_weights
 
 cpu_path = cpu_paths.cpu_path  # the fixture: each kernel path this CPU runs
@@ -50,6 +50,28 @@ def test_packed_experts_equal_the_reference(cpu_path, tokens: int) -> None:
     # Each product rounds to bf16 as F.linear does; AMX sums in another order.
     err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
     assert err < 1e-2, f"relative error {err:.2e}"
+
+
+def test_experts_in_one_call_equal_the_per_expert_loop() -> None:
+    """The AVX512-BF16 experts' one C++ call (bf16_moe_experts) runs the per-expert loop's kernels
+    in its order: the same bits; and counts that do not cover the rows are refused."""
+    if extension.load() is not None or expert_product(CpuIsa.AVX512BF16) is not Avx512Bf16Linear:
+        pytest.skip("kvik_cpu's C++ ops did not build with AVX512-BF16 here")
+    experts, hidden, inter, top_k = 8, 96, 64, 3
+    layer = FusedMoE(experts, top_k, hidden, inter, renormalize=False).to(torch.bfloat16)
+    layer.gate_up_proj.data.normal_(0, hidden**-0.5)
+    layer.down_proj.data.normal_(0, inter**-0.5)
+    pack_expert_weights(layer, CpuIsa.AVX512BF16)
+    kernel = layer.kernel
+    assert kernel.in_one_call
+    x = torch.randn(11, hidden).to(torch.bfloat16)
+    logits = torch.randn(11, experts).to(torch.bfloat16)
+    logits[:, 0] -= 100  # an expert without rows
+    loop = ops.grouped_experts(x, logits, top_k, False, kernel.expert)
+    assert torch.equal(kernel(x, logits), loop)
+    rows = torch.randn(5, hidden).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cover"):
+        kernel.all_experts(rows, [2, 2] + [0] * (experts - 2))
 
 
 def test_bf16_moe_engine_packs_its_experts(cpu_path, tmp_path) -> None:

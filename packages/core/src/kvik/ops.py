@@ -189,11 +189,17 @@ def grouped_experts(
     router_logits: Tensor,
     top_k: int,
     renormalize: bool,
-    expert: Callable[[int, Tensor], Tensor],
+    expert: Callable[[int, Tensor], Tensor] | None = None,
+    all_experts: Callable[[Tensor, list[int]], Tensor] | None = None,
 ) -> Tensor:
     """Route each token [T, H] to its ``top_k`` experts (``moe_routing``), run ``expert(e, x)`` on
     the rows x [n, H] of each expert e that has any (gathered with index ops), and sum the results
-    weighted by the routing weights in fp32, rounded once to the input dtype at the end."""
+    weighted by the routing weights in fp32, rounded once to the input dtype at the end.
+
+    Instead of ``expert``, ``all_experts(rows, counts)`` may compute every expert in one call:
+    rows [top_k * T, H] grouped by expert, counts[e] of them for expert e, results in that order."""
+    if (expert is None) == (all_experts is None):
+        raise ValueError("grouped_experts needs one of expert and all_experts")
     if hidden.shape[0] == 0:
         return torch.empty_like(hidden)
     weights, ids = moe_routing(router_logits, top_k, renormalize)
@@ -202,13 +208,17 @@ def grouped_experts(
     counts = torch.bincount(flat_ids, minlength=router_logits.shape[-1]).tolist()
     tokens = order // top_k
     rows = hidden.index_select(0, tokens)  # every pair's input, in expert order
-    results = []
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            results.append(expert(e, rows[start : start + count]))
-            start += count
-    weighted = torch.cat(results).float() * weights.flatten()[order, None]
+    if all_experts is not None:
+        results = all_experts(rows, counts)
+    else:
+        per_expert = []
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                per_expert.append(expert(e, rows[start : start + count]))
+                start += count
+        results = torch.cat(per_expert)
+    weighted = results.float() * weights.flatten()[order, None]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, weighted).to(hidden.dtype)
 

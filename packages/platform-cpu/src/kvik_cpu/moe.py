@@ -38,10 +38,26 @@ class PackedExperts:
         # reference: the same op the dense MLPs call.
         self.silu_and_mul = torch.ops.kvik.silu_and_mul
 
+        # AVX512-BF16 experts run in one C++ call (csrc/bf16_linear.cpp: the same kernels).
+        self.in_one_call = kernel is Avx512Bf16Linear
+        if self.in_one_call:
+            self.gate_up_packed = [p.weight for p in self.gate_up]
+            self.down_packed = [p.weight for p in self.down]
+            self.intermediate = layer.intermediate_size
+
     def expert(self, e: int, x: Tensor) -> Tensor:
         return self.down[e](self.silu_and_mul(self.gate_up[e](x)))
 
+    def all_experts(self, rows: Tensor, counts: list[int]) -> Tensor:
+        return torch.ops.kvik_cpu.bf16_moe_experts(
+            rows, counts, self.gate_up_packed, self.down_packed, self.intermediate
+        )
+
     def __call__(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
+        if self.in_one_call:
+            return grouped_experts(
+                hidden, router_logits, self.top_k, self.renormalize, all_experts=self.all_experts
+            )
         return grouped_experts(hidden, router_logits, self.top_k, self.renormalize, self.expert)
 
 
