@@ -194,7 +194,7 @@ def test_held_out_topics_never_reach_training():
     stop = {"the", "of", "a"}
     held_out_words = {
         word.lower()
-        for topic in prompts.held_out_topics()
+        for topic in prompts.held_out_topics() + prompts.validation_topics()
         for word in re.findall(r"\w+", topic)
         if word.lower() not in stop
     }
@@ -203,6 +203,7 @@ def test_held_out_topics_never_reach_training():
     for text in everything:
         assert not held_out_words & {w.lower() for w in re.findall(r"\w+", text)}, text
     assert not set(everything) & set(prompts.held_out_instructions())
+    assert not set(prompts.validation_instructions()) & set(prompts.held_out_instructions())
     # A smaller count is a prefix of a larger one, so cached data chunks stay valid.
     assert (
         prompts.training_instructions(300, seed=3)

@@ -36,6 +36,7 @@ from kvik.spec_decode.train_eagle3_prompts import (
     held_out_instructions,
     num_training_instructions,
     training_instructions,
+    validation_instructions,
 )
 
 logger = logging.getLogger(__name__)
@@ -184,19 +185,21 @@ def build_dataset(
     max_new_tokens: int,
     chunk_size: int = 128,
 ) -> list[Example]:
-    """Examples for ``instructions``, in chunk files ``folder/name-new{max_new_tokens}-NNNN``:
-    each chunk's instructions are answered by the engine, then passed through the target. Chunks
-    already on disk are loaded instead of computed again, so a run can be resumed and several
-    trainings can share one dataset (``name`` must then stand for the same instructions)."""
+    """Examples for ``instructions``, in chunk files ``folder/name-new{max_new_tokens}-S-E``
+    (instructions S..E-1): each chunk's instructions are answered by the engine, then passed
+    through the target. Chunks already on disk are loaded instead of computed again, so a run can
+    be resumed and runs with more instructions reuse the chunks of runs with fewer (``name`` must
+    stand for one list of instructions whose prefixes these are)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
     examples: list[Example] = []
     llm = None
-    for index, start in enumerate(range(0, len(instructions), chunk_size)):
-        path = folder / f"{name}-new{max_new_tokens}-{index:04d}.safetensors"
+    for start in range(0, len(instructions), chunk_size):
+        end = min(start + chunk_size, len(instructions))
+        path = folder / f"{name}-new{max_new_tokens}-{start:05d}-{end:05d}.safetensors"
         if not path.is_file():
-            prompts = chat_prompt_ids(tokenizer, instructions[start : start + chunk_size])
+            prompts = chat_prompt_ids(tokenizer, instructions[start:end])
             llm = llm or default_engine()
             sequences = engine_greedy_continuations(llm, prompts, max_new_tokens)
             chunk = collect_examples(
@@ -412,11 +415,10 @@ def train_head(
     return history
 
 
-def held_out_split(tokenizer, eval_prompts: int, seed: int) -> tuple[list[str], list[str]]:
-    """The held-out instructions split in two: those evaluated, and the rest (validation)."""
+def evaluation_instructions(count: int, seed: int) -> list[str]:
+    """``count`` of the held-out instructions, drawn with ``seed``."""
     held_out = held_out_instructions()
-    evaluated = random.Random(seed).sample(held_out, min(eval_prompts, len(held_out)))
-    return evaluated, [text for text in held_out if text not in evaluated]
+    return random.Random(seed).sample(held_out, min(count, len(held_out)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -438,10 +440,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--validate-every", type=int, default=100, help="training steps")
     parser.add_argument("--eval-prompts", type=int, default=16)
     parser.add_argument("--eval-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument(
         "--data-only", action="store_true", help="generate the training data, then stop"
     )
@@ -451,11 +454,9 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     target, tokenizer = load_default_target()
     data_dir = args.data_dir or f"{args.out.rstrip('/')}-data"
-    evaluated, validation = held_out_split(tokenizer, args.eval_prompts, args.seed)
     val_examples = build_dataset(
-        target, tokenizer, data_dir, validation, f"validation-seed{args.seed}",
-        args.max_new_tokens,
-    )  # fmt: skip
+        target, tokenizer, data_dir, validation_instructions(), "validation", args.max_new_tokens
+    )
     examples = build_dataset(
         target, tokenizer, data_dir,
         training_instructions(args.train_prompts, args.seed), f"train-seed{args.seed}",
@@ -465,21 +466,27 @@ def main(argv: list[str] | None = None) -> None:
         return
     draft_ids = frequent_target_ids(examples, target.config.vocab_size, args.draft_vocab_size)
     head = new_head(target, draft_ids)
-    logger.info("training on %d tokens", sum(e.token_ids.numel() for e in examples))
+    for name, data in (("training", examples), ("validation", val_examples)):
+        tokens = sum(e.token_ids.numel() for e in data)
+        answer_tokens = sum(int((e.labels >= 0).sum()) for e in data)
+        print(f"{name} data: {len(data)} sequences, {tokens} tokens, {answer_tokens} labelled")
+    trained = time.time()
     train_head(
         head, examples, args.steps, args.batch_size, args.lr, seed=args.seed,
         weight_decay=args.weight_decay, validation=val_examples,
+        validate_every=args.validate_every,
     )  # fmt: skip
+    print(f"training time {time.time() - trained:.0f} s")
     save_eagle3_head(head, args.out)
     logger.info("saved the head in %s", args.out)
 
     from kvik.spec_decode.eagle3 import load_eagle3_head
 
     loaded = load_eagle3_head(args.out, target.get_input_embeddings())
+    evaluated = chat_prompt_ids(tokenizer, evaluation_instructions(args.eval_prompts, args.seed))
     stats = evaluate_acceptance(
-        target, loaded, chat_prompt_ids(tokenizer, evaluated), k=3,
-        max_new_tokens=args.eval_new_tokens, check_against_plain=2,
-    )  # fmt: skip
+        target, loaded, evaluated, k=3, max_new_tokens=args.eval_new_tokens, check_against_plain=2
+    )
     print(f"held-out, k=3, greedy: {stats.summary()}")
     print(f"total time {time.time() - started:.0f} s")
 

@@ -1,9 +1,9 @@
 """Instructions for training and evaluating an EAGLE-3 head on a chat model's own answers.
 
 Evaluation prompts (``held_out_instructions``) pair the last topics of ``_TOPICS`` with
-``_EVAL_TEMPLATES``; training prompts pair every other topic with every template, so no held-out
-topic is ever answered in training (a test checks that no held-out topic word appears in a
-training prompt).
+``_EVAL_TEMPLATES``; validation prompts pair topics of their own with the same templates; training
+prompts pair every other topic with every template, so no evaluated or validation topic is ever
+answered in training (a test checks that no such topic word appears in a training prompt).
 """
 
 from __future__ import annotations
@@ -26,6 +26,12 @@ _TOPICS = (
 )  # fmt: skip
 #: The last topics are held out: evaluation prompts share no topic with training ones.
 NUM_HELD_OUT_TOPICS = 8
+
+#: Topics of the validation instructions (choosing which weights a training run keeps): in
+#: neither training nor evaluation, so that the choice does not see the evaluated topics.
+_VALIDATION_TOPICS = (
+    "giraffes", "the Panama Canal", "lemons", "snails", "the Colosseum", "sand",
+)  # fmt: skip
 
 #: Training-only topics, none naming a held-out topic.
 _MORE_TOPICS = (
@@ -97,6 +103,15 @@ def held_out_instructions() -> list[str]:
 
 def held_out_topics() -> tuple[str, ...]:
     return _TOPICS[-NUM_HELD_OUT_TOPICS:]
+
+
+def validation_instructions() -> list[str]:
+    """The validation topics with the evaluation templates."""
+    return [template.format(topic) for topic in _VALIDATION_TOPICS for template in _EVAL_TEMPLATES]
+
+
+def validation_topics() -> tuple[str, ...]:
+    return _VALIDATION_TOPICS
 
 
 def training_instructions(count: int, seed: int = 0) -> list[str]:
