@@ -184,3 +184,62 @@ def test_config_from_public_checkpoint_keys():
         Eagle3Config.from_dict({"vocab_size": 10})
     with pytest.raises(ValueError, match="draft_vocab_size must be"):
         Eagle3Config.from_dict({**vars(config), "draft_vocab_size": 10**6})
+
+
+def test_held_out_topics_never_reach_training():
+    import re
+
+    from kvik.spec_decode import train_eagle3_prompts as prompts
+
+    stop = {"the", "of", "a"}
+    held_out_words = {
+        word.lower()
+        for topic in prompts.held_out_topics() + prompts.validation_topics()
+        for word in re.findall(r"\w+", topic)
+        if word.lower() not in stop
+    }
+    everything = prompts.training_instructions(prompts.num_training_instructions())
+    assert len(set(everything)) == len(everything)
+    for text in everything:
+        assert not held_out_words & {w.lower() for w in re.findall(r"\w+", text)}, text
+    assert not set(everything) & set(prompts.held_out_instructions())
+    assert not set(prompts.validation_instructions()) & set(prompts.held_out_instructions())
+    # A smaller count is a prefix of a larger one, so cached data chunks stay valid.
+    assert (
+        prompts.training_instructions(300, seed=3)
+        == prompts.training_instructions(900, seed=3)[:300]
+    )
+    with pytest.raises(ValueError, match="count must be in"):
+        prompts.training_instructions(0)
+
+
+def test_prompt_positions_carry_no_loss(target, examples, tmp_path):
+    prompts, data = examples
+    sequences = [e.token_ids.tolist() for e in data[:3]]
+    masked = trainer.collect_examples(
+        target, sequences, AUX, prompt_lengths=[len(p) for p in prompts[:3]]
+    )
+    for plain, example, prompt in zip(data[:3], masked, prompts, strict=False):
+        assert (example.labels[: len(prompt)] == -1).all()
+        assert torch.equal(example.labels[len(prompt) :], plain.labels[len(prompt) :])
+    counts = trainer.frequent_target_ids(masked, VOCAB, 8)  # ignores the -1 labels
+    assert counts.numel() == 8
+    trainer.save_examples(masked, tmp_path / "chunk.safetensors")
+    for saved, loaded in zip(masked, trainer.load_examples(tmp_path / "chunk.safetensors")):
+        assert torch.equal(saved.token_ids, loaded.token_ids)
+        assert torch.equal(saved.aux_hidden, loaded.aux_hidden)
+        assert torch.equal(saved.labels, loaded.labels)
+
+
+def test_training_keeps_the_weights_that_validated_best(target, examples):
+    _, data = examples
+    head = make_head(target, data)
+    history = trainer.train_head(
+        head, data[:6], steps=12, batch_size=2, lr=3e-2, log_every=0,
+        validation=data[6:], validate_every=3,
+    )  # fmt: skip
+    assert [step for step, _ in history] == [2, 5, 8, 11]
+    accuracies = trainer.validate(head, data[6:], 3)
+    assert all(0.0 <= a <= 1.0 for a in accuracies)
+    assert trainer.expected_accepted(accuracies) == pytest.approx(max(s for _, s in history))
+    assert trainer.expected_accepted([0.5, 0.5, 0.5]) == pytest.approx(0.875)

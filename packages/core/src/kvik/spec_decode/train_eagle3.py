@@ -18,9 +18,11 @@ import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from kvik.spec_decode.eagle3 import (
@@ -30,38 +32,14 @@ from kvik.spec_decode.eagle3 import (
     save_eagle3_head,
 )
 from kvik.spec_decode.eagle3_eval import evaluate_acceptance, target_features
+from kvik.spec_decode.train_eagle3_prompts import (
+    held_out_instructions,
+    num_training_instructions,
+    training_instructions,
+    validation_instructions,
+)
 
 logger = logging.getLogger(__name__)
-
-_TOPICS = (
-    "volcanoes", "the moon", "honey bees", "the Roman empire", "photosynthesis", "chess",
-    "rainbows", "the internet", "coffee", "glaciers", "the human heart", "electric cars",
-    "the piano", "deserts", "penguins", "bread baking", "earthquakes", "the printing press",
-    "solar panels", "whales", "the Olympic games", "vaccines", "tea", "the Amazon rainforest",
-    "black holes", "bicycles", "the water cycle", "dinosaurs", "money", "the Eiffel tower",
-    "recycling", "sleep", "the ocean tides", "libraries", "mountains", "the alphabet",
-    "airplanes", "bananas", "friendship", "the weather", "trains", "the brain", "gardening",
-    "clocks", "music", "spiders", "the stock market", "snow", "football", "robots",
-    "the Nile", "cheese", "lightning", "mathematics", "owls", "the telephone", "forests",
-    "birthdays", "maps", "the sun", "rivers", "castles", "cats", "dogs", "salt",
-    "ancient Egypt", "the camera", "rice", "wind turbines", "the guitar", "coral reefs",
-    "elephants", "paper", "the Great Wall of China", "oxygen", "kites", "pizza", "stars",
-)  # fmt: skip
-_TEMPLATES = (
-    "Write a short paragraph about {}.",
-    "Explain {} to a ten-year-old.",
-    "What are three interesting facts about {}?",
-    "Why is {} important?",
-    "Describe the history of {} briefly.",
-    "Give me a list of five words related to {}.",
-)
-#: The last topics are held out: evaluation prompts share no topic with training ones.
-NUM_HELD_OUT_TOPICS = 8
-
-
-def instruction_prompts(held_out: bool) -> list[str]:
-    topics = _TOPICS[-NUM_HELD_OUT_TOPICS:] if held_out else _TOPICS[:-NUM_HELD_OUT_TOPICS]
-    return [template.format(topic) for topic in topics for template in _TEMPLATES]
 
 
 def load_default_target():
@@ -120,15 +98,24 @@ def greedy_continuations(
     return sequences
 
 
-def engine_greedy_continuations(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """As ``greedy_continuations``, with kvik's engine on the default model in fp32 (much faster
-    on the CPU than transformers' generate; the labels still come from the transformers pass)."""
-    from kvik import LLM, SamplingParams
+def default_engine(dtype: str = "bfloat16"):
+    """kvik's engine on the default model, for generating answers (much faster on the CPU than
+    transformers' generate, bf16 faster still)."""
+    from kvik import LLM
 
-    llm = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=2048, enforce_eager=True)
+    return LLM(dtype=dtype, max_model_len=1024, num_kv_blocks=4096, enforce_eager=True)
+
+
+def engine_greedy_continuations(
+    llm, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """As ``greedy_continuations``, with kvik's engine. The text is only the context the head
+    learns in: its labels come from the target's fp32 pass over it, so where the engine's greedy
+    (bf16) parts from fp32 greedy, the labels still say what the fp32 target predicts."""
+    from kvik import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    del llm  # its KV cache is no longer needed
     return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
 
 
@@ -136,15 +123,23 @@ def engine_greedy_continuations(prompts: list[list[int]], max_new_tokens: int) -
 class Example:
     token_ids: Tensor  # [T]
     aux_hidden: Tensor  # [T, 3 * hidden], the target's states at each position
-    labels: Tensor  # [T], the target's greedy next token after each position
+    #: [T], the target's greedy next token after each position; -1 where no loss is taken (the
+    #: prompt: drafting starts after it)
+    labels: Tensor
 
 
 @torch.no_grad()
 def collect_examples(
-    target, sequences: list[list[int]], aux_ids: list[int], batch_size: int = 8
+    target,
+    sequences: list[list[int]],
+    aux_ids: list[int],
+    batch_size: int = 8,
+    prompt_lengths: list[int] | None = None,
 ) -> list[Example]:
     """One target pass per batch of sequences, padded on the right (causal attention keeps the
-    padding out of the real positions)."""
+    padding out of the real positions). With ``prompt_lengths``, the labels of prompt positions
+    are -1: a draft is only ever made after the prompt (its first draft predicts the token after
+    the first answer token), so the loss covers the answer, as EAGLE-3's trainers mask it."""
     examples = []
     for start in range(0, len(sequences), batch_size):
         batch = sequences[start : start + batch_size]
@@ -153,8 +148,66 @@ def collect_examples(
         greedy, aux = target_features(target, ids, aux_ids)
         for i, seq in enumerate(batch):
             n = len(seq)
-            examples.append(Example(ids[i, :n], aux[i, :n].to(torch.bfloat16), greedy[i, :n]))
+            labels = greedy[i, :n].clone()
+            if prompt_lengths is not None:
+                labels[: prompt_lengths[start + i]] = -1
+            examples.append(Example(ids[i, :n], aux[i, :n].to(torch.bfloat16), labels))
         logger.info("target features: %d/%d sequences", len(examples), len(sequences))
+    return examples
+
+
+def save_examples(examples: list[Example], path: str | Path) -> None:
+    lengths = torch.tensor([e.token_ids.numel() for e in examples])
+    tensors = {
+        "lengths": lengths,
+        "token_ids": torch.cat([e.token_ids for e in examples]),
+        "aux_hidden": torch.cat([e.aux_hidden for e in examples]),
+        "labels": torch.cat([e.labels for e in examples]),
+    }
+    tmp = Path(f"{path}.partial")
+    save_file(tensors, str(tmp))
+    tmp.replace(path)  # a chunk file is either whole or absent
+
+
+def load_examples(path: str | Path) -> list[Example]:
+    tensors = load_file(str(path))
+    splits = tensors["lengths"].tolist()
+    parts = (tensors[name].split(splits) for name in ("token_ids", "aux_hidden", "labels"))
+    return [Example(*fields) for fields in zip(*parts, strict=True)]
+
+
+def build_dataset(
+    target,
+    tokenizer,
+    folder: str | Path,
+    instructions: list[str],
+    name: str,
+    max_new_tokens: int,
+    chunk_size: int = 128,
+) -> list[Example]:
+    """Examples for ``instructions``, in chunk files ``folder/name-new{max_new_tokens}-S-E``
+    (instructions S..E-1): each chunk's instructions are answered by the engine, then passed
+    through the target. Chunks already on disk are loaded instead of computed again, so a run can
+    be resumed and runs with more instructions reuse the chunks of runs with fewer (``name`` must
+    stand for one list of instructions whose prefixes these are)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
+    examples: list[Example] = []
+    llm = None
+    for start in range(0, len(instructions), chunk_size):
+        end = min(start + chunk_size, len(instructions))
+        path = folder / f"{name}-new{max_new_tokens}-{start:05d}-{end:05d}.safetensors"
+        if not path.is_file():
+            prompts = chat_prompt_ids(tokenizer, instructions[start:end])
+            llm = llm or default_engine()
+            sequences = engine_greedy_continuations(llm, prompts, max_new_tokens)
+            chunk = collect_examples(
+                target, sequences, aux_ids, prompt_lengths=[len(p) for p in prompts]
+            )
+            save_examples(chunk, path)
+        examples += load_examples(path)
+        logger.info("%s: %d/%d instructions", name, len(examples), len(instructions))
     return examples
 
 
@@ -162,7 +215,8 @@ def frequent_target_ids(examples: list[Example], vocab_size: int, size: int) -> 
     """The draft vocabulary: the ``size`` target ids the target predicts most often, sorted."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for example in examples:
-        counts += torch.bincount(example.labels, minlength=vocab_size)
+        labels = example.labels[example.labels >= 0]
+        counts += torch.bincount(labels, minlength=vocab_size)
     counts = counts.float() + torch.linspace(1e-3, 0, vocab_size)  # ties: the lower id
     return counts.topk(min(size, vocab_size)).indices.sort().values
 
@@ -253,7 +307,8 @@ def training_time_test_loss(
     head: Eagle3Head, examples: list[Example], num_steps: int, step_decay: float = 0.8
 ) -> tuple[Tensor, list[float]]:
     """Cross-entropy over draft steps (weights step_decay**l) against the target's greedy
-    tokens, and each step's top-1 accuracy. Targets outside the draft vocabulary are skipped."""
+    tokens, and each step's top-1 accuracy over the labelled positions. A target token outside
+    the draft vocabulary can't be drafted: no loss, and a miss in the accuracy."""
     tokens, aux, labels = _pad(examples)
     vocab = head.config.vocab_size
     to_draft = torch.full((vocab + 1,), -1, dtype=torch.int64)
@@ -262,15 +317,42 @@ def training_time_test_loss(
     total, accuracies = torch.zeros(()), []
     step_logits = training_time_test_logits(head, tokens, head.combine(aux), num_steps)
     for step, logits in enumerate(step_logits):
-        # The target's token after position t + step + 1; -1 (padding) is ignored.
+        # The target's token after position t + step + 1; -1 (padding, prompt) is ignored.
         target_ids = labels[:, step + 1 : step + 1 + logits.shape[1]]
         wanted = to_draft[torch.where(target_ids < 0, vocab, target_ids)]
         loss = F.cross_entropy(logits.flatten(0, 1), wanted.flatten(), ignore_index=-1)
         total = total + step_decay**step * loss
-        valid = wanted >= 0
-        hits = (logits.argmax(-1) == wanted) & valid
-        accuracies.append(float(hits.sum()) / max(1, int(valid.sum())))
+        hits = (logits.argmax(-1) == wanted) & (wanted >= 0)
+        accuracies.append(float(hits.sum()) / max(1, int((target_ids >= 0).sum())))
     return total, accuracies
+
+
+def expected_accepted(accuracies: list[float]) -> float:
+    """Drafts accepted per verification if step l's top-1 accuracy (given the steps before it
+    right) held at every position: a0 + a0 a1 + a0 a1 a2 + ..."""
+    total, run = 0.0, 1.0
+    for accuracy in accuracies:
+        run *= accuracy
+        total += run
+    return total
+
+
+@torch.no_grad()
+def validate(
+    head: Eagle3Head, examples: list[Example], num_steps: int, batch_size: int = 16
+) -> list[float]:
+    """Top-1 accuracy per draft step over ``examples`` (weighted by their labelled positions)."""
+    was_training = head.training
+    head.eval()
+    hits, count = [0.0] * num_steps, 0
+    for start in range(0, len(examples), batch_size):
+        batch = examples[start : start + batch_size]
+        n = sum(int((e.labels >= 0).sum()) for e in batch)
+        _, accuracies = training_time_test_loss(head, batch, num_steps)
+        hits = [h + a * n for h, a in zip(hits, accuracies, strict=False)]
+        count += n
+    head.train(was_training)
+    return [h / max(1, count) for h in hits]
 
 
 def train_head(
@@ -282,11 +364,18 @@ def train_head(
     num_ttt_steps: int = 3,
     seed: int = 0,
     log_every: int = 10,
-) -> None:
+    weight_decay: float = 0.0,
+    validation: list[Example] | None = None,
+    validate_every: int = 100,
+) -> list[tuple[int, float]]:
+    """AdamW with a linear warm-up and a cosine decay, batches of examples shuffled once per
+    epoch. With ``validation``, the head ends with the weights that validated best (by
+    ``expected_accepted``): past that point it fits its training answers, not the task.
+    Returns the validation history, (step, expected accepted) pairs."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -294,9 +383,13 @@ def train_head(
             min(1.0, (i + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps))
         ),
     )
+    best_score, best_state, history = -1.0, None, []
+    order: list[Example] = []
     head.train()
     for step in range(steps):
-        batch = rng.sample(examples, min(batch_size, len(examples)))
+        if len(order) < batch_size:
+            order = rng.sample(examples, len(examples))
+        batch, order = order[:batch_size], order[batch_size:]
         loss, accuracies = training_time_test_loss(head, batch, num_ttt_steps)
         optimizer.zero_grad()
         loss.backward()
@@ -306,51 +399,93 @@ def train_head(
         if log_every and (step % log_every == 0 or step == steps - 1):
             accs = " ".join(f"{a:.2f}" for a in accuracies)
             logger.info("step %d/%d loss %.3f top-1 per draft step %s", step, steps, loss, accs)
+        if validation and ((step + 1) % validate_every == 0 or step == steps - 1):
+            accuracies = validate(head, validation, num_ttt_steps)
+            score = expected_accepted(accuracies)
+            accs = " ".join(f"{a:.3f}" for a in accuracies)
+            logger.info("step %d validation top-1 %s, expected accepted %.3f", step, accs, score)
+            history.append((step, score))
+            if score > best_score:
+                best_score = score
+                best_state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    if best_state is not None:
+        head.load_state_dict(best_state)
+        logger.info("kept the weights that validated best (expected accepted %.3f)", best_score)
     head.eval()
+    return history
+
+
+def evaluation_instructions(count: int, seed: int) -> list[str]:
+    """``count`` of the held-out instructions, drawn with ``seed``."""
+    held_out = held_out_instructions()
+    return random.Random(seed).sample(held_out, min(count, len(held_out)))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder to save the head in")
     parser.add_argument(
+        "--data-dir",
+        help="folder for the generated training data, reused by later runs (default: OUT-data)",
+    )
+    parser.add_argument(
         "--train-prompts",
         type=int,
-        default=160,
-        help="how many of the training instructions to use",
+        default=1024,
+        help=f"how many of the {num_training_instructions()} training instructions to answer",
     )
     parser.add_argument("--max-new-tokens", type=int, default=80)
     parser.add_argument("--draft-vocab-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--validate-every", type=int, default=100, help="training steps")
     parser.add_argument("--eval-prompts", type=int, default=16)
     parser.add_argument("--eval-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--data-only", action="store_true", help="generate the training data, then stop"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    torch.set_num_threads(args.threads)
     started = time.time()
     target, tokenizer = load_default_target()
-    aux_ids = default_aux_layer_ids(target.config.num_hidden_layers)
-    train_prompts = chat_prompt_ids(tokenizer, instruction_prompts(held_out=False))
-    train_prompts = random.Random(args.seed).sample(train_prompts, args.train_prompts)
-    logger.info("generating greedy answers to %d instructions", len(train_prompts))
-    sequences = engine_greedy_continuations(train_prompts, args.max_new_tokens)
-    examples = collect_examples(target, sequences, aux_ids)
+    data_dir = args.data_dir or f"{args.out.rstrip('/')}-data"
+    val_examples = build_dataset(
+        target, tokenizer, data_dir, validation_instructions(), "validation", args.max_new_tokens
+    )
+    examples = build_dataset(
+        target, tokenizer, data_dir,
+        training_instructions(args.train_prompts, args.seed), f"train-seed{args.seed}",
+        args.max_new_tokens,
+    )  # fmt: skip
+    if args.data_only:
+        return
     draft_ids = frequent_target_ids(examples, target.config.vocab_size, args.draft_vocab_size)
     head = new_head(target, draft_ids)
-    logger.info("training on %d tokens", sum(e.token_ids.numel() for e in examples))
-    train_head(head, examples, args.steps, args.batch_size, args.lr, seed=args.seed)
+    for name, data in (("training", examples), ("validation", val_examples)):
+        tokens = sum(e.token_ids.numel() for e in data)
+        answer_tokens = sum(int((e.labels >= 0).sum()) for e in data)
+        print(f"{name} data: {len(data)} sequences, {tokens} tokens, {answer_tokens} labelled")
+    trained = time.time()
+    train_head(
+        head, examples, args.steps, args.batch_size, args.lr, seed=args.seed,
+        weight_decay=args.weight_decay, validation=val_examples,
+        validate_every=args.validate_every,
+    )  # fmt: skip
+    print(f"training time {time.time() - trained:.0f} s")
     save_eagle3_head(head, args.out)
     logger.info("saved the head in %s", args.out)
 
     from kvik.spec_decode.eagle3 import load_eagle3_head
 
     loaded = load_eagle3_head(args.out, target.get_input_embeddings())
-    held_out = chat_prompt_ids(tokenizer, instruction_prompts(held_out=True))
-    rng = random.Random(args.seed)
-    held_out = rng.sample(held_out, min(args.eval_prompts, len(held_out)))
+    evaluated = chat_prompt_ids(tokenizer, evaluation_instructions(args.eval_prompts, args.seed))
     stats = evaluate_acceptance(
-        target, loaded, held_out, k=3, max_new_tokens=args.eval_new_tokens, check_against_plain=2
+        target, loaded, evaluated, k=3, max_new_tokens=args.eval_new_tokens, check_against_plain=2
     )
     print(f"held-out, k=3, greedy: {stats.summary()}")
     print(f"total time {time.time() - started:.0f} s")
