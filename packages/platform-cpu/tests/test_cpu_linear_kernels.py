@@ -41,9 +41,7 @@ def test_the_packed_product_follows_the_kernel_path():
     assert packed_linear_kernel(layer, CpuIsa.PLAIN) is None  # F.linear
     if not packed_linear_supported(torch.bfloat16):
         pytest.skip("oneDNN has no bf16 on this CPU")
-    # AVX512-BF16 products where the C++ ops built, oneDNN's otherwise.
-    without_amx = Avx512Bf16Linear if avx512_bf16_linear_runs() else OneDnnLinear
-    assert packed_linear_kernel(layer, CpuIsa.AVX512BF16).product_class is without_amx
+    assert packed_linear_kernel(layer, CpuIsa.AVX512BF16).product_class is OneDnnLinear
     assert packed_linear_kernel(layer, CpuIsa.AMX).product_class is AmxLinear
     assert packed_linear_kernel(layer.float(), CpuIsa.AMX) is None  # fp32 keeps F.linear
 

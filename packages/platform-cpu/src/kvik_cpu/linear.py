@@ -8,9 +8,9 @@ weights once. Two packings:
   than oneDNN at decode batch sizes (docs/benchmarks.md), and a row's result does not depend on the
   other rows of the call.
 - ``Avx512Bf16Linear`` (csrc/bf16_linear.cpp): AVX512-BF16 dot products over AMX's packing, for
-  CPUs with bf16 but no AMX, where the C++ ops built. On a 2-core AMD EPYC (docs/benchmarks.md)
-  it took a 512 x 512 product at 1 to 16 rows in 9-50 us against oneDNN's 27-60 us, and 512 rows
-  in 2.4 ms against 4.3 ms.
+  CPUs with bf16 but no AMX. At the 1 to 8 rows an expert gets in a decode step oneDNN's kernels
+  spend more per call than reading the weights takes; the mixture-of-experts layers use it
+  (kvik_cpu.moe), the dense layers keep oneDNN.
 - ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
   for the avx512bf16 path (CPUs with bf16 but no AMX, or forced there: kvik_cpu.isa). Same bits as
   ``F.linear``.
@@ -120,10 +120,8 @@ class PackedLinearKernel(LinearKernel):
 
 def packed_linear_kernel(layer: nn.Module, path: CpuIsa) -> PackedLinearKernel | None:
     """The packed kernel of an unquantized layer on kernel path ``path``: AMX on the amx path,
-    AVX512-BF16 (oneDNN where the C++ ops did not build) on avx512bf16, none on plain (F.linear: what a CPU without native bf16 runs) or where
+    oneDNN on avx512bf16, none on plain (F.linear: what a CPU without native bf16 runs) or where
     oneDNN cannot run the weight's dtype."""
     if path < CpuIsa.AVX512BF16 or not packed_linear_supported(layer.weight.dtype):
         return None
-    if path >= CpuIsa.AMX:
-        return PackedLinearKernel(AmxLinear)
-    return PackedLinearKernel(Avx512Bf16Linear if avx512_bf16_linear_runs() else OneDnnLinear)
+    return PackedLinearKernel(AmxLinear if path >= CpuIsa.AMX else OneDnnLinear)
