@@ -55,19 +55,53 @@ def greedy(llm, batch) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def reference(llm, batch) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy outputs without speculation, and at each position the gap between the two best
+    logprobs (how near a tie the choice was)."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=GREEDY.max_tokens, ignore_eos=True, logprobs=2
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    gaps = []
+    for o in outputs:
+        rows = []
+        for entry in o.outputs[0].logprobs:
+            best = sorted((lp.logprob for lp in entry.values()), reverse=True)
+            rows.append(best[0] - best[1])
+        gaps.append(rows)
+    return [o.outputs[0].token_ids for o in outputs], gaps
+
+
+def partings(got, expected, gaps) -> list[tuple[int, int, float]]:
+    """(prompt, output position, the reference's top-2 logprob gap there) where outputs part."""
+    found = []
+    for p, (x, y) in enumerate(zip(got, expected)):
+        if x != y:
+            i = next(i for i, (a, b) in enumerate(zip(x, y)) if a != b)
+            found.append((p, i, gaps[p][i]))
+    return found
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_greedy_identical_with_each_proposer_fp32(kind, models, tmp_path):  # noqa: F811
+    """fp32: outputs equal, or part only at a genuine near-tie (top-2 logprobs within 1e-3)."""
     folder = models(kind)
     batch = prompts(256)
-    expected = greedy(make_llm(folder, "float32"), batch)
+    expected, gaps = reference(make_llm(folder, "float32"), batch)
     for method, config in speculative_configs(folder, tmp_path / "head").items():
         llm = make_llm(folder, "float32", speculative_config=config)
-        assert greedy(llm, batch) == expected, method
+        parted = partings(greedy(llm, batch), expected, gaps)
         stats = llm.stats.spec_decoding
+        step_runner = llm.engine.runner.step_runner
+        print(
+            f"{kind} fp32 {method}: {len(batch) - len(parted)}/{len(batch)} equal, parting "
+            f"(prompt, position, top-2 gap) {parted}; {stats.num_accepted_tokens}/"
+            f"{stats.num_draft_tokens} drafts accepted; FULL replays {dict(step_runner.replays_by_rows)}"
+        )
+        assert all(gap < 1e-3 for _, _, gap in parted), (method, parted)
         assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, method
         if method == "draft_model":
             assert stats.num_accepted_tokens == stats.num_draft_tokens
-        step_runner = llm.engine.runner.step_runner
         if method != "eagle3":  # EAGLE-3's target steps run eagerly (its hooks)
             assert step_runner.replays_by_rows[1 + K] > 0, (method, step_runner.replays_by_rows)
         del llm
@@ -107,22 +141,18 @@ def smollm2_shapes(tmp_path_factory) -> Path:
 def test_greedy_identical_with_ngram_bf16_default_model_shapes(smollm2_shapes):
     """bf16, the default model's shapes: a verification's rows must round as decode rows do for
     greedy outputs not to depend on speculation. Reports how many of the outputs are equal and
-    where the others part."""
+    where (and how near a tie) the others part."""
     batch = prompts(49152)
-    expected = greedy(make_llm(smollm2_shapes, "bfloat16"), batch)
+    expected, gaps = reference(make_llm(smollm2_shapes, "bfloat16"), batch)
     config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
     llm = make_llm(smollm2_shapes, "bfloat16", speculative_config=config)
-    got = greedy(llm, batch)
-    parted = [
-        next(i for i, (a, b) in enumerate(zip(x, y)) if a != b)
-        for x, y in zip(got, expected)
-        if x != y
-    ]
+    parted = partings(greedy(llm, batch), expected, gaps)
     stats = llm.stats.spec_decoding
     print(
-        f"bf16 SmolLM2 shapes: {len(batch) - len(parted)}/{len(batch)} outputs equal "
-        f"(parting at {parted}); {stats.num_accepted_tokens}/{stats.num_draft_tokens} drafts "
-        f"accepted; verification graph replays {llm.engine.runner.step_runner.replays_by_rows}"
+        f"bf16 SmolLM2 shapes: {len(batch) - len(parted)}/{len(batch)} outputs equal, parting "
+        f"(prompt, position, top-2 gap) {parted}; {stats.num_accepted_tokens}/"
+        f"{stats.num_draft_tokens} drafts accepted; FULL replays "
+        f"{dict(llm.engine.runner.step_runner.replays_by_rows)}"
     )
     assert stats.num_accepted_tokens > 0
-    assert got == expected
+    assert not parted
