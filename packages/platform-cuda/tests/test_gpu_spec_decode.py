@@ -99,9 +99,12 @@ def test_greedy_identical_with_each_proposer_fp32(kind, models, tmp_path):  # no
             f"{stats.num_draft_tokens} drafts accepted; FULL replays {dict(step_runner.replays_by_rows)}"
         )
         assert all(gap < 1e-3 for _, _, gap in parted), (method, parted)
-        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, method
-        if method == "draft_model":
+        assert stats.num_draft_tokens > 0, method
+        if method == "ngram":
+            assert stats.num_accepted_tokens > 0
+        if method == "draft_model":  # the target as its own draft: every draft is accepted
             assert stats.num_accepted_tokens == stats.num_draft_tokens
+        # (The random EAGLE-3 head's drafts are rarely right: no acceptance figure to assert.)
         if method != "eagle3":  # EAGLE-3's target steps run eagerly (its hooks)
             assert step_runner.replays_by_rows[1 + K] > 0, (method, step_runner.replays_by_rows)
         del llm
@@ -138,13 +141,14 @@ def smollm2_shapes(tmp_path_factory) -> Path:
     return folder
 
 
-def test_greedy_identical_with_ngram_bf16_default_model_shapes(smollm2_shapes):
+def test_greedy_identical_with_speculation_bf16_default_model_shapes(smollm2_shapes):
     """bf16, the default model's shapes: a verification's rows must round as decode rows do for
-    greedy outputs not to depend on speculation. Reports how many of the outputs are equal and
-    where (and how near a tie) the others part."""
+    greedy outputs not to depend on speculation. The model is its own draft (random weights leave
+    n-gram lookup little to find), so every verification carries k drafts, most of them accepted.
+    Reports how many outputs are equal and where (and how near a tie) the others part."""
     batch = prompts(49152)
     expected, gaps = reference(make_llm(smollm2_shapes, "bfloat16"), batch)
-    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1}
+    config = {"method": "draft_model", "model": str(smollm2_shapes), "num_speculative_tokens": K}
     llm = make_llm(smollm2_shapes, "bfloat16", speculative_config=config)
     parted = partings(greedy(llm, batch), expected, gaps)
     stats = llm.stats.spec_decoding
@@ -154,5 +158,5 @@ def test_greedy_identical_with_ngram_bf16_default_model_shapes(smollm2_shapes):
         f"{stats.num_draft_tokens} drafts accepted; FULL replays "
         f"{dict(llm.engine.runner.step_runner.replays_by_rows)}"
     )
-    assert stats.num_accepted_tokens > 0
+    assert stats.num_accepted_tokens > stats.num_draft_tokens // 2
     assert not parted
