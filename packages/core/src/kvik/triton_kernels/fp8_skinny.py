@@ -130,10 +130,32 @@ def fp8_skinny_kernel(
     x_ptrs = x_ptr + rows[:, None] * x_stride + within[None, :]  # [M_PAD, GROUP]
 
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    g_first = split * GROUPS_PER_SPLIT
+    if BLOCK_SCALES:
+        # A K step's scales are loaded one step ahead, carried in registers: loaded in the step
+        # that uses them, they came after the MMA's wait and each step waited a whole memory
+        # latency for them (the weight and activation tiles are pipelined by Triton, the scales
+        # are not). The last step loads its own group's again, which is in bounds and unused.
+        if GROUP % BLOCK_N == 0:
+            # The tile lies in one weight-scale block: one scale for the tile a step.
+            w_scale_row = w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride
+        else:
+            w_scale_row = w_scale_ptr + (n_load // GROUP) * w_scale_stride
+        w_scale_ahead = tl.load(w_scale_row + g_first)
+        if not QUANTIZE:
+            x_scale_row = x_scale_ptr + rows * x_scale_stride
+            x_scale_ahead = tl.load(x_scale_row + g_first, mask=row_valid, other=0.0)
     # The splits take equal runs of groups (split_k divides the groups): a constant trip count.
     for i in range(0, GROUPS_PER_SPLIT):
-        g = split * GROUPS_PER_SPLIT + i
+        g = g_first + i
         k0 = g * GROUP
+        if BLOCK_SCALES:
+            w_scale = w_scale_ahead
+            g_ahead = g_first + tl.minimum(i + 1, GROUPS_PER_SPLIT - 1)
+            w_scale_ahead = tl.load(w_scale_row + g_ahead)
+            if not QUANTIZE:
+                x_scale = x_scale_ahead
+                x_scale_ahead = tl.load(x_scale_row + g_ahead, mask=row_valid, other=0.0)
         if K % GROUP == 0:
             w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
@@ -149,16 +171,9 @@ def fp8_skinny_kernel(
             xq = x
         part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
         if BLOCK_SCALES:
-            if not QUANTIZE:
-                x_scale = tl.load(
-                    x_scale_ptr + rows * x_scale_stride + g, mask=row_valid, other=0.0
-                )
             if GROUP % BLOCK_N == 0:
-                # The tile lies in one weight-scale block: one scale for the tile.
-                w_scale = tl.load(w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride + g)
                 acc += part * (x_scale * w_scale)[None, :]
             else:
-                w_scale = tl.load(w_scale_ptr + (n_load // GROUP) * w_scale_stride + g)
                 acc += part * w_scale[:, None] * x_scale[None, :]
         else:
             acc += part
