@@ -4,10 +4,12 @@ against the kernels those rows take without it (the CUDA-core GEMV at one row, t
 from 2), on Llama-3.1-8B's projections (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down
 4096x14336), in one run of about two minutes on the H200 (Triton compiles included):
 
-1. Correctness first: each launch at 1, 3 and 16 rows (16 with an all-zero row) against the
-   PyTorch reference (``kvik.quantization.fp8_reference``) on NaN-poisoned outputs, a second call
-   with equal bits and the split-K counters back at zero (``bench/fp8_gpu.py``'s checks). A launch
-   that fails is not timed.
+Also the one-row GEMV's other tilings (``FP8_GEMV_CANDIDATES``), at one row only.
+
+1. Correctness first: each launch at 1, 3 and 16 rows (the GEMV's at 1; 16 with an all-zero row)
+   against the PyTorch reference (``kvik.quantization.fp8_reference``) on NaN-poisoned outputs, a
+   second call with equal bits and the split-K counters back at zero (``bench/fp8_gpu.py``'s
+   checks). A launch that fails is not timed.
 2. Timing at 1, 2, 4, 8 and 16 rows: each product in a CUDA graph over enough weight copies to
    exceed the 60 MB L2 four times (every weight byte from memory), median of 25 replays; then
    one more replay on new activations into poisoned outputs, checked again.
@@ -54,6 +56,7 @@ from fp8_gpu import (
 
 import kvik_cuda.fp8
 from kvik.bench.common import git_commit
+from kvik.triton_kernels.fp8_gemm import Fp8GemvConfig
 from kvik.triton_kernels.fp8_linear import fp8_block_linear
 from kvik.triton_kernels.fp8_skinny import Fp8SkinnyConfig
 from kvik_cuda import tuning
@@ -63,6 +66,8 @@ LAYER_ORDER = ("gate_up", "down", "qkv", "o")
 ROWS = (1, 2, 4, 8, 16)
 CHECK_ROWS = (1, 3, 16)
 BEFORE = "before: GEMV (1 row) / tiled (2+)"
+#: The one-row GEMV's other tilings (``kvik_cuda.tuning.FP8_GEMV_CANDIDATES``), timed at one row.
+GEMV = "gemv "
 #: A launch replaces the kernels before it in the pasted table only when this much faster: the
 #: replays' medians move by about a percent between runs.
 MARGIN = 0.97
@@ -82,7 +87,7 @@ def before_product(arch: str) -> Product:
     return product
 
 
-def launch_product(config: Fp8SkinnyConfig) -> Product:
+def launch_product(config: Fp8SkinnyConfig | Fp8GemvConfig) -> Product:
     return lambda x, w, s: fp8_block_linear(x, w, s, None, config)
 
 
@@ -95,7 +100,8 @@ def weight_copies(n: int, k: int) -> tuple[list, int, int]:
 
 
 def check_launches(layer: str, products: dict[str, Product], weights: list, failures: list):
-    """Each product at ``CHECK_ROWS`` against the reference: the names that passed."""
+    """Each product at ``CHECK_ROWS`` (the one-row GEMV's tilings at one row) against the
+    reference: the names that passed."""
     n, k = LAYERS[layer]
     w, s = weights[0]
     passed = set(products)
@@ -103,6 +109,8 @@ def check_launches(layer: str, products: dict[str, Product], weights: list, fail
         x = activations(m, k)
         ref = reference("block", x, w, s)
         for name, product in products.items():
+            if name.startswith(GEMV) and m > 1:
+                continue
             try:
                 result = check_product(product, x, w, s, ref)
             except Exception as error:  # noqa: BLE001  (recorded; the run goes on)
@@ -139,6 +147,7 @@ def time_one(layer, m, name, product, x, weights, copies, weight_bytes, failures
 def sweep_layer(arch: str, layer: str, rows: list[int], deadline: float, failures: list):
     n, k = LAYERS[layer]
     candidates = tuning.fp8_block_few_rows_candidates(n, k)
+    candidates |= {GEMV + name: c for name, c in tuning.FP8_GEMV_CANDIDATES.items()}
     products = {BEFORE: before_product(arch)}
     products |= {name: launch_product(config) for name, config in candidates.items()}
     weights, copies, weight_bytes = weight_copies(n, k)
@@ -147,7 +156,7 @@ def sweep_layer(arch: str, layer: str, rows: list[int], deadline: float, failure
     for m in rows:
         x = activations(m, k)
         for name, product in products.items():
-            if name not in passed:
+            if name not in passed or (name.startswith(GEMV) and m > 1):
                 continue
             if time.time() > deadline:
                 print(f"time  {layer:8} m={m:<3} {name:34} skipped: past the time budget")
@@ -215,7 +224,11 @@ def step_totals(best: dict, head: dict[int, float], rows: list[int]) -> dict[int
 
 def table_text(best: dict, configs: dict[str, dict[str, str]], rows: list[int]) -> str:
     """``kvik_cuda.tuning.FP8_BLOCK_FEW_ROWS`` from the measurements."""
-    lines = ["FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | None]] = {"]
+    lines = [
+        "FP8_BLOCK_FEW_ROWS: dict[",
+        "    tuple[int, int], dict[int, Fp8SkinnyConfig | Fp8GemvConfig | None]",
+        "] = {",
+    ]
     for layer in LAYER_ORDER:
         if not all((layer, m) in best for m in rows):
             continue  # not every row count measured: left to the kernels before
@@ -282,7 +295,8 @@ def main() -> int:
               f"{t.get('ms', float('nan')):.3f} ms ({t.get('of_floor', 0):.1%} of the "
               f"{t['floor_ms']:.3f} ms floor)")  # fmt: skip
     text = table_text(best, configs, args.rows)
-    print("\nFor packages/platform-cuda/src/kvik_cuda/tuning.py, replacing FP8_BLOCK_FEW_ROWS:\n")
+    print("\nFor packages/platform-cuda/src/kvik_cuda/tuning.py, replacing FP8_BLOCK_FEW_ROWS "
+          "(then ruff format it):\n")  # fmt: skip
     print(text)
     if failures:
         print(f"\n{'!' * 80}\n{len(failures)} CHECKS FAILED (launches that failed were not timed)")

@@ -240,17 +240,19 @@ def fp8_skinny_config(arch: str, m: int, n: int, k: int) -> Fp8SkinnyConfig:
 FP8_CUBLAS_MIN_ROWS = 128
 
 
-#: Block-FP8 products of 1 to ``FP8_BLOCK_SKINNY_MIN_ROWS - 1`` rows on the few-rows kernel, where
-#: ``bench/fp8_gpu.py --few-rows-sweep`` measured it faster on Hopper (the H200) than the kernels
-#: those rows take otherwise (the GEMV at one row, the tiled kernel from 2): a layer's (N, K) ->
-#: {most rows: the launch, or None for those kernels}; a product of ``m`` rows takes the entry of
-#: the fewest rows at or above ``m``. Layers not listed keep the GEMV and the tiled kernel. The
-#: sweep prints this table's text from its measurements, to paste here; empty until then (no
-#: H200 figure of the candidates yet).
-FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | None]] = {}
+#: Block-FP8 products of 1 to ``FP8_BLOCK_SKINNY_MIN_ROWS - 1`` rows on the few-rows kernel (or,
+#: at one row, another GEMV tiling), where ``bench/fp8_few_rows_gpu.py`` measured it faster on
+#: Hopper (the H200) than the kernels those rows take otherwise (the GEMV's ``fp8_gemv_config`` at
+#: one row, the tiled kernel from 2): a layer's (N, K) -> {most rows: the launch, or None for those
+#: kernels}; a product of ``m`` rows takes the entry of the fewest rows at or above ``m``. Layers
+#: not listed keep the GEMV and the tiled kernel. The sweep prints this table's text from its
+#: measurements, to paste here; empty until then (no H200 figure of the candidates yet).
+FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | Fp8GemvConfig | None]] = {}
 
 
-def fp8_block_few_rows_config(arch: str, m: int, n: int, k: int) -> Fp8SkinnyConfig | None:
+def fp8_block_few_rows_config(
+    arch: str, m: int, n: int, k: int
+) -> Fp8SkinnyConfig | Fp8GemvConfig | None:
     """The few-rows kernel's launch for a block-FP8 product of ``m`` rows below
     ``FP8_BLOCK_SKINNY_MIN_ROWS``, where ``FP8_BLOCK_FEW_ROWS`` lists the layer and the rows on
     Hopper; else None."""
@@ -267,7 +269,8 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
     Around the tuning's own (``fp8_skinny_config``, activations quantized inside): the activations
     quantized by a launch of their own first ("pre": no per-step quantization on the CUDA cores,
     which every program redoes for all 16 padded rows), deeper pipelines (more weight tiles in
-    flight a program), half-width programs (twice the programs) and twice the K splits."""
+    flight a program), programs of half and twice the width (twice and half the programs, and half
+    and twice the quantization a weight byte) and twice the K splits."""
     split = skinny_split(n, k, SKINNY_MIN_ROWS_PAD)
     more_split = min(SKINNY_MAX_SPLIT, split * 2)
     return {
@@ -279,5 +282,6 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
         "n128 s7 pre": Fp8SkinnyConfig(128, split, 4, 7, quantize=False),
         f"n128 s5 pre split {more_split}": Fp8SkinnyConfig(128, more_split, 4, 5, quantize=False),
         "n64 s5 pre": Fp8SkinnyConfig(64, split, 4, 5, quantize=False),
+        "n256 w8 s3 quant": Fp8SkinnyConfig(256, split, 8, 3),
         "n256 w8 s4 pre": Fp8SkinnyConfig(256, split, 8, 4, quantize=False),
     }
