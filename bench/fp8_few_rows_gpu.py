@@ -22,6 +22,10 @@ Run from the repository root (kvik installed):
 
     python3 bench/fp8_few_rows_gpu.py            # JSON to $OUT/fp8_few_rows_gpu.json if $OUT set
     python3 bench/fp8_few_rows_gpu.py --budget-s 140 --out f.json
+    python3 bench/fp8_few_rows_gpu.py --layers gate_up,down --rows 1,16   # a part of it
+
+Past ``--budget-s`` the remaining checks and timings are skipped (said so on their lines): the
+layers go largest first, so a short budget still measures most of a step's bytes.
 
 Exits 1 if a check failed (the JSON is written first).
 """
@@ -99,17 +103,25 @@ def weight_copies(n: int, k: int) -> tuple[list, int, int]:
     return [first] + [fp8_weight(n, k, "block") for _ in range(copies - 1)], copies, weight_bytes
 
 
-def check_launches(layer: str, products: dict[str, Product], weights: list, failures: list):
+def check_launches(
+    layer: str, products: dict[str, Product], weights: list, deadline: float, failures: list
+) -> set[str]:
     """Each product at ``CHECK_ROWS`` (the one-row GEMV's tilings at one row) against the
-    reference: the names that passed."""
+    reference (its first call compiles it): the names that passed; none checked past the
+    deadline."""
     n, k = LAYERS[layer]
     w, s = weights[0]
     passed = set(products)
+    started = time.time()
     for m in CHECK_ROWS:
         x = activations(m, k)
         ref = reference("block", x, w, s)
         for name, product in products.items():
             if name.startswith(GEMV) and m > 1:
+                continue
+            if time.time() > deadline:
+                passed.discard(name)
+                print(f"check {layer:8} m={m:<3} {name:34} skipped: past the time budget")
                 continue
             try:
                 result = check_product(product, x, w, s, ref)
@@ -119,7 +131,8 @@ def check_launches(layer: str, products: dict[str, Product], weights: list, fail
                 passed.discard(name)
                 failures.append({"layer": layer, "m": m, "launch": name, "why": result["why"]})
                 print(f"check {layer:8} m={m:<3} {name:34} FAIL: {result['why'][:150]}")
-    print(f"check {layer:8} {len(passed)} of {len(products)} launches ok at rows {CHECK_ROWS}")
+    print(f"check {layer:8} {len(passed)} of {len(products)} launches ok at rows {CHECK_ROWS} "
+          f"({time.time() - started:.0f} s with the compiles)")  # fmt: skip
     return passed
 
 
@@ -151,7 +164,7 @@ def sweep_layer(arch: str, layer: str, rows: list[int], deadline: float, failure
     products = {BEFORE: before_product(arch)}
     products |= {name: launch_product(config) for name, config in candidates.items()}
     weights, copies, weight_bytes = weight_copies(n, k)
-    passed = check_launches(layer, products, weights, failures)
+    passed = check_launches(layer, products, weights, deadline, failures)
     records = []
     for m in rows:
         x = activations(m, k)
@@ -243,6 +256,13 @@ def table_text(best: dict, configs: dict[str, dict[str, str]], rows: list[int]) 
     return "\n".join(lines)
 
 
+def layer_names(text: str) -> list[str]:
+    layers = [part.strip() for part in text.split(",") if part.strip()]
+    if not layers or any(layer not in LAYER_ORDER for layer in layers):
+        raise argparse.ArgumentTypeError(f"projections among {LAYER_ORDER}, not {text!r}")
+    return layers
+
+
 def row_counts(text: str) -> list[int]:
     rows = sorted({int(part) for part in text.split(",") if part.strip()})
     limit = tuning.FP8_BLOCK_SKINNY_MIN_ROWS - 1
@@ -259,6 +279,8 @@ def main() -> int:
     parser.add_argument("--out", default=out, help="the JSON file ($OUT/fp8_few_rows_gpu.json)")
     parser.add_argument("--rows", type=row_counts, default=list(ROWS),
                         help="row counts, comma-separated (default 1,2,4,8,16)")  # fmt: skip
+    parser.add_argument("--layers", type=layer_names, default=list(LAYER_ORDER),
+                        help="projections, comma-separated (default gate_up,down,qkv,o)")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=140.0,
                         help="skip the remaining timings past this many seconds")  # fmt: skip
     args = parser.parse_args()
@@ -272,6 +294,11 @@ def main() -> int:
     records: list[dict] = []
     configs: dict[str, dict[str, str]] = {}
     for seed, layer in enumerate(LAYER_ORDER):
+        if layer not in args.layers:
+            continue
+        if time.time() > deadline:
+            print(f"{layer}: skipped, past the time budget")
+            continue
         torch.manual_seed(200 + seed)
         layer_records, configs[layer] = sweep_layer(arch, layer, args.rows, deadline, failures)
         records += layer_records
