@@ -270,13 +270,15 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
     quantized by a launch of their own first ("pre": no per-step quantization on the CUDA cores,
     which every program redoes for all 16 padded rows), deeper pipelines (more weight tiles in
     flight a program), programs of half and twice the width (twice and half the programs, and half
-    and twice the quantization a weight byte) and twice the K splits."""
+    and twice the quantization a weight byte), 8 warps (half the quantization a thread) and twice
+    the K splits."""
     split = skinny_split(n, k, SKINNY_MIN_ROWS_PAD)
     more_split = min(SKINNY_MAX_SPLIT, split * 2)
     return {
         "n128 s3 quant (tuning)": Fp8SkinnyConfig(128, split, 4, 3),
         "n128 s5 quant": Fp8SkinnyConfig(128, split, 4, 5),
         "n64 s4 quant": Fp8SkinnyConfig(64, split, 4, 4),
+        "n128 w8 s4 quant": Fp8SkinnyConfig(128, split, 8, 4),
         "n128 s3 pre": Fp8SkinnyConfig(128, split, 4, 3, quantize=False),
         "n128 s5 pre": Fp8SkinnyConfig(128, split, 4, 5, quantize=False),
         "n128 s7 pre": Fp8SkinnyConfig(128, split, 4, 7, quantize=False),
