@@ -2,7 +2,6 @@
 (issue 16's op goals), in one call of well under two minutes on an H200:
 
     python bench/moe_gpu.py [--tokens 1,8,64,4096] [--dtypes bfloat16,fp8] [--sets 8] [--json F]
-        [--gemv-sweep 1,2,4]
 
 Shapes: hidden 2048, 128 experts, 8 routed per token (renormalised), expert intermediate 768.
 Random experts (normal, std fan_in**-0.5); the FP8 experts are those weights quantized to e4m3 with
@@ -26,11 +25,6 @@ experts routed to, times 3 * I * H weights, plus FP8's tile scales) and its frac
 4.28 TB/s copy bandwidth (issue 16: >= 60%); at prefill counts the TFLOP/s (6 * M * k * I * H) and
 its fraction of 790 TFLOP/s for bf16 (issue 16: >= 50% at 4096) and of 1451 TFLOP/s (fp8
 ``_scaled_mm``) for FP8. The JSON goes to $OUT/moe_gpu.json where OUT is set, and to --json.
-
-``--gemv-sweep`` first times, at the token counts it names, bf16 experts through the GEMV form
-of the op at each candidate tiling (``GEMV_CANDIDATES``) and through the grouped GEMMs at the
-table's tiles, each checked against the reference, and prints the fastest:
-``kvik_cuda.moe_tuning``'s MOE_GEMV and MOE_GEMV_MAX_TOKENS take what it finds.
 """
 
 from __future__ import annotations
@@ -91,14 +85,10 @@ class Experts:
 
     def configs(self, tokens: int) -> list[list[int]]:
         from kvik.triton_kernels.attention import device_arch
-        from kvik.triton_kernels.fused_moe import moe_configs, moe_gemv_config
+        from kvik.triton_kernels.fused_moe import moe_configs
 
         dtype = self.tensors[0].dtype
         arch = device_arch(torch.device("cuda"))[0]
-        if self.name == "bfloat16":
-            gemv = moe_gemv_config(arch, tokens, EXPERTS, INTER, HIDDEN, TOP_K, dtype)
-            if gemv is not None:
-                return [["gemv", *vars(gemv).values()]]
         chosen = moe_configs(arch, tokens, EXPERTS, INTER, HIDDEN, TOP_K, dtype)
         return [list(vars(c).values()) for c in chosen]
 
@@ -157,64 +147,6 @@ def print_row(r: dict) -> None:
     )
 
 
-def gemv_candidates():
-    from kvik.triton_kernels.fused_moe import MoeGemvConfig
-
-    ups = [(32, 256), (16, 256), (64, 128), (16, 512), (32, 128)]
-    downs = [(16, 256), (8, 256), (32, 128), (16, 128)]
-    return [
-        MoeGemvConfig(un, uk, dn, dk, warps, stages)
-        for (un, uk) in ups
-        for (dn, dk) in downs
-        for warps, stages in [(4, 3)]
-    ] + [MoeGemvConfig(32, 256, 16, 256, 8, 3), MoeGemvConfig(32, 256, 16, 256, 4, 4)]
-
-
-def gemv_sweep(w13, w2, token_counts, sets: int, generator) -> list[dict]:
-    """The GEMV form at each candidate tiling and the grouped GEMMs, per token count."""
-    from triton.testing import do_bench_cudagraph
-
-    from kvik import ops
-    from kvik.triton_kernels.attention import device_arch
-    from kvik.triton_kernels.fused_moe import fused_moe, moe_configs
-
-    arch = device_arch(torch.device("cuda"))[0]
-    records = []
-    for tokens in token_counts:
-        inputs = [
-            (
-                torch.randn(tokens, HIDDEN, device="cuda", generator=generator).bfloat16(),
-                torch.randn(tokens, EXPERTS, device="cuda", generator=generator).bfloat16(),
-            )
-            for _ in range(sets)
-        ]
-        hidden, logits = inputs[0]
-        ref = ops._fused_moe(hidden.float(), logits.float(), w13.float(), w2.float(), TOP_K, True)
-        grouped = moe_configs(arch, tokens, EXPERTS, INTER, HIDDEN, TOP_K, w13.dtype)
-        best = None
-        for config in [grouped, *gemv_candidates()]:
-            error = relative_error(fused_moe(hidden, logits, w13, w2, TOP_K, True, config), ref)
-
-            def all_sets(config=config, inputs=inputs) -> None:
-                for h, lg in inputs:
-                    fused_moe(h, lg, w13, w2, TOP_K, True, config)
-
-            us = do_bench_cudagraph(all_sets, rep=60, return_mode="median") / sets * 1e3
-            name = (
-                "grouped"
-                if config is grouped
-                else "gemv " + " ".join(str(v) for v in vars(config).values())
-            )
-            record = {"tokens": tokens, "form": name, "us": us, "relative_error": error,
-                      "correct": error < TOLERANCE["bfloat16"]}  # fmt: skip
-            records.append(record)
-            if record["correct"] and (best is None or us < best["us"]):
-                best = record
-            print(f"sweep M={tokens:<3} {name:32} {us:7.1f} us  rel.err {error:.1e}", flush=True)
-        print(f"sweep M={tokens}: fastest {best['form']} at {best['us']:.1f} us", flush=True)
-    return records
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -224,7 +156,6 @@ def main() -> int:
     parser.add_argument("--sets", type=int, default=8, help="input sets timed in turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the records here")
-    parser.add_argument("--gemv-sweep", default="", help="token counts to sweep the GEMV form at")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/moe_gpu.py needs a CUDA GPU")
@@ -240,10 +171,6 @@ def main() -> int:
     w13 = (w13 * HIDDEN**-0.5).bfloat16()
     w2 = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", generator=generator) * INTER**-0.5
     w2 = w2.bfloat16()
-    sweep = []
-    if args.gemv_sweep:
-        counts = [int(t) for t in args.gemv_sweep.split(",")]
-        sweep = gemv_sweep(w13, w2, counts, args.sets, generator)
     records = []
     for name in dtypes:
         experts = Experts(name, w13, w2)
@@ -257,7 +184,6 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": time.monotonic() - start,
         "records": records,
-        "gemv_sweep": sweep,
     }
     text = json.dumps(result, indent=1) + "\n"
     for path in [args.json, os.environ.get("OUT") and Path(os.environ["OUT"]) / "moe_gpu.json"]:

@@ -27,8 +27,6 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     align_constexprs,
     moe_align_kernel,
     moe_gemm_kernel,
-    moe_gemv_down_kernel,
-    moe_gemv_up_kernel,
     moe_routing_kernel,
     moe_scatter_kernel,
 )
@@ -320,35 +318,6 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
         )
         if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
             assert "wgmma" in compiled.asm["ptx"]
-
-
-def moe_gemv_chooser(arch: str):
-    package = "kvik_cuda" if arch.startswith("sm") else "kvik_rocm"
-    return getattr(importlib.import_module(f"{package}.moe_tuning"), "fused_moe_gemv_config", None)
-
-
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_moe_gemv(arch, dtype) -> None:
-    """The GEMV form's two kernels at the tiles the platform picks for a one-token step of
-    Qwen3-30B-A3B's experts (where it picks the form)."""
-    chooser = moe_gemv_chooser(arch)
-    config = chooser(arch, 1, 128, 768, 2048, 8, dtype) if chooser else None
-    if config is None:
-        pytest.skip(f"{arch} takes the grouped GEMMs at one token")
-    routing = {"TOP_K": 8, "TOP_K_PAD": 8, "E_PAD": 128, "RENORMALIZE": True}
-    for kernel, block_n, block_k in (
-        (moe_gemv_up_kernel, config.up_block_n, config.up_block_k),
-        (moe_gemv_down_kernel, config.down_block_n, config.down_block_k),
-    ):
-        compiled_ok(
-            kernel,
-            arch,
-            types=types(kernel, dtype),
-            constexprs=routing | {"BLOCK_N": block_n, "BLOCK_K": block_k},
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

@@ -23,7 +23,6 @@ from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
 from kvik.triton_kernels.fused_moe import (
     MoeConfig,
-    MoeGemvConfig,
     align_to_blocks,
     fused_moe,
     max_row_blocks,
@@ -718,40 +717,6 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     out = fused_moe(x, logits, w13, w2, top_k, True, configs)
     ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
     check(out, ref, torch.float32)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("tokens", "experts", "hidden", "inter", "top_k", "renormalize", "unused"),
-    [(1, 16, 96, 40, 4, True, 0), (2, 8, 72, 48, 2, False, 3), (3, 6, 64, 32, 1, True, 0)]
-    if not ON_GPU
-    else [(1, 128, 2048, 768, 8, True, 0), (2, 128, 2048, 768, 8, True, 64),
-          (2, 8, 4096, 14336 // 8, 2, False, 0)],
-)  # fmt: skip
-@pytest.mark.parametrize(
-    "config",
-    [MoeGemvConfig(16, 32, 16, 32, 4, 2), MoeGemvConfig(8, 64, 32, 16, 4, 3)],
-    ids=["even", "other"],
-)
-def test_fused_moe_gemv(dtype, tokens, experts, hidden, inter, top_k, renormalize, unused, config):
-    """The GEMV form (each program routing its token itself, the down product summing the top k
-    in fp32) against the float64 reference: column and inner sizes that the tiles do not divide,
-    top-1, and experts no token may choose."""
-    x = randn(tokens, hidden, dtype=dtype)
-    logits = router_logits(tokens, experts, unused, dtype)
-    w13 = randn(experts, 2 * inter, hidden, dtype=dtype) * hidden**-0.5
-    w2 = randn(experts, hidden, inter, dtype=dtype) * inter**-0.5
-    poison_allocator()
-    out = fused_moe(x, logits, w13, w2, top_k, renormalize, config)
-    ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, renormalize)
-    check(out, ref, dtype)
-    if dtype not in DOT_DTYPES:  # the interpreter's tl.dot takes no bf16
-        return
-    # The grouped GEMMs on the same inputs agree with it to rounding.
-    grouped = fused_moe(
-        x, logits, w13, w2, top_k, renormalize, (MoeConfig(16, 32, 32, 1, 4, 2),) * 2
-    )
-    check(out, grouped.double(), dtype)
 
 
 def test_fused_moe_without_tokens() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvik.triton_kernels.fused_moe import MoeConfig, MoeGemvConfig
+from kvik.triton_kernels.fused_moe import MoeConfig
 
 TABLE = Path(__file__).with_name("fused_moe_configs.json")
 
@@ -70,25 +70,6 @@ def fused_moe_config(
         return config, config
     at_least = [t for t in sorted(rows) if t >= num_tokens]
     return rows[at_least[0] if at_least else max(rows)]
-
-
-#: The GEMV form of the fused MoE (kvik.triton_kernels.fused_moe) takes steps of up to this many
-#: tokens with 16-bit experts on Hopper: there the grouped GEMMs' routing, alignment and final sum
-#: cost more than the experts' bytes (docs/benchmarks.md, "Fused MoE tuning").
-MOE_GEMV_MAX_TOKENS = 2
-MOE_GEMV = MoeGemvConfig(
-    up_block_n=32, up_block_k=256, down_block_n=16, down_block_k=256, num_warps=4, num_stages=3
-)
-
-
-def fused_moe_gemv_config(
-    arch: str, num_tokens: int, experts: int, inter: int, hidden: int, top_k: int, dtype
-) -> MoeGemvConfig | None:
-    """The GEMV form's tiles for a step on ``arch``, or None for the grouped GEMMs: decode steps
-    of at most MOE_GEMV_MAX_TOKENS tokens of bf16 or fp16 experts on sm90 (measured there)."""
-    if arch != "sm90" or num_tokens > MOE_GEMV_MAX_TOKENS or dtype.itemsize != 2:
-        return None
-    return MOE_GEMV
 
 
 def dump_tables(data: dict[str, Any]) -> str:

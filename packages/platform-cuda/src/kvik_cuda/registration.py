@@ -14,17 +14,12 @@ import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import register_attention_configs
-from kvik.triton_kernels.fused_moe import (
-    fused_moe,
-    fused_moe_fp8_block,
-    register_moe_configs,
-    register_moe_gemv_configs,
-)
+from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
 from kvik_cuda import fp8
-from kvik_cuda.moe_tuning import fused_moe_config, fused_moe_gemv_config
+from kvik_cuda.moe_tuning import fused_moe_config
 from kvik_cuda.tuning import attention_config
 
 KERNELS = {
@@ -48,4 +43,3 @@ def register_kernels() -> None:
         torch.library.register_kernel(op, "cuda", kernel)
     register_attention_configs("sm", attention_config)
     register_moe_configs("sm", fused_moe_config)
-    register_moe_gemv_configs("sm", fused_moe_gemv_config)

@@ -19,14 +19,6 @@ step replays under a CUDA graph (nothing is read back to the host):
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
 
-A decode step of one or two tokens reads a few experts' weights once and does nothing else worth
-a launch: there the platform may choose the GEMV form (``MoeGemvConfig``), two launches in all.
-``moe_gemv_up_kernel`` gives each (token, k) pair's program block of gated columns; it routes its
-token itself (the routing kernel's code, recomputed per program: a softmax over the experts is
-nothing beside the weight tile it then reads) and multiplies on the CUDA cores, one row needing no
-tensor core. ``moe_gemv_down_kernel`` gives each token's program a block of output columns and sums
-its top-k experts' down projections, weighted, in fp32: no per-pair output, no sum after.
-
 Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
 two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
 down GEMM); the GEMMs multiply e4m3 tiles and scale each K step's product by its row group's
@@ -104,79 +96,6 @@ def moe_configs(
     return _CHOOSERS[prefixes[0]](arch, num_tokens, experts, inter, hidden, top_k, dtype)
 
 
-@dataclass(frozen=True)
-class MoeGemvConfig:
-    """The GEMV form's tiles: output columns by inner-dimension step, for the gated gate/up
-    product (per pair) and for the down product (per token), with warps and pipeline stages."""
-
-    up_block_n: int
-    up_block_k: int
-    down_block_n: int
-    down_block_k: int
-    num_warps: int
-    num_stages: int
-
-
-#: (arch, num_tokens, num_experts, intermediate, hidden, top_k, dtype) -> the GEMV form's tiles,
-#: or None for the grouped GEMMs.
-MoeGemvChooser = Callable[[str, int, int, int, int, int, torch.dtype], "MoeGemvConfig | None"]
-_GEMV_CHOOSERS: dict[str, MoeGemvChooser] = {}
-
-
-def register_moe_gemv_configs(arch_prefix: str, chooser: MoeGemvChooser) -> None:
-    """Make ``chooser`` decide, on every architecture whose name starts with ``arch_prefix``,
-    which token counts take the GEMV form and with which tiles (None: the grouped GEMMs)."""
-    if not arch_prefix:
-        raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
-    _GEMV_CHOOSERS[arch_prefix] = chooser
-    moe_gemv_config.cache_clear()
-
-
-@functools.cache
-def moe_gemv_config(
-    arch: str, num_tokens: int, experts: int, inter: int, hidden: int, top_k: int, dtype
-) -> MoeGemvConfig | None:
-    prefixes = sorted((p for p in _GEMV_CHOOSERS if arch.startswith(p)), key=len, reverse=True)
-    if not prefixes:
-        return None
-    return _GEMV_CHOOSERS[prefixes[0]](arch, num_tokens, experts, inter, hidden, top_k, dtype)
-
-
-@triton.jit
-def _route_token(
-    logits_ptr,
-    row,
-    num_experts,
-    logits_stride,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """One token's (top-k weights, top-k expert ids), [TOP_K_PAD] each: softmax over the router
-    logits in fp32, the top k by repeated arg-max (the lowest expert among equals), renormalised
-    where the model says."""
-    cols = tl.arange(0, E_PAD)
-    valid = cols < num_experts
-    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(valid, p, -1.0)  # below any probability: never picked
-    ks = tl.arange(0, TOP_K_PAD)
-    top_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
-    top_i = tl.zeros([TOP_K_PAD], dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        index = tl.min(tl.where(p == best, cols, E_PAD), 0)
-        top_w = tl.where(ks == k, best, top_w)
-        top_i = tl.where(ks == k, index, top_i)
-        p = tl.where(cols == index, -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 0)
-    return top_w, top_i
-
-
 @triton.jit
 def moe_routing_kernel(
     logits_ptr,
@@ -190,109 +109,26 @@ def moe_routing_kernel(
     RENORMALIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _route_token(
-        logits_ptr, row, num_experts, logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE
-    )
+    cols = tl.arange(0, E_PAD)
+    valid = cols < num_experts
+    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
+    x = x.to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(valid, p, -1.0)  # below any probability: never picked
     ks = tl.arange(0, TOP_K_PAD)
+    top_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
+    top_i = tl.zeros([TOP_K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        index = tl.min(tl.where(p == best, cols, E_PAD), 0)  # the lowest expert among equals
+        top_w = tl.where(ks == k, best, top_w)
+        top_i = tl.where(ks == k, index, top_i)
+        p = tl.where(cols == index, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
     tl.store(weights_ptr + row * TOP_K + ks, top_w, mask=ks < TOP_K)
     tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=ks < TOP_K)
-
-
-@triton.jit
-def moe_gemv_up_kernel(
-    hidden_ptr,  # [T, K]
-    logits_ptr,  # [T, E]
-    w_ptr,  # [E, 2N, K]: gate rows, then up rows
-    act_ptr,  # [T * TOP_K, N]: silu(gate) * up per (token, k) pair
-    num_experts,
-    N,
-    K,
-    stride_h,
-    stride_l,
-    stride_we,
-    stride_wn,
-    stride_act,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pair = tl.program_id(0)
-    token = (pair // TOP_K).to(tl.int64)
-    slot = pair % TOP_K
-    _, top_i = _route_token(
-        logits_ptr, token, num_experts, stride_l, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE
-    )
-    expert = tl.sum(tl.where(tl.arange(0, TOP_K_PAD) == slot, top_i, 0), 0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-    acc_gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + ks
-        k_ok = k < K
-        x = tl.load(hidden_ptr + token * stride_h + k, mask=k_ok, other=0.0).to(tl.float32)
-        mask = col_ok[:, None] & k_ok[None, :]
-        gate = tl.load(w_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(w_rows + N * stride_wn + k[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc_gate += tl.sum(gate * x[None, :], 1)
-        acc_up += tl.sum(up * x[None, :], 1)
-    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(
-        act_ptr + pair.to(tl.int64) * stride_act + cols,
-        act.to(act_ptr.dtype.element_ty),
-        mask=col_ok,
-    )
-
-
-@triton.jit
-def moe_gemv_down_kernel(
-    act_ptr,  # [T * TOP_K, K]
-    logits_ptr,  # [T, E]
-    w_ptr,  # [E, N, K]
-    out_ptr,  # [T, N]
-    num_experts,
-    N,
-    K,
-    stride_act,
-    stride_l,
-    stride_we,
-    stride_wn,
-    stride_out,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    top_w, top_i = _route_token(
-        logits_ptr, token, num_experts, stride_l, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE
-    )
-    slots = tl.arange(0, TOP_K_PAD)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        expert = tl.sum(tl.where(slots == slot, top_i, 0), 0).to(tl.int64)
-        weight = tl.sum(tl.where(slots == slot, top_w, 0.0), 0)
-        w_rows = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        a_row = act_ptr + (token * TOP_K + slot) * stride_act
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            k_ok = k < K
-            a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            part += tl.sum(w.to(tl.float32) * a[None, :], 1)
-        acc += weight * part
-    tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -535,12 +371,11 @@ def fused_moe(
     w2: Tensor,
     top_k: int,
     renormalize: bool,
-    configs: tuple[MoeConfig, MoeConfig] | MoeGemvConfig | None = None,
+    configs: tuple[MoeConfig, MoeConfig] | None = None,
 ) -> Tensor:
     """``kvik.ops.fused_moe`` on the GPU (or the CPU under the interpreter): hidden [T, H],
     router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H]. ``configs`` overrides the
-    registered launch configurations (the tuning script's sweeps): the grouped GEMMs' (gate/up,
-    down), or the GEMV form's tiles."""
+    registered (gate/up, down) launch configurations (the tuning script's sweeps)."""
     from kvik.triton_kernels.attention import device_arch
 
     check_fused_moe_shapes(hidden, router_logits, w13, w2, top_k)
@@ -550,11 +385,7 @@ def fused_moe(
         return torch.empty_like(hidden)
     if configs is None:
         arch = device_arch(hidden.device)[0]
-        configs = moe_gemv_config(arch, tokens, experts, inter, size, top_k, hidden.dtype)
-        if configs is None:
-            configs = moe_configs(arch, tokens, experts, inter, size, top_k, hidden.dtype)
-    if isinstance(configs, MoeGemvConfig):
-        return fused_moe_gemv(hidden, router_logits, w13, w2, top_k, renormalize, configs)
+        configs = moe_configs(arch, tokens, experts, inter, size, top_k, hidden.dtype)
     up_config, down_config = configs
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
     weights, ids = route(router_logits, top_k, renormalize)
@@ -569,43 +400,6 @@ def fused_moe(
     if top_k == 1:
         return out
     return out.view(tokens, top_k, size).sum(dim=1)
-
-
-def fused_moe_gemv(
-    hidden: Tensor,
-    router_logits: Tensor,
-    w13: Tensor,
-    w2: Tensor,
-    top_k: int,
-    renormalize: bool,
-    config: MoeGemvConfig,
-) -> Tensor:
-    """The GEMV form of ``fused_moe`` (shapes checked there): two launches, each routing its
-    tokens itself."""
-    tokens, size = hidden.shape
-    experts, inter = w13.shape[0], w2.shape[2]
-    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
-    router_logits = router_logits.contiguous()
-    routing = {
-        "TOP_K": top_k,
-        "TOP_K_PAD": triton.next_power_of_2(top_k),
-        "E_PAD": triton.next_power_of_2(experts),
-        "RENORMALIZE": renormalize,
-    }
-    launch = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    act = torch.empty(tokens * top_k, inter, dtype=hidden.dtype, device=hidden.device)
-    moe_gemv_up_kernel[(tokens * top_k, triton.cdiv(inter, config.up_block_n))](
-        hidden, router_logits, w13, act, experts, inter, size, hidden.stride(0),
-        router_logits.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **routing,
-        BLOCK_N=config.up_block_n, BLOCK_K=config.up_block_k, **launch,
-    )  # fmt: skip
-    out = torch.empty(tokens, size, dtype=hidden.dtype, device=hidden.device)
-    moe_gemv_down_kernel[(tokens, triton.cdiv(size, config.down_block_n))](
-        act, router_logits, w2, out, experts, size, inter, act.stride(0),
-        router_logits.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **routing,
-        BLOCK_N=config.down_block_n, BLOCK_K=config.down_block_k, **launch,
-    )  # fmt: skip
-    return out
 
 
 def fused_moe_fp8_block(
