@@ -107,13 +107,6 @@ class OneRowLinear:
         self.config = config
 
     def __call__(self, x: Tensor) -> Tensor:
-        # Not while torch.compile traces (piecewise graphs of prompt chunks): the row count is
-        # symbolic there, and branching on it would recompile the model per count.
-        if (
-            x.dim() == 2
-            and not torch.compiler.is_compiling()
-            and 1 <= x.shape[0] <= self.config.max_rows
-            and x.is_contiguous()
-        ):
+        if x.dim() == 2 and 1 <= x.shape[0] <= self.config.max_rows and x.is_contiguous():
             return gemv(x, self.weight, self.bias, self.config)
         return F.linear(x, self.weight, self.bias)
