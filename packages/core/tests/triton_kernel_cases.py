@@ -199,24 +199,6 @@ def test_one_row_linear_takes_the_gemv_for_one_row_only() -> None:
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
-def test_gemv_of_a_few_rows_matches_each_row_alone(dtype: torch.dtype) -> None:
-    """Up to max_rows rows take the GEMV; each row's result equals that row computed alone, bit
-    for bit (a verification's rows round as decode rows do), and matches the float64 product."""
-    n, k = (6144, 4096) if ON_GPU else (37, 300)
-    config = GemvConfig(8, 128, 1, 1, max_rows=8)
-    weight = randn(n, k, dtype=dtype)
-    kernel = OneRowLinear(weight, None, config)
-    for rows in (2, 5, 8):
-        x = randn(rows, k, dtype=dtype)
-        out = kernel(x)
-        check(out, torch.nn.functional.linear(cpu64(x), cpu64(weight)), dtype)
-        for r in range(rows):
-            assert torch.equal(out[r : r + 1], kernel(x[r : r + 1].contiguous()))
-    x = randn(9, k, dtype=dtype)  # past max_rows: F.linear
-    assert torch.equal(kernel(x), torch.nn.functional.linear(x, weight))
-
-
-@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
 def test_reshape_and_cache_skips_negative_slots(dtype: torch.dtype) -> None:
     tokens, kv_heads, head_size, num_blocks = (500, 8, 128, 64) if ON_GPU else (9, 3, 64, 4)
     cache = randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)

@@ -3,9 +3,8 @@ shapes where it beats cuBLAS.
 
 A batch-1 decode step reads every weight once; cuBLAS covers the narrower layers with split-K
 kernels and a reduction launch each, where the GEMV is one launch (kvik.triton_kernels.gemv). The
-choice is per layer shape and architecture (kvik_cuda.tuning.gemv_config). Inputs of up to
-``GEMV_MAX_ROWS`` rows take the GEMV too (a verification's k + 1 rows, small decode batches: each
-row rounds as it would alone); larger ones stay on cuBLAS.
+choice is per layer shape and architecture (kvik_cuda.tuning.gemv_config); every other batch size
+stays on cuBLAS.
 """
 
 from __future__ import annotations

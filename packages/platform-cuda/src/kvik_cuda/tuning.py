@@ -39,9 +39,6 @@ def attention_config(
 #: the programs few (N / block_n), and cuBLAS's split-K product wins (Llama-3.1-8B's down_proj,
 #: K = 14336, on the H200: docs/benchmarks.md).
 GEMV_MAX_K = 8192
-#: Inputs of up to this many rows take the GEMV (a speculative verification of k <= 7 drafts, small
-#: decode batches): a weight tile read once serves every row (bench/gemv_rows_gpu.py).
-GEMV_MAX_ROWS = 8
 
 
 def gemv_config(arch: str, out_features: int, in_features: int) -> GemvConfig | None:
@@ -53,10 +50,8 @@ def gemv_config(arch: str, out_features: int, in_features: int) -> GemvConfig | 
     if arch != "sm90" or in_features > GEMV_MAX_K:
         return None
     if out_features >= 16384:
-        return GemvConfig(
-            block_n=32, block_k=256, num_warps=4, num_stages=4, max_rows=GEMV_MAX_ROWS
-        )
-    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3, max_rows=GEMV_MAX_ROWS)
+        return GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4)
+    return GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3)
 
 
 #: The fp8 tiled kernel's tiles on Hopper and Blackwell, by the rows of the product: 128 x 128

@@ -1,8 +1,5 @@
 """A one-row matrix product, ``out [1, N] = x [1, K] @ weight [N, K]^T (+ bias)``: a batch-1
-decode step's projections, where the time is the weight's bytes over the memory bandwidth. Up to
-``GemvConfig.max_rows`` rows take it too (a speculative verification's k + 1 rows, small decode
-batches): each weight tile is read once for all rows, and a row's sums run in the same order
-whatever the row count, so a row's result does not depend on the rows beside it.
+decode step's projections, where the time is the weight's bytes over the memory bandwidth.
 
 cuBLAS covers a narrow layer's weight with few tiles and adds split-K passes and a reduction
 kernel to fill the GPU; here each program owns ``BLOCK_N`` whole output columns and loops over all
@@ -29,7 +26,6 @@ class GemvConfig:
     block_k: int  # inner-dimension elements per loop step
     num_warps: int
     num_stages: int
-    max_rows: int = 1  # inputs of up to this many rows take the GEMV
 
 
 @triton.jit
@@ -81,25 +77,22 @@ def gemv_kernel(
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> Tensor:
-    """x [M, K] (contiguous, 1 <= M <= config.max_rows), weight [N, K] (rows contiguous) ->
-    [M, N] in x's dtype."""
-    m = x.shape[0]
-    assert 1 <= m <= config.max_rows and x.is_contiguous() and weight.stride(1) == 1
+    """x [1, K] (contiguous), weight [N, K] (rows contiguous) -> [1, N] in x's dtype."""
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
     n, k = weight.shape
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, weight if bias is None else bias, out, m, n, x.stride(0), weight.stride(0),
-        out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        x, weight, weight if bias is None else bias, out, 1, n, x.stride(0), weight.stride(0),
+        out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=1, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out
 
 
 class OneRowLinear:
-    """The GEMV for inputs of one row (a batch-1 decode step, eager or in its CUDA graph) up to
-    ``config.max_rows``, ``F.linear`` for every other shape: the CUDA platform's unquantized
-    kernel for the layers its tuning accepts (kvik_cuda.linear)."""
+    """The GEMV for one-row inputs (a batch-1 decode step, eager or in its CUDA graph),
+    ``F.linear`` for every other shape: the CUDA platform's unquantized kernel for the layers its
+    tuning accepts (kvik_cuda.linear)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> None:
         self.weight = weight
@@ -107,6 +100,6 @@ class OneRowLinear:
         self.config = config
 
     def __call__(self, x: Tensor) -> Tensor:
-        if x.dim() == 2 and 1 <= x.shape[0] <= self.config.max_rows and x.is_contiguous():
+        if x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
             return gemv(x, self.weight, self.bias, self.config)
         return F.linear(x, self.weight, self.bias)
