@@ -2,32 +2,53 @@
 
 The head reads, per position, the inputs of three target layers (``aux_hidden_state_layers``, as
 vLLM names them: the checkpoint's ``eagle_aux_hidden_state_layer_ids`` or vLLM's default for the
-target's depth). They are taken with forward pre-hooks on those decoder layers, so models need no
-change; a layer's input is its residual stream ``hidden + residual`` (the fused form kvik's layers
-hand on). Hooks only fire when the model's layers run from Python, so with EAGLE-3 every target
-step runs eagerly (no CUDA graphs, no compiled pieces, no CPU one-call decode).
+target's depth). Forward pre-hooks on those decoder layers copy them (a layer's input is its
+residual stream ``hidden + residual``, the fused form kvik's layers hand on) into a persistent
+buffer ``aux`` [max_num_tokens, 3 * hidden], so models need no change, and a FULL CUDA graph
+captured from the eagerly run layers records the copies and replays them. Compiled code does not
+run hooks: the engine turns compilation off with EAGLE-3 (``speculative_compilation``), and the
+CPU's one-call decode is turned off too (``StepRunner.run_layers_in_python``).
 
-Per request the proposer keeps the head's input rows (``fc`` of the three states) of every
-computed position whose token is known, and proposes with ``Eagle3Head.propose_greedy`` over the
-last ``WINDOW`` rows: the head's one layer is recomputed over them at each draft step (the head
-keeps no KV cache of its own yet).
+The head's one layer keeps a KV cache laid out in the target's blocks, as a draft model's is
+(kvik.spec_decode.draft_model): a request's block table serves both, and its attention runs
+through the runner's attention backend. After each target step (``propose``):
+
+1. One batched pass of the head over all the step's rows writes its cache. Row ``p`` pairs the
+   target's state at position ``p`` with the token at ``p + 1``: the next row's input token, or
+   for a request's last known row the token the step sampled (or the prompt's next token). In a
+   verification, the rows after the last accepted draft pair with rejected drafts: their keys are
+   garbage, but they sit past the request's known tokens, and the draft steps below (and the next
+   step's rows) overwrite them before anything reads them, as in vLLM's EAGLE proposer.
+2. The first draft of every proposing request is the argmax at its last known row.
+3. ``k - 1`` draft steps of one row per request, all requests at once: the row at the position
+   after the previous one, fed with the previous draft and the previous row's pre-norm output as
+   its hidden state, written into the cache at that position (the scheduler allocates these
+   ``num_lookahead_tokens`` slots).
+
+Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from kvik.attention.backend import AttentionMetadata, AttentionSpec
+from kvik.attention.selector import select_attention_backend
+from kvik.layers.attention import Attention
+from kvik.layers.rotary import RotaryEmbedding
 from kvik.spec_decode.eagle3 import default_aux_layer_ids, load_eagle3_head
 from kvik.spec_decode.proposer import Proposer
+from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
-    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.model_runner import ModelRunner, StepInputs
 
-#: Head rows a proposal attends over (the newest ones).
-WINDOW = 1024
+#: The head's attention layer in its forward context.
+LAYER_NAME = "eagle3.midlayer.self_attn.attn"
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -47,21 +68,23 @@ class Eagle3Proposer(Proposer):
         config = runner.config
         target = runner.model
         layers = _decoder_layers(target)
-        embedding = target.model.embed_tokens
         self.head = load_eagle3_head(
-            config.speculative.model, embedding, dtype=runner.dtype, device=runner.device
+            config.speculative.model,
+            target.model.embed_tokens,
+            dtype=runner.dtype,
+            device=runner.device,
         )
         head_config = self.head.config
-        hf = config.model.hf_config
+        hidden_size = config.model.hf_config.hidden_size
         if head_config.vocab_size != config.model.vocab_size:
             raise ValueError(
                 f"the EAGLE-3 head's vocab_size is {head_config.vocab_size}, the target's "
                 f"{config.model.vocab_size}: the head belongs to another model"
             )
-        if head_config.target_hidden_size != hf.hidden_size:
+        if head_config.target_hidden_size != hidden_size:
             raise ValueError(
                 f"the EAGLE-3 head reads hidden states of size {head_config.target_hidden_size}, "
-                f"the target's are {hf.hidden_size}: the head belongs to another model"
+                f"the target's are {hidden_size}: the head belongs to another model"
             )
         ids = head_config.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(len(layers))
         if len(ids) != 3 or not all(0 <= i < len(layers) for i in ids):
@@ -69,71 +92,218 @@ class Eagle3Proposer(Proposer):
                 f"EAGLE-3 reads three of the target's {len(layers)} layers; the head names {ids}"
             )
         self.aux_layer_ids = list(ids)
-        self._captured: dict[int, Tensor] | None = None
-        for i in self.aux_layer_ids:
-            layers[i].register_forward_pre_hook(self._capture_hook(i))
-        self._aux: Tensor | None = None
-        # Per request: its head input rows, from position ``first[id]`` on.
-        self.rows: dict[str, Tensor] = {}
-        self.first: dict[str, int] = {}
+        self.k = config.speculative.num_speculative_tokens
+        device = runner.device
+        # Written by the hooks at every forward of the target (graph captures included).
+        self.aux = torch.zeros(
+            runner.max_num_tokens, 3 * hidden_size, dtype=runner.dtype, device=device
+        )
+        for slot, i in enumerate(self.aux_layer_ids):
+            columns = slice(slot * hidden_size, (slot + 1) * hidden_size)
+            layers[i].register_forward_pre_hook(self._copy_hook(columns))
+        runner.step_runner.run_layers_in_python()
+        self._init_attention(runner)
+        self._init_draft_buffers(runner)
 
-    def _capture_hook(self, index: int):
+    def _copy_hook(self, columns: slice):
         def hook(module: nn.Module, args: tuple) -> None:
-            if self._captured is not None:
-                hidden, residual = args[1], args[2]
-                self._captured[index] = hidden if residual is None else hidden + residual
+            hidden, residual = args[1], args[2]
+            out = self.aux[: hidden.shape[0], columns]
+            if residual is None:
+                out.copy_(hidden)
+            else:
+                torch.add(hidden, residual, out=out)
 
         return hook
 
-    def drop(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
-        self.first.pop(request_id, None)
+    def _init_attention(self, runner: ModelRunner) -> None:
+        c = self.head.config
+        self.attn = Attention(
+            c.num_attention_heads, c.head_dim, c.head_dim**-0.5, c.num_key_value_heads, LAYER_NAME
+        ).to(runner.device)
+        # The head's cache holds the model's dtype (no FP8 scales of its own).
+        self.cache_dtype = runner.dtype
+        self.backend = select_attention_backend(
+            runner.platform, runner.dtype, c.head_dim, runner.block_size, self.cache_dtype
+        )
+        impl = self.backend.impl_class()(
+            c.num_attention_heads, c.head_dim, self.attn.scale, c.num_key_value_heads, None
+        )
+        impl.k_scale, impl.v_scale = self.attn.k_scale, self.attn.v_scale
+        self.attn.impl = impl
+        self.builder = self.backend.builder_class()(
+            self.backend,
+            AttentionSpec(
+                num_heads=c.num_attention_heads,
+                num_kv_heads=c.num_key_value_heads,
+                head_size=c.head_dim,
+                dtype=runner.dtype,
+                block_size=runner.block_size,
+                max_num_seqs=runner.max_num_seqs,
+                max_num_tokens=runner.max_num_tokens,
+                max_model_len=runner.max_model_len,
+                device=runner.device,
+            ),
+        )
+        # The head's own frequencies (its rope_theta and scaling), over every position of the
+        # engine, in fp32 as kvik's rotary op reads them.
+        freq = self.head.midlayer.self_attn.inv_freq.float()
+        t = torch.arange(runner.max_model_len, dtype=torch.float32, device=freq.device)
+        angles = torch.outer(t, freq)
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        self.rotary = RotaryEmbedding(c.head_dim, cos_sin, is_neox=True)
 
-    def run_target(self, inputs):
-        self._captured = {}
-        try:
-            hidden = self.runner.step_runner.eager_hidden(inputs)
-            aux = [self._captured[i] for i in self.aux_layer_ids]
-        finally:
-            self._captured = None
-        self._aux = torch.cat(aux, dim=-1)[: inputs.num_tokens]
-        logits = None
-        if inputs.num_sampling:
-            logits = self.runner.model.compute_logits(hidden[inputs.logits_indices]).float()
-        return hidden, logits
+    def _init_draft_buffers(self, runner: ModelRunner) -> None:
+        """Persistent inputs of the draft steps (one row per proposing request), filled once per
+        proposal: fixed addresses, so that the steps could be captured in a graph."""
+        r, steps, device = runner.max_num_seqs, max(1, self.k - 1), runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.draft_positions = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        self.draft_slots = torch.full((steps, r), -1, dtype=torch.int64, device=device)
+        self.draft_seq_lens = torch.ones(steps, r, dtype=torch.int32, device=device)
+        self.draft_block_table = torch.zeros(r, self.max_blocks, dtype=torch.int32, device=device)
+        self.draft_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
+        self.draft_query_lens = torch.ones(r, dtype=torch.int32, device=device)
 
-    def propose(self, scheduler_output, inputs, new_tokens, caps):
-        head_rows = self.head.combine(self._aux.to(self.head.fc.weight.dtype))
-        self._aux = None
-        for s, first_row in zip(scheduler_output.scheduled, inputs.query_starts, strict=True):
-            request_id = s.request.request_id
-            # Rows whose input token is known: all but rejected drafts.
-            num_valid = s.num_tokens - len(s.spec_token_ids)
-            if s.spec_token_ids:
-                num_valid += len(new_tokens[request_id]) - 1
-            self._keep(request_id, s.start, head_rows[first_row : first_row + num_valid])
-        drafts = {}
-        for request in inputs.sampling_requests:
-            request_id = request.request_id
-            cap = caps.get(request_id)
-            if not cap:
-                continue
-            tokens = request.all_token_ids + new_tokens[request_id]
-            first, rows = self.first[request_id], self.rows[request_id]
-            # Row p pairs position p's hidden state with the token at p + 1.
-            if first + rows.shape[0] != len(tokens) - 1:
-                continue
-            token_ids = torch.tensor(tokens[first + 1 :], device=rows.device)
-            proposal = self.head.propose_greedy(token_ids[-WINDOW:], rows[-WINDOW:], cap)
-            drafts[request_id] = proposal.tolist()
-        return drafts
+    # --- KV cache ---------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        c = self.head.config
+        return (
+            2
+            * self.runner.block_size
+            * c.num_key_value_heads
+            * c.head_dim
+            * (self.cache_dtype.itemsize)
+        )
 
-    def _keep(self, request_id: str, start: int, rows: Tensor) -> None:
-        """Store rows for positions ``start...``; a recompute overwrites. After a gap (a prefix
-        cache hit the target did not compute for this request) the rows start over there."""
-        old = self.rows.get(request_id)
-        first = self.first.get(request_id, start)
-        if old is None or not first <= start <= first + old.shape[0]:
-            self.rows[request_id], self.first[request_id] = rows, start
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks == 0:
+            self.attn.kv_cache = None
             return
-        self.rows[request_id] = torch.cat([old[: start - first], rows])
+        c = self.head.config
+        shape = self.backend.kv_cache_shape(
+            num_blocks, self.runner.block_size, c.num_key_value_heads, c.head_dim
+        )
+        self.attn.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.runner.device)
+
+    # --- the head's layer ---------------------------------------------------------------------
+    def _layer(self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common) -> Tensor:
+        """The head's layer over flat rows [T] through the paged cache: pre-norm outputs
+        [T, hidden]."""
+        layer = self.head.midlayer
+        x, residual = layer.attention_input(self.head.embed(token_ids), hidden)
+        attn = layer.self_attn
+        context = ForwardContext(self.builder.build(common), {LAYER_NAME: self.attn})
+        with forward_context(context):
+            attended = self.attn(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), positions,
+                                 self.rotary)  # fmt: skip
+        return layer.after_attention(attended, residual)
+
+    def _greedy(self, prenorm: Tensor) -> Tensor:
+        """Rows [B, hidden] -> greedy drafts [B] (target ids)."""
+        logits = self.head.lm_head(self.head.norm(prenorm))
+        return self.head.draft_to_target(logits.argmax(dim=-1))
+
+    # --- proposing ----------------------------------------------------------------------------
+    def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps):
+        scheduled = scheduler_output.scheduled
+        starts = inputs.query_starts
+        # Per scheduled request: its last row whose next token is known, and that token.
+        last_rows, next_ids = [], []
+        for s, first_row in zip(scheduled, starts, strict=True):
+            request = s.request
+            new = new_tokens.get(request.request_id) if s.samples else None
+            if new:
+                # Rows whose input token is known: all but rejected drafts.
+                num_valid = s.num_tokens - len(s.spec_token_ids) + len(new) - 1
+                next_ids.append(new[-1])
+            else:  # a prompt chunk that does not sample: the prompt goes on
+                num_valid = s.num_tokens
+                next_ids.append(request.all_token_ids[s.start + s.num_tokens])
+            last_rows.append(first_row + num_valid - 1)
+        prenorm = self._batched_pass(inputs, last_rows, next_ids)
+        proposing = [
+            (r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)
+        ]  # fmt: skip
+        if not proposing:
+            return {}
+        index = [r for r, _ in proposing]
+        device = self.runner.device
+        rows = torch.tensor([last_rows[r] for r in index], dtype=torch.int64, device=device)
+        hidden = prenorm.index_select(0, rows)
+        num_steps = max(caps[s.request.request_id] for _, s in proposing)
+        drafted = [self._greedy(hidden)]
+        if num_steps > 1:
+            self._fill_draft_inputs(proposing, [last_rows[r] - starts[r] for r in index], num_steps)
+            drafted += self._draft_steps(drafted[0], hidden, len(proposing), num_steps - 1)
+        proposals = torch.stack(drafted, dim=1).tolist()
+        return {
+            s.request.request_id: proposals[i][: caps[s.request.request_id]]
+            for i, (_, s) in enumerate(proposing)
+        }
+
+    def _batched_pass(self, inputs: StepInputs, last_rows: list[int], next_ids: list[int]):
+        """The head over every row of the step (its cache written at the step's slots): pre-norm
+        outputs [T_pad, hidden]."""
+        num_rows = inputs.num_padded
+        device = self.runner.device
+        # Row p's token is the one at p + 1: the next row's input, except at each request's last
+        # known row (and on padding rows, whose outputs are never read).
+        token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        token_ids[: num_rows - 1] = inputs.input_ids[1:num_rows]
+        token_ids[torch.tensor(last_rows, dtype=torch.int64, device=device)] = torch.tensor(
+            next_ids, dtype=torch.int64, device=device
+        )
+        hidden = self.head.combine(self.aux[:num_rows])
+        return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+
+    def _fill_draft_inputs(self, proposing, last_offsets: list[int], num_steps: int) -> None:
+        """Positions, slots, sequence lengths and block table rows of the draft steps, for the
+        proposing requests (``last_offsets``: each one's last known row within its own rows)."""
+        bs = self.runner.block_size
+        count = len(proposing)
+        table = np.zeros((count, self.max_blocks), dtype=np.int32)
+        num_blocks = np.empty(count, dtype=np.int64)
+        last_position = np.empty(count, dtype=np.int64)
+        for i, ((_, s), offset) in enumerate(zip(proposing, last_offsets, strict=True)):
+            table[i, : len(s.block_ids)] = s.block_ids
+            num_blocks[i] = len(s.block_ids)
+            last_position[i] = s.start + offset
+        # Step j (1-based) writes and reads the row at last_position + j.
+        positions = last_position[None, :] + np.arange(1, num_steps)[:, None]
+        block = positions // bs
+        inside = block < num_blocks  # a slot past the request's blocks is not written
+        rows = np.broadcast_to(np.arange(count), positions.shape)
+        slots = np.where(
+            inside, table[rows, np.minimum(block, num_blocks - 1)] * bs + positions % bs, -1
+        )
+        steps = num_steps - 1
+        self.draft_positions[:steps, :count].copy_(torch.from_numpy(positions))
+        self.draft_slots[:steps, :count].copy_(torch.from_numpy(slots))
+        self.draft_seq_lens[:steps, :count].copy_(
+            torch.from_numpy((positions + 1).astype(np.int32))
+        )
+        self.draft_block_table[:count].copy_(torch.from_numpy(table))
+        self._max_seq_len = int(positions.max()) + 1
+
+    def _draft_steps(self, tokens: Tensor, hidden: Tensor, count: int, steps: int) -> list[Tensor]:
+        """``steps`` one-row-per-request passes after the batched one, each fed with the previous
+        draft and the previous row's pre-norm output: their drafts [count] each."""
+        drafted = []
+        for step in range(steps):
+            common = AttentionMetadata(
+                num_actual_tokens=count,
+                num_reqs=count,
+                query_start_loc=self.draft_query_start_loc[: count + 1],
+                query_lens=self.draft_query_lens[:count],
+                seq_lens=self.draft_seq_lens[step, :count],
+                block_table=self.draft_block_table[:count],
+                slot_mapping=self.draft_slots[step, :count],
+                max_query_len=1,
+                max_seq_len=self._max_seq_len,
+                block_size=self.runner.block_size,
+            )
+            hidden = self._layer(tokens, hidden, self.draft_positions[step, :count], common)
+            tokens = self._greedy(hidden)
+            drafted.append(tokens)
+        return drafted
