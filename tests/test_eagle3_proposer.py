@@ -109,6 +109,35 @@ def test_cached_proposals_equal_window_recompute(tiny_model, plain, tmp_path, bu
     assert reference.compared > 20
 
 
+class EagerStepGraphs:
+    """``StepGraphs`` that runs the work each time instead of replaying a capture: the CPU cannot
+    replay graphs, but the fixed-shape path they would hold (padded batch, k - 1 steps on
+    persistent buffers) runs all the same."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def run(self, key, fn) -> None:
+        self.sizes.append(key)
+        fn()
+
+
+def test_padded_draft_steps_equal_window_recompute(tiny_model, plain, tmp_path):
+    target = tiny_model("llama")
+    head = random_eagle3_head(tmp_path / "head", target)
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    llm = make_llm(target, config, max_num_seqs=4)
+    proposer = proposer_of(llm)
+    graphs = proposer.graphs = EagerStepGraphs()
+    proposer.graph_sizes = [2, 4]
+    reference = WindowReference(proposer)
+    assert generate(llm) == plain
+    assert graphs.sizes and set(graphs.sizes) == {4}  # three requests: padded to 4
+    assert generate(llm, prompts=PROMPTS[:1]) == plain[:1]
+    assert graphs.sizes[-1] == 2  # one request: padded to 2
+    assert reference.compared > 20
+
+
 def test_trained_head_is_accepted_through_the_runner(tiny_model, plain, trained_head):
     config = {"method": "eagle3", "model": str(trained_head), "num_speculative_tokens": K}
     llm = make_llm(tiny_model("llama"), config)

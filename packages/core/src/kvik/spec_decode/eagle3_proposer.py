@@ -30,6 +30,8 @@ Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 
 from __future__ import annotations
 
+import bisect
+import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -45,10 +47,13 @@ from kvik.spec_decode.proposer import Proposer
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
+    from kvik.platforms.base import StepGraphs
     from kvik.worker.model_runner import ModelRunner, StepInputs
 
 #: The head's attention layer in its forward context.
 LAYER_NAME = "eagle3.midlayer.self_attn.attn"
+#: "1": the draft steps replay as CUDA graphs per padded batch size (where the platform has them).
+DRAFT_GRAPHS_ENV = "KVIK_EAGLE3_DRAFT_GRAPHS"
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -164,6 +169,19 @@ class Eagle3Proposer(Proposer):
         self.draft_block_table = torch.zeros(r, self.max_blocks, dtype=torch.int32, device=device)
         self.draft_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
         self.draft_query_lens = torch.ones(r, dtype=torch.int32, device=device)
+        self.draft_tokens = torch.zeros(r, dtype=torch.int64, device=device)
+        hidden = self.head.config.hidden_size
+        self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
+        self.draft_out = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        self._max_seq_len = 1
+        # Draft steps replayed as graphs, one per padded batch size (kvik_cuda), or None: run
+        # eagerly for exactly the proposing requests. Off unless KVIK_EAGLE3_DRAFT_GRAPHS=1, and
+        # only with FULL graphs on (not yet measured on a GPU: see docs/architecture.md).
+        self.graphs: StepGraphs | None = None
+        capture_sizes = runner.config.compilation.cudagraph_capture_sizes
+        self.graph_sizes = sorted(n for n in capture_sizes if n <= runner.max_num_seqs)
+        if os.environ.get(DRAFT_GRAPHS_ENV) == "1" and runner.config.compilation.full_graphs:
+            self.graphs = runner.platform.step_graphs()
 
     # --- KV cache ---------------------------------------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -231,16 +249,38 @@ class Eagle3Proposer(Proposer):
         device = self.runner.device
         rows = torch.tensor([last_rows[r] for r in index], dtype=torch.int64, device=device)
         hidden = prenorm.index_select(0, rows)
+        first = self._greedy(hidden)
+        drafted = first[:, None]
+        count = len(proposing)
         num_steps = max(caps[s.request.request_id] for _, s in proposing)
-        drafted = [self._greedy(hidden)]
         if num_steps > 1:
-            self._fill_draft_inputs(proposing, [last_rows[r] - starts[r] for r in index], num_steps)
-            drafted += self._draft_steps(drafted[0], hidden, len(proposing), num_steps - 1)
-        proposals = torch.stack(drafted, dim=1).tolist()
+            size = self._graph_size(count)
+            # A graph always runs k - 1 steps (what its capture holds); eagerly, what caps need.
+            steps = self.k - 1 if size else num_steps - 1
+            size = size or count
+            offsets = [last_rows[r] - starts[r] for r in index]
+            self._fill_draft_inputs(proposing, offsets, steps, size)
+            self.draft_tokens[:count].copy_(first)
+            self.draft_hidden[:count].copy_(hidden)
+            if self.graphs is not None and size in self.graph_sizes:
+                self.graphs.run(size, lambda: self._draft_steps(size, steps))
+            else:
+                self._draft_steps(size, steps)
+            drafted = torch.cat([drafted, self.draft_out[:steps, :count].T], dim=1)
+        proposals = drafted.tolist()
         return {
             s.request.request_id: proposals[i][: caps[s.request.request_id]]
             for i, (_, s) in enumerate(proposing)
         }
+
+    def _graph_size(self, count: int) -> int | None:
+        """The padded batch size whose graph runs ``count`` requests' draft steps (None: they
+        run eagerly)."""
+        if self.graphs is None or self.k < 2 or not self.graph_sizes:
+            return None
+        if count > self.graph_sizes[-1]:
+            return None
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
 
     def _batched_pass(self, inputs: StepInputs, last_rows: list[int], next_ids: list[int]):
         """The head over every row of the step (its cache written at the step's slots): pre-norm
@@ -257,53 +297,56 @@ class Eagle3Proposer(Proposer):
         hidden = self.head.combine(self.aux[:num_rows])
         return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
 
-    def _fill_draft_inputs(self, proposing, last_offsets: list[int], num_steps: int) -> None:
-        """Positions, slots, sequence lengths and block table rows of the draft steps, for the
-        proposing requests (``last_offsets``: each one's last known row within its own rows)."""
+    def _fill_draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
+        """Positions, slots, sequence lengths and block table rows of ``steps`` draft steps, for
+        the proposing requests (``last_offsets``: each one's last known row within its own rows)
+        and padding rows up to ``size`` (position 0, no cache write, one key from block 0)."""
         bs = self.runner.block_size
         count = len(proposing)
-        table = np.zeros((count, self.max_blocks), dtype=np.int32)
-        num_blocks = np.empty(count, dtype=np.int64)
-        last_position = np.empty(count, dtype=np.int64)
+        table = np.zeros((size, self.max_blocks), dtype=np.int32)
+        num_blocks = np.ones(size, dtype=np.int64)
+        last_position = np.full(size, -1, dtype=np.int64)
         for i, ((_, s), offset) in enumerate(zip(proposing, last_offsets, strict=True)):
             table[i, : len(s.block_ids)] = s.block_ids
             num_blocks[i] = len(s.block_ids)
             last_position[i] = s.start + offset
-        # Step j (1-based) writes and reads the row at last_position + j.
-        positions = last_position[None, :] + np.arange(1, num_steps)[:, None]
+        # Step j (0-based) writes and reads the row at last_position + j + 1; a graph's steps past
+        # a request's cap stay within the rotary table (their drafts are dropped).
+        positions = last_position[None, :] + np.arange(1, steps + 1)[:, None]
+        positions = np.minimum(positions, self.runner.max_model_len - 1)
         block = positions // bs
         inside = block < num_blocks  # a slot past the request's blocks is not written
-        rows = np.broadcast_to(np.arange(count), positions.shape)
+        rows = np.broadcast_to(np.arange(size), positions.shape)
         slots = np.where(
             inside, table[rows, np.minimum(block, num_blocks - 1)] * bs + positions % bs, -1
         )
-        steps = num_steps - 1
-        self.draft_positions[:steps, :count].copy_(torch.from_numpy(positions))
-        self.draft_slots[:steps, :count].copy_(torch.from_numpy(slots))
-        self.draft_seq_lens[:steps, :count].copy_(
-            torch.from_numpy((positions + 1).astype(np.int32))
-        )
-        self.draft_block_table[:count].copy_(torch.from_numpy(table))
-        self._max_seq_len = int(positions.max()) + 1
+        slots[:, count:] = -1
+        self.draft_positions[:steps, :size].copy_(torch.from_numpy(positions))
+        self.draft_slots[:steps, :size].copy_(torch.from_numpy(slots))
+        seq_lens = (positions + 1).astype(np.int32)
+        self.draft_seq_lens[:steps, :size].copy_(torch.from_numpy(seq_lens))
+        self.draft_block_table[:size].copy_(torch.from_numpy(table))
+        self.draft_tokens[count:size] = 0
+        self._max_seq_len = int(seq_lens.max())
 
-    def _draft_steps(self, tokens: Tensor, hidden: Tensor, count: int, steps: int) -> list[Tensor]:
-        """``steps`` one-row-per-request passes after the batched one, each fed with the previous
-        draft and the previous row's pre-norm output: their drafts [count] each."""
-        drafted = []
+    def _draft_steps(self, size: int, steps: int) -> None:
+        """``steps`` one-row-per-request passes after the batched one, on the persistent buffers
+        only (so that a graph can hold them): fed with ``draft_tokens`` and ``draft_hidden`` (the
+        first draft and its row's pre-norm output), each step's drafts go to ``draft_out``."""
+        tokens, hidden = self.draft_tokens[:size], self.draft_hidden[:size]
         for step in range(steps):
             common = AttentionMetadata(
-                num_actual_tokens=count,
-                num_reqs=count,
-                query_start_loc=self.draft_query_start_loc[: count + 1],
-                query_lens=self.draft_query_lens[:count],
-                seq_lens=self.draft_seq_lens[step, :count],
-                block_table=self.draft_block_table[:count],
-                slot_mapping=self.draft_slots[step, :count],
+                num_actual_tokens=size,
+                num_reqs=size,
+                query_start_loc=self.draft_query_start_loc[: size + 1],
+                query_lens=self.draft_query_lens[:size],
+                seq_lens=self.draft_seq_lens[step, :size],
+                block_table=self.draft_block_table[:size],
+                slot_mapping=self.draft_slots[step, :size],
                 max_query_len=1,
                 max_seq_len=self._max_seq_len,
                 block_size=self.runner.block_size,
             )
-            hidden = self._layer(tokens, hidden, self.draft_positions[step, :count], common)
+            hidden = self._layer(tokens, hidden, self.draft_positions[step, :size], common)
             tokens = self._greedy(hidden)
-            drafted.append(tokens)
-        return drafted
+            self.draft_out[step, :size].copy_(tokens)
