@@ -59,7 +59,8 @@ class WindowReference:
             tokens = request.all_token_ids + new_tokens[request_id]
             rows = self.rows[request_id]
             assert rows.shape[0] == len(tokens) - 1
-            expected = head.propose_greedy(torch.tensor(tokens[1:]), rows, cap).tolist()
+            token_ids = torch.tensor(tokens[1:], device=rows.device)
+            expected = head.propose_greedy(token_ids, rows, cap).tolist()
             assert drafts[request_id] == expected, request_id
             self.compared += 1
 
