@@ -174,6 +174,8 @@ class Eagle3Proposer(Proposer):
         self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
         self.draft_out = torch.zeros(steps, r, dtype=torch.int64, device=device)
         self._max_seq_len = 1
+        # (host, device) int64 staging of each proposal's indices (``_upload``).
+        self._staging: tuple[Tensor, Tensor] | None = None
         # Draft steps replayed as graphs, one per padded batch size (kvik_cuda), or None: run
         # eagerly for exactly the proposing requests. Off unless KVIK_EAGLE3_DRAFT_GRAPHS=1, and
         # only with FULL graphs on (not yet measured on a GPU: see docs/architecture.md).
@@ -239,30 +241,39 @@ class Eagle3Proposer(Proposer):
                 num_valid = s.num_tokens
                 next_ids.append(request.all_token_ids[s.start + s.num_tokens])
             last_rows.append(first_row + num_valid - 1)
-        prenorm = self._batched_pass(inputs, last_rows, next_ids)
-        proposing = [
-            (r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)
-        ]  # fmt: skip
-        if not proposing:
-            return {}
-        index = [r for r, _ in proposing]
-        device = self.runner.device
-        rows = torch.tensor([last_rows[r] for r in index], dtype=torch.int64, device=device)
-        hidden = prenorm.index_select(0, rows)
-        first = self._greedy(hidden)
-        drafted = first[:, None]
+        proposing = [(r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)]
         count = len(proposing)
-        num_steps = max(caps[s.request.request_id] for _, s in proposing)
+        rows = [last_rows[r] for r, _ in proposing]
+        num_steps = max((caps[s.request.request_id] for _, s in proposing), default=1)
+        size = steps = 0
+        draft_arrays: list[np.ndarray] = []
         if num_steps > 1:
             size = self._graph_size(count)
+            graphed = size is not None
             # A graph always runs k - 1 steps (what its capture holds); eagerly, what caps need.
-            steps = self.k - 1 if size else num_steps - 1
-            size = size or count
-            offsets = [last_rows[r] - starts[r] for r in index]
-            self._fill_draft_inputs(proposing, offsets, steps, size)
+            steps = self.k - 1 if graphed else num_steps - 1
+            size = size if graphed else count
+            offsets = [last_rows[r] - starts[r] for r, _ in proposing]
+            draft_arrays = self._draft_inputs(proposing, offsets, steps, size)
+        # Every index the device needs, in one copy.
+        uploaded = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)]
+                                + draft_arrays)  # fmt: skip
+        prenorm = self._batched_pass(inputs, uploaded[0], uploaded[1])
+        if not proposing:
+            return {}
+        hidden = prenorm.index_select(0, uploaded[2])
+        first = self._greedy(hidden)
+        drafted = first[:, None]
+        if num_steps > 1:
+            positions, slots, seq_lens, table = uploaded[3:]
+            self.draft_positions[:steps, :size].copy_(positions.view(steps, size))
+            self.draft_slots[:steps, :size].copy_(slots.view(steps, size))
+            self.draft_seq_lens[:steps, :size].copy_(seq_lens.view(steps, size))
+            self.draft_block_table[:size].copy_(table.view(size, self.max_blocks))
             self.draft_tokens[:count].copy_(first)
+            self.draft_tokens[count:size] = 0
             self.draft_hidden[:count].copy_(hidden)
-            if self.graphs is not None and size in self.graph_sizes:
+            if graphed:
                 self.graphs.run(size, lambda: self._draft_steps(size, steps))
             else:
                 self._draft_steps(size, steps)
@@ -282,28 +293,47 @@ class Eagle3Proposer(Proposer):
             return None
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
 
-    def _batched_pass(self, inputs: StepInputs, last_rows: list[int], next_ids: list[int]):
+    def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
+        """int64 arrays -> device views, through one host-to-device copy (from pinned memory
+        on a GPU; the previous proposal's read-back has waited for the previous copy)."""
+        total = sum(a.size for a in arrays)
+        if self._staging is None or self._staging[0].numel() < total:
+            capacity = max(total, 2 * (0 if self._staging is None else self._staging[0].numel()))
+            device = self.runner.device
+            host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
+            staged = host if device.type == "cpu" else torch.zeros_like(host, device=device)
+            self._staging = (host, staged)
+        host, staged = self._staging
+        host_np = host.numpy()
+        views, at = [], 0
+        for a in arrays:
+            host_np[at : at + a.size] = a.ravel()
+            views.append((at, a.size))
+            at += a.size
+        if staged is not host:
+            staged[:total].copy_(host[:total], non_blocking=True)
+        return [staged[at : at + n] for at, n in views]
+
+    def _batched_pass(self, inputs: StepInputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
         """The head over every row of the step (its cache written at the step's slots): pre-norm
         outputs [T_pad, hidden]."""
         num_rows = inputs.num_padded
-        device = self.runner.device
         # Row p's token is the one at p + 1: the next row's input, except at each request's last
         # known row (and on padding rows, whose outputs are never read).
-        token_ids = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        token_ids = torch.zeros(num_rows, dtype=torch.int64, device=self.runner.device)
         token_ids[: num_rows - 1] = inputs.input_ids[1:num_rows]
-        token_ids[torch.tensor(last_rows, dtype=torch.int64, device=device)] = torch.tensor(
-            next_ids, dtype=torch.int64, device=device
-        )
+        token_ids[last_rows] = next_ids
         hidden = self.head.combine(self.aux[:num_rows])
         return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
 
-    def _fill_draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
-        """Positions, slots, sequence lengths and block table rows of ``steps`` draft steps, for
-        the proposing requests (``last_offsets``: each one's last known row within its own rows)
-        and padding rows up to ``size`` (position 0, no cache write, one key from block 0)."""
+    def _draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
+        """Positions, slots and sequence lengths [steps, size] and the block table [size,
+        max_blocks] of ``steps`` draft steps, for the proposing requests (``last_offsets``: each
+        one's last known row within its own rows) and padding rows up to ``size`` (no cache
+        write; at step j, position j, attending over keys of block 0)."""
         bs = self.runner.block_size
         count = len(proposing)
-        table = np.zeros((size, self.max_blocks), dtype=np.int32)
+        table = np.zeros((size, self.max_blocks), dtype=np.int64)
         num_blocks = np.ones(size, dtype=np.int64)
         last_position = np.full(size, -1, dtype=np.int64)
         for i, ((_, s), offset) in enumerate(zip(proposing, last_offsets, strict=True)):
@@ -321,13 +351,8 @@ class Eagle3Proposer(Proposer):
             inside, table[rows, np.minimum(block, num_blocks - 1)] * bs + positions % bs, -1
         )
         slots[:, count:] = -1
-        self.draft_positions[:steps, :size].copy_(torch.from_numpy(positions))
-        self.draft_slots[:steps, :size].copy_(torch.from_numpy(slots))
-        seq_lens = (positions + 1).astype(np.int32)
-        self.draft_seq_lens[:steps, :size].copy_(torch.from_numpy(seq_lens))
-        self.draft_block_table[:size].copy_(torch.from_numpy(table))
-        self.draft_tokens[count:size] = 0
-        self._max_seq_len = int(seq_lens.max())
+        self._max_seq_len = int(positions.max()) + 1
+        return [positions, slots, positions + 1, table]
 
     def _draft_steps(self, size: int, steps: int) -> None:
         """``steps`` one-row-per-request passes after the batched one, on the persistent buffers
