@@ -340,4 +340,13 @@ def load_eagle3_head(
     head.load_state_dict(tensors)
     if own_embedding is not None:
         head.embed_tokens = nn.Embedding.from_pretrained(own_embedding, freeze=True)
-    return head.to(device=device, dtype=dtype)  # casts the floating-point tensors only
+    head = head.to(device=device, dtype=dtype)  # casts the floating-point tensors only
+    # The rotary frequencies stay fp32: rounded to bf16, a position in the thousands would be
+    # rotated by radians too much or too little.
+    attention = head.midlayer.self_attn
+    attention.inv_freq = attention.inv_freq.to(device=device, dtype=torch.float32)
+    attention.inv_freq.copy_(
+        inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                 config.max_position_embeddings)
+    )  # fmt: skip
+    return head

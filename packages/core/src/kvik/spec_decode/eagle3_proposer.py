@@ -36,8 +36,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.attention.selector import select_attention_backend
 from kvik.layers.attention import Attention
@@ -54,6 +56,18 @@ if TYPE_CHECKING:
 LAYER_NAME = "eagle3.midlayer.self_attn.attn"
 #: "1": the draft steps replay as CUDA graphs per padded batch size (where the platform has them).
 DRAFT_GRAPHS_ENV = "KVIK_EAGLE3_DRAFT_GRAPHS"
+
+
+def _fuse(linears: list[nn.Linear]) -> Tensor:
+    """One weight for several bias-free products of the same input, each linear's weight then a
+    view of its rows."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    at = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.weight = nn.Parameter(fused[at : at + rows], requires_grad=False)
+        at += rows
+    return fused
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -108,6 +122,7 @@ class Eagle3Proposer(Proposer):
             layers[i].register_forward_pre_hook(self._copy_hook(columns))
         runner.step_runner.run_layers_in_python()
         self._init_attention(runner)
+        self._init_fused_layer(runner)
         self._init_draft_buffers(runner)
 
     def _copy_hook(self, columns: slice):
@@ -150,9 +165,9 @@ class Eagle3Proposer(Proposer):
                 device=runner.device,
             ),
         )
-        # The head's own frequencies (its rope_theta and scaling), over every position of the
-        # engine, in fp32 as kvik's rotary op reads them.
-        freq = self.head.midlayer.self_attn.inv_freq.float()
+        # The head's own frequencies (its rope_theta and scaling, fp32: load_eagle3_head keeps
+        # them so), over every position of the engine, in fp32 as kvik's rotary op reads them.
+        freq = self.head.midlayer.self_attn.inv_freq
         t = torch.arange(runner.max_model_len, dtype=torch.float32, device=freq.device)
         angles = torch.outer(t, freq)
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
@@ -207,21 +222,44 @@ class Eagle3Proposer(Proposer):
         self.attn.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.runner.device)
 
     # --- the head's layer ---------------------------------------------------------------------
+    def _init_fused_layer(self, runner: ModelRunner) -> None:
+        """The layer's kernels as the target's layers run them: kvik's small ops (one launch per
+        norm, one for SiLU-and-multiply) and q/k/v and gate/up as one product each. The head's
+        own weights become views of the fused ones, so the reference path
+        (``Eagle3Head.propose_greedy``) keeps working on the same memory."""
+        with ops.ops_dispatch(runner.config.ops_dispatch or runner.platform.ops_dispatch):
+            self._rms_norm = ops.small_op("rms_norm")
+            self._fused_add_rms_norm = ops.small_op("fused_add_rms_norm")
+            self._silu_and_mul = ops.small_op("silu_and_mul")
+        attn, mlp = self.head.midlayer.self_attn, self.head.midlayer.mlp
+        self._qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self._qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features,
+                           attn.v_proj.out_features]  # fmt: skip
+        self._gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj])
+
     def _layer(self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common) -> Tensor:
         """The head's layer over flat rows [T] through the paged cache: pre-norm outputs
-        [T, hidden]."""
+        [T, hidden] (what ``Eagle3Layer`` computes, in the runner's kernels)."""
         layer = self.head.midlayer
-        x, residual = layer.attention_input(self.head.embed(token_ids), hidden)
-        attn = layer.self_attn
+        eps = layer.input_layernorm.eps
+        normed_hidden = self._rms_norm(hidden, layer.hidden_norm.weight, eps)
+        residual = normed_hidden if layer.norm_before_residual else hidden
+        embeds = self._rms_norm(self.head.embed(token_ids), layer.input_layernorm.weight, eps)
+        qkv = F.linear(torch.cat([embeds, normed_hidden], dim=-1), self._qkv_weight)
+        q, k, v = qkv.split(self._qkv_sizes, dim=-1)
         context = ForwardContext(self.builder.build(common), {LAYER_NAME: self.attn})
         with forward_context(context):
-            attended = self.attn(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), positions,
-                                 self.rotary)  # fmt: skip
-        return layer.after_attention(attended, residual)
+            attended = self.attn(q, k, v, positions, self.rotary)
+        normed, residual = self._fused_add_rms_norm(
+            layer.self_attn.o_proj(attended), residual, layer.post_attention_layernorm.weight, eps
+        )
+        gate_up = F.linear(normed, self._gate_up_weight)
+        return layer.mlp.down_proj(self._silu_and_mul(gate_up)) + residual
 
     def _greedy(self, prenorm: Tensor) -> Tensor:
         """Rows [B, hidden] -> greedy drafts [B] (target ids)."""
-        logits = self.head.lm_head(self.head.norm(prenorm))
+        norm = self.head.norm
+        logits = self.head.lm_head(self._rms_norm(prenorm, norm.weight, norm.eps))
         return self.head.draft_to_target(logits.argmax(dim=-1))
 
     # --- proposing ----------------------------------------------------------------------------
