@@ -114,7 +114,8 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
         started = time.perf_counter()
         head = random_head(Path(folder), hf, hf.vocab_size)
         speculative = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K_EAGLE}
-        llm = engine(args, speculative)
+        # Batch 1 needs the smallest graphs only: max_num_seqs 8 captures sizes 1, 2, 4 and 8.
+        llm = engine(args, speculative, max_num_seqs=8)
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     proposer = runner.proposer
@@ -173,7 +174,7 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
     return figures
 
 
-def engine(args: argparse.Namespace, speculative: dict) -> LLM:
+def engine(args: argparse.Namespace, speculative: dict, **kwargs) -> LLM:
     # A KV cache of a fixed size: the two engines of the run need little, and the second must not
     # find the memory taken by the first's profiled cache.
     return LLM(
@@ -183,6 +184,7 @@ def engine(args: argparse.Namespace, speculative: dict) -> LLM:
         max_model_len=args.max_model_len,
         num_kv_blocks=512,
         speculative_config=speculative,
+        **kwargs,
     )
 
 
