@@ -27,7 +27,9 @@ class WindowReference:
     def __init__(self, proposer) -> None:
         self.proposer = proposer
         self.rows: dict[str, torch.Tensor] = {}
+        self.tokens: dict[str, list[int]] = {}
         self.compared = 0
+        self.prefix_hits = 0
         propose = proposer.propose
 
         def checked(scheduler_output, inputs, new_tokens, caps):
@@ -37,6 +39,15 @@ class WindowReference:
             return drafts
 
         proposer.propose = checked
+
+    def _rows_of_prefix(self, prefix: list[int]) -> torch.Tensor:
+        """The rows of an earlier request whose tokens start with ``prefix`` (a row depends on
+        the tokens up to its position only)."""
+        for request_id, tokens in self.tokens.items():
+            rows = self.rows[request_id]
+            if tokens[: len(prefix)] == prefix and rows.shape[0] >= len(prefix):
+                return rows[: len(prefix)]
+        raise AssertionError(f"no earlier request computed the {len(prefix)} cached positions")
 
     @torch.no_grad()
     def check(self, scheduler_output, inputs, new_tokens, caps, aux, drafts) -> None:
@@ -48,8 +59,11 @@ class WindowReference:
             # Rows whose next token is known: all but those of rejected drafts.
             num_valid = s.num_tokens - len(s.spec_token_ids) + max(0, len(new) - 1)
             kept = self.rows.get(request_id, head_rows[:0])[: s.start]
-            assert kept.shape[0] == s.start  # no prefix caching here: every row was computed
+            if kept.shape[0] < s.start:  # a prefix cache hit: rows another request computed
+                kept = self._rows_of_prefix(s.request.all_token_ids[: s.start])
+                self.prefix_hits += 1
             self.rows[request_id] = torch.cat([kept, head_rows[first_row : first_row + num_valid]])
+            self.tokens[request_id] = list(s.request.all_token_ids) + list(new)
         for request in inputs.sampling_requests:
             request_id = request.request_id
             cap = caps.get(request_id)
@@ -108,6 +122,19 @@ def test_cached_proposals_equal_window_recompute(tiny_model, plain, tmp_path, bu
     reference = WindowReference(proposer_of(llm))
     assert generate(llm) == plain
     assert reference.compared > 20
+
+
+def test_prefix_cache_hits_read_the_heads_cache(tiny_model, plain, tmp_path):
+    """A request whose prompt is in the prefix cache computes only its tail: the head's keys of
+    the cached positions, written by the request that computed them, serve it."""
+    target = tiny_model("llama")
+    head = random_eagle3_head(tmp_path / "head", target)
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    llm = make_llm(target, config, enable_prefix_caching=True)
+    reference = WindowReference(proposer_of(llm))
+    assert generate(llm, prompts=PROMPTS[1:2]) == plain[1:2]
+    assert generate(llm, prompts=PROMPTS[1:2]) == plain[1:2]
+    assert reference.prefix_hits == 1 and reference.compared > 10
 
 
 class EagerStepGraphs:
