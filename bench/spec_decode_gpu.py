@@ -8,8 +8,9 @@ weights, bf16, the engine's default graphs):
    engine: the runner's ``propose`` as the engine calls it after a step (the head's one batched
    pass over the step's rows, writing its KV cache, then two one-row draft steps), timed after a
    decode step and after a verification of 3 drafts, as a fraction of the plain decode step of
-   1. (goal: at most 15%); with the draft steps run eagerly (the default), then replayed as CUDA
-   graphs (``KVIK_EAGLE3_DRAFT_GRAPHS=1``'s path) where the platform has them.
+   1. (goal: at most 15%); with the head run eagerly (the default), then with its batched pass and
+   draft steps replayed as CUDA graphs (``KVIK_EAGLE3_DRAFT_GRAPHS=1``'s path) where the platform
+   has them.
 
     python bench/spec_decode_gpu.py [--model bench/models/llama-3.1-8b] [--context 256]
 
@@ -149,8 +150,9 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
     step_runner = runner.step_runner
     replays = getattr(step_runner, "num_replays", 0)
     figures = {}
-    # The draft steps eagerly (the default), then replayed as graphs where the platform has them
-    # (what KVIK_EAGLE3_DRAFT_GRAPHS=1 turns on), captured at their first use here.
+    # The head eagerly (the default), then its batched pass and draft steps replayed as graphs
+    # where the platform has them (what KVIK_EAGLE3_DRAFT_GRAPHS=1 turns on), captured at their
+    # first use here.
     graphs = runner.platform.step_graphs() if proposer.graph_sizes else None
     for prefix, draft_graphs in (("eagle3", None), ("eagle3_graphed", graphs)):
         if prefix != "eagle3" and draft_graphs is None:
@@ -167,7 +169,7 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
             figures[f"{prefix}_engine_{name}_step_ms"] = round(step_ms, 3)
             figures[f"{prefix}_engine_{name}_target_ms"] = round(step_ms - propose_median, 3)
         if draft_graphs is not None:
-            figures["eagle3_draft_graph_replays"] = draft_graphs.num_replays
+            figures["eagle3_head_graph_replays"] = draft_graphs.num_replays
     figures["eagle3_timed_full_graph_replays"] = getattr(step_runner, "num_replays", 0) - replays
     figures["eagle3_engine_start_s"] = round(start_s, 1)
     llm.shutdown()
@@ -272,10 +274,10 @@ def main() -> int:
     if "eagle3_graphed_propose_after_decode_ms" in eagle:
         graphed = [eagle[f"eagle3_graphed_propose_after_{n}_ms"] for n in ("decode", "verify")]
         print(
-            f"EAGLE-3 with the draft steps replayed as CUDA graphs (KVIK_EAGLE3_DRAFT_GRAPHS=1): "
+            f"EAGLE-3 with its pass and draft steps as CUDA graphs (KVIK_EAGLE3_DRAFT_GRAPHS=1): "
             f"{graphed[0]:.3f} ms after a decode step = {100 * graphed[0] / decode_ms:.1f}%, "
             f"{graphed[1]:.3f} ms after a verification = {100 * graphed[1] / decode_ms:.1f}%; "
-            f"{eagle['eagle3_draft_graph_replays']} draft-graph replays",
+            f"{eagle['eagle3_head_graph_replays']} head-graph replays",
             file=sys.stderr,
         )
     text = json.dumps(result, indent=2)

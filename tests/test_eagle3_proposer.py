@@ -143,7 +143,7 @@ class EagerStepGraphs:
     persistent buffers) runs all the same."""
 
     def __init__(self) -> None:
-        self.sizes: list[int] = []
+        self.sizes: list[tuple] = []  # the keys run, in order
 
     def run(self, key, fn) -> None:
         self.sizes.append(key)
@@ -160,10 +160,18 @@ def test_padded_draft_steps_equal_window_recompute(tiny_model, plain, tmp_path):
     proposer.graph_sizes = [2, 4]
     reference = WindowReference(proposer)
     assert generate(llm) == plain
-    assert graphs.sizes and set(graphs.sizes) == {4}  # three requests: padded to 4
+    assert draft_sizes(graphs) == {4}  # three requests: padded to 4
     assert generate(llm, prompts=PROMPTS[:1]) == plain[:1]
-    assert graphs.sizes[-1] == 2  # one request: padded to 2
+    assert draft_sizes(graphs) == {2, 4}  # one request: padded to 2
     assert reference.compared > 20
+    # The batched pass of decode and verification steps: one or three requests, k + 1 rows at
+    # most; prompt steps run outside graphs.
+    passes = [key for key in graphs.sizes if key[0] == "pass"]
+    assert {key[4] for key in passes} == {1, 3} and max(key[3] for key in passes) <= K + 1
+
+
+def draft_sizes(graphs: EagerStepGraphs) -> set[int]:
+    return {key[1] for key in graphs.sizes if key[0] == "draft"}
 
 
 def test_trained_head_is_accepted_through_the_runner(tiny_model, plain, trained_head):

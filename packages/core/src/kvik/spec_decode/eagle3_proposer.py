@@ -189,11 +189,18 @@ class Eagle3Proposer(Proposer):
         self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
         self.draft_out = torch.zeros(steps, r, dtype=torch.int64, device=device)
         self._max_seq_len = 1
-        # (host, device) int64 staging of each proposal's indices (``_upload``).
-        self._staging: tuple[Tensor, Tensor] | None = None
-        # Draft steps replayed as graphs, one per padded batch size (kvik_cuda), or None: run
-        # eagerly for exactly the proposing requests. Off unless KVIK_EAGLE3_DRAFT_GRAPHS=1, and
-        # only with FULL graphs on (not yet measured on a GPU: see docs/architecture.md).
+        # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
+        # (what the largest proposal needs), so that a graph reads them at one address.
+        capacity = r * (3 + 3 * steps + self.max_blocks)
+        host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
+        self._staging = (host, host if device.type == "cpu" else host.to(device))
+        # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
+        self.pass_tokens = torch.zeros(runner.max_num_tokens, dtype=torch.int64, device=device)
+        self.pass_out = torch.zeros(r * (self.k + 1), hidden, dtype=runner.dtype, device=device)
+        # The batched pass (decode and verification steps) and the draft steps (per padded batch
+        # size) replayed as graphs (kvik_cuda), or None: all eagerly, the draft steps for exactly
+        # the proposing requests. Off unless KVIK_EAGLE3_DRAFT_GRAPHS=1, and only with FULL graphs
+        # on (not yet run on a GPU: see docs/architecture.md).
         self.graphs: StepGraphs | None = None
         capture_sizes = runner.config.compilation.cudagraph_capture_sizes
         self.graph_sizes = sorted(n for n in capture_sizes if n <= runner.max_num_seqs)
@@ -296,7 +303,11 @@ class Eagle3Proposer(Proposer):
         # Every index the device needs, in one copy.
         uploaded = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)]
                                 + draft_arrays)  # fmt: skip
-        prenorm = self._batched_pass(inputs, uploaded[0], uploaded[1])
+        key = self._pass_key(inputs, scheduled)
+        if key is None:
+            prenorm = self._batched_pass(inputs, uploaded[0], uploaded[1])
+        else:
+            prenorm = self._graphed_pass(key, inputs, uploaded[0], uploaded[1])
         if not proposing:
             return {}
         hidden = prenorm.index_select(0, uploaded[2])
@@ -312,7 +323,7 @@ class Eagle3Proposer(Proposer):
             self.draft_tokens[count:size] = 0
             self.draft_hidden[:count].copy_(hidden)
             if graphed:
-                self.graphs.run(size, lambda: self._draft_steps(size, steps))
+                self.graphs.run(("draft", size), lambda: self._draft_steps(size, steps))
             else:
                 self._draft_steps(size, steps)
             drafted = torch.cat([drafted, self.draft_out[:steps, :count].T], dim=1)
@@ -334,14 +345,10 @@ class Eagle3Proposer(Proposer):
     def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
         """int64 arrays -> device views, through one host-to-device copy (from pinned memory
         on a GPU; the previous proposal's read-back has waited for the previous copy)."""
-        total = sum(a.size for a in arrays)
-        if self._staging is None or self._staging[0].numel() < total:
-            capacity = max(total, 2 * (0 if self._staging is None else self._staging[0].numel()))
-            device = self.runner.device
-            host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
-            staged = host if device.type == "cpu" else torch.zeros_like(host, device=device)
-            self._staging = (host, staged)
         host, staged = self._staging
+        total = sum(a.size for a in arrays)
+        if total > host.numel():
+            raise RuntimeError(f"a proposal needs {total} staged indices, more than {host.numel()}")
         host_np = host.numpy()
         views, at = [], 0
         for a in arrays:
@@ -352,17 +359,42 @@ class Eagle3Proposer(Proposer):
             staged[:total].copy_(host[:total], non_blocking=True)
         return [staged[at : at + n] for at, n in views]
 
+    def _pass_key(self, inputs: StepInputs, scheduled) -> tuple | None:
+        """The graph key of the step's batched pass, or None to run it eagerly: a graph holds
+        decode and verification steps (every request samples after at most k drafts), keyed by
+        what fixes its launches (token and request counts, the longest query)."""
+        if self.graphs is None or inputs.num_padded > self.pass_out.shape[0]:
+            return None
+        if not all(s.samples for s in scheduled):
+            return None
+        common = inputs.common_metadata
+        if common.max_query_len > self.k + 1:
+            return None
+        return ("pass", inputs.num_padded, common.num_reqs, common.max_query_len, len(scheduled))
+
     def _batched_pass(self, inputs: StepInputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
         """The head over every row of the step (its cache written at the step's slots): pre-norm
-        outputs [T_pad, hidden]."""
+        outputs [T_pad, hidden]. Every input is a persistent buffer (the runner's step buffers,
+        ``aux``, the staged indices), so a graph can replay it."""
         num_rows = inputs.num_padded
         # Row p's token is the one at p + 1: the next row's input, except at each request's last
         # known row (and on padding rows, whose outputs are never read).
-        token_ids = torch.zeros(num_rows, dtype=torch.int64, device=self.runner.device)
+        token_ids = self.pass_tokens[:num_rows]
         token_ids[: num_rows - 1] = inputs.input_ids[1:num_rows]
+        token_ids[num_rows - 1 :] = 0
         token_ids[last_rows] = next_ids
         hidden = self.head.combine(self.aux[:num_rows])
         return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+
+    def _graphed_pass(self, key: tuple, inputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
+        num_rows = inputs.num_padded
+
+        def run() -> None:
+            out = self._batched_pass(inputs, last_rows, next_ids)
+            self.pass_out[:num_rows].copy_(out)
+
+        self.graphs.run(key, run)
+        return self.pass_out[:num_rows]
 
     def _draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
         """Positions, slots and sequence lengths [steps, size] and the block table [size,
