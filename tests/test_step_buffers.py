@@ -112,7 +112,7 @@ def test_padding_rows_of_a_uniform_decode(tiny_model):
     on one token per row; a mixed step is never padded."""
     llm = LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, num_kv_blocks=64)
     engine, runner = llm.engine, llm.engine.runner
-    runner.step_runner.padded_num_tokens = lambda n, uniform: 8 if uniform and n <= 8 else n
+    runner.step_runner.uniform_batch_size = lambda n, rows: 8 if rows == 1 and n <= 8 else None
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(ragged_prompts(3, seed=9)):
         engine.add_request(llm.input_processor.make_request(str(i), prompt, params, 0, 0.0))
@@ -137,22 +137,105 @@ def test_graph_sizes_pad_to_the_smallest_that_holds_the_batch():
     from kvik_cuda.graphs import CudaGraphStepRunner
 
     runner = object.__new__(CudaGraphStepRunner)
-    runner._sizes, runner._piecewise_sizes = [], []
-    assert runner.padded_num_tokens(3, True) == 3  # nothing captured yet
-    runner._sizes = [1, 2, 4, 8, 16]
-    assert [runner.padded_num_tokens(n, True) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, 17]
-    assert runner.padded_num_tokens(3, False) == 3  # prompt tokens, no piecewise graphs: unpadded
+    runner._sizes, runner._piecewise_sizes = {}, []
+    assert runner.uniform_batch_size(3, 1) is None  # nothing captured yet
+    assert runner.padded_num_tokens(3) == 3
+    runner._sizes = {1: [1, 2, 4, 8, 16], 4: [1, 2, 4]}
+    assert [runner.uniform_batch_size(n, 1) for n in (1, 3, 5, 16, 17)] == [1, 4, 8, 16, None]
+    # Verifications of 1 + 3 rows a request have graphs of their own, at fewer sizes.
+    assert [runner.uniform_batch_size(n, 4) for n in (1, 3, 5)] == [1, 4, None]
+    assert runner.uniform_batch_size(2, 3) is None  # no graph of 3 rows a request
+    assert runner.padded_num_tokens(3) == 3  # prompt tokens, no piecewise graphs: unpadded
     # Piecewise graphs (two or more tokens) take the other steps, and decodes above the FULL sizes.
     runner._piecewise_sizes = [2, 4, 8, 16, 32]
-    assert [runner.padded_num_tokens(n, False) for n in (1, 2, 3, 9, 32, 33)] == [
-        1,
-        2,
-        4,
-        16,
-        32,
-        33,
-    ]
-    assert runner.padded_num_tokens(17, True) == 32
+    assert [runner.padded_num_tokens(n) for n in (1, 2, 3, 9, 32, 33)] == [1, 2, 4, 16, 32, 33]
+
+
+def test_full_graph_shapes_with_speculation():
+    """Verification graphs: 1 + k rows a request, at the capture sizes that fit the step buffers
+    and that speculate (disable_by_batch_size)."""
+    from types import SimpleNamespace
+
+    from kvik_cuda.graphs import full_graph_shapes
+
+    def runner(k, max_num_tokens, limit=None):
+        speculative = SimpleNamespace(disable_by_batch_size=limit)
+        return SimpleNamespace(
+            num_speculative_tokens=k,
+            max_num_tokens=max_num_tokens,
+            max_num_seqs=64,
+            config=SimpleNamespace(speculative=speculative if k else None),
+        )
+
+    sizes = [1, 2, 4, 8, 16]
+    assert full_graph_shapes(runner(0, 64), sizes) == [(1, s) for s in sizes]
+    assert full_graph_shapes(runner(3, 32), sizes) == [(1, s) for s in sizes] + [
+        (4, 1), (4, 2), (4, 4), (4, 8)
+    ]  # fmt: skip
+    assert full_graph_shapes(runner(3, 2048, limit=4), sizes)[5:] == [(4, 1), (4, 2), (4, 4)]
+
+
+def test_padded_verification_layout_and_outputs(tiny_model):
+    """A verification laid out for a FULL graph of 1 + k rows a request (as kvik_cuda replays
+    it): a request with fewer drafts gets padding rows inside it (no cache write, positions after
+    its drafts), padding requests follow, and the step's logits rows are each request's own.
+    Run eagerly on that layout, greedy outputs equal those without speculation."""
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6, 7], list(range(3, 40)) * 2, [11, 17]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def make(speculative=None):
+        return LLM(
+            str(tiny_model("llama")), dtype="float32", enforce_eager=True, num_kv_blocks=64,
+            block_size=16, speculative_config=speculative,
+        )  # fmt: skip
+
+    def generate(llm):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    expected = generate(make())
+    llm = make({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    runner = llm.engine.runner
+    runner.step_runner.uniform_batch_size = lambda n, rows: 4 if n <= 4 else None
+    layouts = []
+    prepare = runner.prepare_inputs
+
+    def recording(scheduler_output):
+        inputs = prepare(scheduler_output)
+        if inputs.uniform_query_len == 4:
+            n = len(scheduler_output.scheduled)
+            layouts.append(
+                (
+                    [len(s.spec_token_ids) for s in scheduler_output.scheduled],
+                    [s.start for s in scheduler_output.scheduled],
+                    runner.slot_mapping.device[:16].tolist(),
+                    runner.positions.device[:16].tolist(),
+                    runner.query_start_loc.device[:5].tolist(),
+                    runner.query_lens.device[:4].tolist(),
+                    inputs.logits_indices.tolist(),
+                    (inputs.num_tokens, inputs.num_padded, n),
+                )
+            )
+        return inputs
+
+    runner.prepare_inputs = recording
+    assert generate(llm) == expected
+    assert llm.stats.spec_decoding.num_accepted_tokens > 0
+    mixed = [layout for layout in layouts if len(set(layout[0])) > 1]
+    assert mixed, "no verification step had requests with different draft counts"
+    for drafts, starts, slots, positions, query_starts, query_lens, logits_rows, sizes in layouts:
+        num_tokens, num_padded, n = sizes
+        assert (num_tokens, num_padded) == (4 * n, 16)
+        assert query_starts == [0, 4, 8, 12, 16] and query_lens == [4, 4, 4, 4]
+        expected_rows = []
+        for r, (k, start) in enumerate(zip(drafts, starts)):
+            rows = slice(4 * r, 4 * r + 4)
+            assert positions[rows] == [start + i for i in range(4)]
+            assert all(slot >= 0 for slot in slots[4 * r : 4 * r + 1 + k])
+            assert slots[4 * r + 1 + k : 4 * r + 4] == [-1] * (3 - k)
+            expected_rows += list(range(4 * r, 4 * r + 1 + k))
+        assert slots[4 * n : 16] == [-1] * (16 - 4 * n)  # the padding requests write nothing
+        assert logits_rows == expected_rows
 
 
 def test_capture_sizes_and_modes():
@@ -222,7 +305,7 @@ def test_padding_tokens_of_a_piecewise_step(tiny_model):
     at the real tokens). (Such steps run on the H200: test_gpu_graphs.py's piecewise modes.)"""
     llm = LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, num_kv_blocks=64)
     engine, runner = llm.engine, llm.engine.runner
-    runner.step_runner.padded_num_tokens = lambda n, uniform: n if uniform else n + 5
+    runner.step_runner.padded_num_tokens = lambda n: n + 5
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i, prompt in enumerate(ragged_prompts(3, seed=9)):
         engine.add_request(llm.input_processor.make_request(str(i), prompt, params, 0, 0.0))

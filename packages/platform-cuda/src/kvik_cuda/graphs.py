@@ -1,5 +1,5 @@
-"""CUDA graphs: kvik_cuda's step runner, FULL graphs for uniform decode steps and PIECEWISE graphs
-for the others (``CompilationConfig.cudagraph_mode``).
+"""CUDA graphs: kvik_cuda's step runner, FULL graphs for uniform steps (decodes, and speculative
+decoding's verifications) and PIECEWISE graphs for the others (``CompilationConfig.cudagraph_mode``).
 
 FULL: one graph per padded batch size (``CompilationConfig.cudagraph_capture_sizes``), each holding
 the whole forward pass of a decode step, embedding to fp32 logits, over the runner's persistent
@@ -8,6 +8,14 @@ hand-written kernels and the one-row GEMV). A decode batch of n requests runs in
 smallest size B >= n: the runner fills rows n..B with padding (slot -1, so no cache write; sequence
 length 1 and block 0, so one harmless key; position 0), replays, and samples rows 0..n outside the
 graph.
+
+With speculative decoding (k drafts at most a request) a second set of FULL graphs holds
+verifications: 1 + k rows a request (its newest token, then its drafts), at the capture sizes up
+to ``disable_by_batch_size`` whose rows fit the step buffers. Every request of such a step is laid
+out over 1 + k rows (the model runner's ``prepare_inputs``): one with fewer drafts gets padding rows
+after them (slot -1, positions after its drafts, logits not read), and padding requests of 1 + k
+rows fill the batch. The graph computes logits for every row; the rejection sampler reads each
+request's own rows (``logits_indices``) outside it.
 
 PIECEWISE (kvik_cuda.piecewise_graphs): the model compiled and split at attention, each piece
 captured per padded token count of two or more; any other step of at most the largest size runs
@@ -23,6 +31,7 @@ them; the real graphs are captured once the KV cache exists.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import time
 import weakref
@@ -57,15 +66,19 @@ class CudaGraphStepRunner(StepRunner):
             # their graphs (and the pool's memory) with this runner.
             weakref.finalize(self, self.piecewise.clear)
         sizes = sorted(s for s in compilation.cudagraph_capture_sizes if s <= runner.max_num_seqs)
-        self.capture_sizes = sizes if compilation.full_graphs else []
+        #: FULL graphs to capture, as (rows per request, padded request count).
+        self.capture_shapes = full_graph_shapes(runner, sizes) if compilation.full_graphs else []
         # A piecewise step has two or more tokens (a single token runs eagerly: kvik.compilation).
         self.piecewise_sizes = [s for s in sizes if s >= 2] if self.piecewise else []
-        self.graphs: dict[int, CapturedStep] = {}
-        self._sizes: list[int] = []  # FULL graphs captured, ascending
+        self.graphs: dict[tuple[int, int], CapturedStep] = {}
+        #: Per rows-per-request, the request counts of its FULL graphs captured, ascending.
+        self._sizes: dict[int, list[int]] = {}
         self._piecewise_sizes: list[int] = []  # piecewise graphs captured, ascending
         self._pool = None
-        #: FULL-graph replays so far (tests and benchmarks check that graphs ran).
+        #: FULL-graph replays so far, and per rows a request (tests and benchmarks check that
+        #: graphs ran).
         self.num_replays = 0
+        self.replays_by_rows: collections.Counter[int] = collections.Counter()
         self.capture_seconds = 0.0
         self.capture_bytes = 0
 
@@ -78,20 +91,28 @@ class CudaGraphStepRunner(StepRunner):
     def num_piecewise_replays(self) -> int:
         return self.piecewise.num_replays if self.piecewise else 0
 
-    def padded_num_tokens(self, num_tokens: int, uniform_decode: bool) -> int:
-        if uniform_decode and self._sizes and num_tokens <= self._sizes[-1]:
-            return self._sizes[bisect.bisect_left(self._sizes, num_tokens)]
+    def uniform_batch_size(self, num_reqs: int, query_len: int) -> int | None:
+        sizes = self._sizes.get(query_len)
+        if not sizes or num_reqs > sizes[-1]:
+            return None
+        return sizes[bisect.bisect_left(sizes, num_reqs)]
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
         sizes = self._piecewise_sizes
         if num_tokens >= 2 and sizes and num_tokens <= sizes[-1]:
             return sizes[bisect.bisect_left(sizes, num_tokens)]
         return num_tokens
 
     def forward(self, inputs) -> tuple[Tensor | None, Tensor | None]:
-        captured = self.graphs.get(inputs.num_padded) if inputs.uniform_decode else None
+        query_len = inputs.uniform_query_len
+        captured = self.graphs.get((query_len, inputs.num_padded // max(1, query_len)))
         if captured is not None:
             captured.graph.replay()
             self.num_replays += 1
-            return None, captured.logits[: inputs.num_sampling]
+            self.replays_by_rows[query_len] += 1
+            if query_len == 1:  # the sampling rows are the first ones
+                return None, captured.logits[: inputs.num_sampling]
+            return None, captured.logits.index_select(0, inputs.logits_indices)
         if self.piecewise is not None and inputs.num_padded in self._piecewise_set:
             with self.piecewise.running(inputs.num_padded):
                 return super().forward(inputs)
@@ -107,9 +128,9 @@ class CudaGraphStepRunner(StepRunner):
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def _capture(self, size: int) -> CapturedStep:
-        inputs = self.runner.dummy_decode_inputs(size)
-        # Eager runs first: Triton compiles this size's kernel variants and cuBLAS picks its
+    def _capture(self, query_len: int, size: int) -> CapturedStep:
+        inputs = self.runner.dummy_decode_inputs(size, query_len)
+        # Eager runs first: Triton compiles this shape's kernel variants and cuBLAS picks its
         # algorithms outside the capture (neither may happen inside one).
         for _ in range(2):
             self._body(inputs)
@@ -119,10 +140,11 @@ class CudaGraphStepRunner(StepRunner):
             logits = self._body(inputs)
         return CapturedStep(graph, logits, size)
 
-    def _capture_all(self, sizes: list[int]) -> dict[int, CapturedStep]:
+    def _capture_all(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], CapturedStep]:
         graphs = {}
-        for size in sorted(sizes, reverse=True):  # largest first: the pool then fits the rest
-            graphs[size] = self._capture(size)
+        # Most rows first: the pool then fits the rest.
+        for query_len, size in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
+            graphs[query_len, size] = self._capture(query_len, size)
         torch.cuda.synchronize()
         return graphs
 
@@ -135,11 +157,12 @@ class CudaGraphStepRunner(StepRunner):
         torch.cuda.synchronize()
 
     def reserved_memory_bytes(self) -> int:
-        full, piecewise = self.capture_sizes, self.piecewise_sizes
+        full, piecewise = self.capture_shapes, self.piecewise_sizes
         if not full and not piecewise:
             return 0
         runner = self.runner
-        trial_sizes = sorted({*full[-1:], *full[:1]}, reverse=True)
+        by_rows = sorted(full, key=lambda shape: shape[0] * shape[1])
+        trial_sizes = sorted({*by_rows[-1:], *by_rows[:1]})
         trial_pieces = sorted({*piecewise[-1:], *piecewise[:1]}, reverse=True)
         runner.initialize_kv_cache(1, warm_up=False)  # padding rows read block 0 only
         self._pool = torch.cuda.graph_pool_handle()
@@ -174,27 +197,46 @@ class CudaGraphStepRunner(StepRunner):
         return estimate
 
     def on_kv_cache_ready(self) -> None:
-        if not self.capture_sizes and not self.piecewise_sizes:
+        if not self.capture_shapes and not self.piecewise_sizes:
             super().on_kv_cache_ready()
             return
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         started = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
-        self.graphs = self._capture_all(self.capture_sizes)
-        self._sizes = sorted(self.graphs)
+        self.graphs = self._capture_all(self.capture_shapes)
+        self._sizes = {}
+        for query_len, size in sorted(self.graphs):
+            self._sizes.setdefault(query_len, []).append(size)
         if self.piecewise_sizes:
             self._capture_piecewise(self.piecewise_sizes)
             self._piecewise_sizes = sorted(self.piecewise.captured_sizes())
         self.capture_seconds = time.perf_counter() - started
         self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
         logger.info(
-            "captured %d FULL CUDA graphs (decode batch sizes %s) and piecewise graphs of %d "
-            "pieces for %d token counts (%s) in %.1f s, %.1f MiB",
-            len(self.graphs), _span(self._sizes),
+            "captured %d FULL CUDA graphs (decode batch sizes %s, verification batch sizes %s) "
+            "and piecewise graphs of %d pieces for %d token counts (%s) in %.1f s, %.1f MiB",
+            len(self.graphs), _span(self._sizes.get(1, [])),
+            _span([s for q, sizes in self._sizes.items() if q > 1 for s in sizes]),
             len(self.piecewise.pieces) if self.piecewise else 0, len(self._piecewise_sizes),
             _span(self._piecewise_sizes), self.capture_seconds, self.capture_bytes / MiB,
         )  # fmt: skip
+
+
+def full_graph_shapes(runner, sizes: list[int]) -> list[tuple[int, int]]:
+    """(rows per request, request count) of the FULL graphs: decodes at every capture size and,
+    with speculative decoding, verifications of 1 + k rows a request at the sizes whose rows fit
+    the step buffers and that speculate (at most ``disable_by_batch_size`` requests)."""
+    shapes = [(1, size) for size in sizes]
+    k = runner.num_speculative_tokens
+    if k:
+        limit = runner.config.speculative.disable_by_batch_size or runner.max_num_seqs
+        shapes += [
+            (1 + k, size)
+            for size in sizes
+            if size <= limit and size * (1 + k) <= runner.max_num_tokens
+        ]
+    return shapes
 
 
 def _span(sizes: list[int]) -> str:

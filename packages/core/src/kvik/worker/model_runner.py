@@ -64,11 +64,15 @@ class StepInputs:
     positions: Tensor  # [T_pad]
     attn_metadata: object  # the backend's metadata
     logits_indices: Tensor  # [sum(k_i + 1)] rows of the hidden states that sample
-    num_tokens: int  # T, the scheduled tokens; rows T..T_pad are padding
+    #: T, the rows of the scheduled requests (``query_starts`` index them); rows T..T_pad are
+    #: padding. A request's rows are its scheduled tokens, then (in a uniform verification) rows
+    #: of padding up to ``uniform_query_len``.
+    num_tokens: int
     num_padded: int  # T_pad
-    #: Every request computes one token and samples, and none needs prompt logprobs: a step that
-    #: a CUDA graph can replay.
-    uniform_decode: bool
+    #: Every request has this many rows and samples, and none needs prompt logprobs: 1 for a
+    #: decode, 1 + k for a verification of up to k drafts a request; a step that a FULL CUDA graph
+    #: of the step runner replays (``StepRunner.uniform_batch_size``). 0: any other step.
+    uniform_query_len: int
     query_starts: list[int]  # [R] first row of each scheduled request
     sampling_requests: list[Request]  # the N requests that sample, in row order
     #: Their settings, staged with the other inputs (None when nothing samples).
@@ -78,6 +82,10 @@ class StepInputs:
     draft_token_ids: list[tuple[int, ...]] = field(default_factory=list)
     #: The backend-neutral metadata the backend's was built from (a draft model builds its own).
     common_metadata: AttentionMetadata | None = None
+
+    @property
+    def uniform_decode(self) -> bool:
+        return self.uniform_query_len == 1
 
     @property
     def num_draft_tokens(self) -> list[int]:
@@ -361,39 +369,62 @@ class ModelRunner:
             ):
                 needs_hidden = True
         num_tokens = len(token_ids)
-        uniform_decode = num_tokens == num_reqs == len(sample_rows) and not needs_hidden
-        padded = self.step_runner.padded_num_tokens(num_tokens, uniform_decode)
-        padded_reqs = padded if uniform_decode else num_reqs
+        query_len = self._uniform_query_len(scheduled, lens, starts, sample_rows, needs_hidden)
+        padded_reqs = (
+            self.step_runner.uniform_batch_size(num_reqs, query_len) if query_len else None
+        )
+        if padded_reqs is None:
+            query_len = 0  # no graph takes it: laid out as it comes, padded for piecewise graphs
+            padded_reqs = num_reqs
+            padded = self.step_runner.padded_num_tokens(num_tokens)
+            rows_of = lens
+        else:
+            padded = padded_reqs * query_len
+            rows_of = np.full(num_reqs, query_len, dtype=np.int64)
 
         query_start_loc = self.query_start_loc.np
         query_start_loc[0] = 0
-        np.cumsum(lens, out=query_start_loc[1 : num_reqs + 1])
-        if num_tokens == num_reqs:
+        np.cumsum(rows_of, out=query_start_loc[1 : num_reqs + 1])
+        laid_out = int(query_start_loc[num_reqs])  # rows of the scheduled requests
+        # Row i of request r sits at position starts[r] + i; rows past a request's tokens (a
+        # verification with fewer drafts than its graph's query length) are padding in it.
+        if laid_out == num_reqs:
             positions = starts
             token_request = None
         else:
-            token_request = np.repeat(np.arange(num_reqs), lens)
-            positions = (
-                np.arange(num_tokens) - np.repeat(query_start_loc[:num_reqs], lens)
-            ) + np.repeat(starts, lens)
+            token_request = np.repeat(np.arange(num_reqs), rows_of)
+            offsets = np.arange(laid_out) - np.repeat(query_start_loc[:num_reqs], rows_of)
+            positions = offsets + np.repeat(starts, rows_of)
         self.block_table.update(table_rows)
         bs = self.block_size
         table = self.block_table.np
         rows = np.arange(num_reqs) if token_request is None else token_request
-        self.slot_mapping.np[:num_tokens] = table[rows, positions // bs] * bs + positions % bs
-        self.input_ids.np[:num_tokens] = token_ids
-        self.positions.np[:num_tokens] = positions
-        self.query_lens.np[:num_reqs] = lens
-        self.seq_lens.np[:num_reqs] = starts + lens
-        if padded > num_tokens:  # padding rows: no cache write, position 0
-            self.input_ids.np[num_tokens:padded] = 0
-            self.positions.np[num_tokens:padded] = 0
-            self.slot_mapping.np[num_tokens:padded] = -1
-            if uniform_decode:  # each padding row a one-token request with one harmless key
-                self.query_lens.np[num_reqs:padded_reqs] = 1
-                self.seq_lens.np[num_reqs:padded_reqs] = 1
+        slots = table[rows, positions // bs] * bs + positions % bs
+        ids = np.asarray(token_ids, dtype=np.int64)
+        if laid_out != num_tokens:  # padding inside requests: no cache write, token 0
+            real = offsets < np.repeat(lens, rows_of)
+            slots = np.where(real, slots, -1)
+            real_rows = np.flatnonzero(real)
+            ids = np.zeros(laid_out, dtype=np.int64)
+            ids[real_rows] = token_ids
+            in_flight = [(int(real_rows[row]), source) for row, source in in_flight]
+        self.slot_mapping.np[:laid_out] = slots
+        self.input_ids.np[:laid_out] = ids
+        self.positions.np[:laid_out] = positions
+        self.query_lens.np[:num_reqs] = rows_of
+        self.seq_lens.np[:num_reqs] = starts + rows_of
+        if padded > laid_out:  # padding rows: no cache write, position 0
+            self.input_ids.np[laid_out:padded] = 0
+            self.positions.np[laid_out:padded] = 0
+            self.slot_mapping.np[laid_out:padded] = -1
+            if query_len:  # padding requests of query_len tokens each, over harmless keys
+                self.query_lens.np[num_reqs:padded_reqs] = query_len
+                self.seq_lens.np[num_reqs:padded_reqs] = query_len
+                self.positions.np[laid_out:padded] = np.tile(
+                    np.arange(query_len), padded_reqs - num_reqs
+                )
                 query_start_loc[num_reqs + 1 : padded_reqs + 1] = np.arange(
-                    num_tokens + 1, padded + 1
+                    laid_out + query_len, padded + 1, query_len
                 )
             # Else (a piecewise step) the padding tokens belong to no request: attention's
             # programs past the last request's tokens return, and their rows are never read.
@@ -402,15 +433,21 @@ class ModelRunner:
         if any(drafts):
             # A verification (the newest token, then drafts) is computed as decodes are.
             spec_lens = np.array([len(s.spec_token_ids) for s in scheduled], dtype=np.int64)
-            decode_requests = torch.from_numpy((lens - spec_lens == 1) | (lens == 1))
-            # Each sampling request scores its last k_i + 1 rows: its drafts' and the one after.
-            ends = query_start_loc[1:][sample_rows]
+            decode = (lens - spec_lens == 1) | (lens == 1)
+            decode_requests = torch.from_numpy(
+                np.pad(decode, (0, padded_reqs - num_reqs), constant_values=True)
+            )
+            # Each sampling request scores its first k_i + 1 rows after its known tokens: its
+            # drafts' and the one after.
+            ends = query_start_loc[:num_reqs][sample_rows] + lens[sample_rows]
             counts = np.array([len(d) + 1 for d in drafts], dtype=np.int64)
             num_logits = int(counts.sum())
             offsets = np.arange(num_logits) - np.repeat(np.cumsum(counts) - counts, counts)
             self.logits_indices.np[:num_logits] = np.repeat(ends - counts, counts) + offsets
         else:
-            self.logits_indices.np[:num_logits] = query_start_loc[1:][sample_rows] - 1
+            self.logits_indices.np[:num_logits] = (
+                query_start_loc[:num_reqs][sample_rows] + lens[sample_rows] - 1
+            )
 
         input_ids = self.input_ids.upload(padded)
         if in_flight:
@@ -431,8 +468,8 @@ class ModelRunner:
             seq_lens=self.seq_lens.upload(padded_reqs),
             block_table=self.block_table.device[:padded_reqs],
             slot_mapping=self.slot_mapping.upload(padded),
-            max_query_len=int(lens.max()),
-            max_seq_len=int((starts + lens).max()),
+            max_query_len=int(rows_of.max()),
+            max_seq_len=int((starts + rows_of).max()),
             block_size=bs,
             decode_requests=decode_requests,
         )
@@ -442,9 +479,9 @@ class ModelRunner:
             positions=self.positions.upload(padded),
             attn_metadata=self.metadata_builder.build(common),
             logits_indices=self.logits_indices.upload(num_logits),
-            num_tokens=num_tokens,
+            num_tokens=laid_out,
             num_padded=padded,
-            uniform_decode=uniform_decode,
+            uniform_query_len=query_len,
             query_starts=query_start_loc[:num_reqs].tolist(),
             sampling_requests=sampling_requests,
             sampling=self._sampling_batch(sampling_requests) if sampling_requests else None,
@@ -456,42 +493,71 @@ class ModelRunner:
         self._record_inputs_copied()
         return inputs
 
-    def dummy_decode_inputs(self, size: int) -> StepInputs:
-        """A decode step of ``size`` padding rows (no cache write, one key each from block 0),
-        laid out in the persistent buffers as a real one would be: for capturing graphs."""
+    def _uniform_query_len(
+        self,
+        scheduled: list,
+        lens: np.ndarray,
+        starts: np.ndarray,
+        sample_rows: list[int],
+        needs_hidden: bool,
+    ) -> int:
+        """The rows per request of a step that a FULL graph could take: 1 when every request
+        decodes one token, 1 + num_speculative_tokens when every request scores its newest token
+        and at most that many drafts (the rows past a request's drafts become padding, within
+        max_model_len); 0 for any other step."""
+        num_reqs = len(scheduled)
+        if needs_hidden or len(sample_rows) != num_reqs:
+            return 0
+        if int(lens.sum()) == num_reqs:
+            return 1
+        k = self.num_speculative_tokens
+        if not k or int(starts.max()) + 1 + k > self.max_model_len:
+            return 0
+        for s, n in zip(scheduled, lens.tolist()):
+            if n != 1 + len(s.spec_token_ids):
+                return 0
+        return 1 + k
+
+    def dummy_decode_inputs(self, size: int, query_len: int = 1) -> StepInputs:
+        """A uniform step of ``size`` padding requests of ``query_len`` rows each (no cache write,
+        keys from block 0), laid out in the persistent buffers as a real one would be: for
+        capturing graphs (``query_len`` 1: a decode; 1 + k: a verification of k drafts)."""
         if self._inputs_copied is not None:
             self._inputs_copied.synchronize()
-        self.input_ids.np[:size] = 0
-        self.positions.np[:size] = 0
-        self.slot_mapping.np[:size] = -1
-        self.query_lens.np[:size] = 1
-        self.seq_lens.np[:size] = 1
-        self.query_start_loc.np[: size + 1] = np.arange(size + 1)
-        self.logits_indices.np[:size] = np.arange(size)
-        self.block_table.np[:size, 0] = 0
-        self.block_table.device[:size, 0] = 0
+        t = size * query_len
+        self.input_ids.np[:t] = 0
+        self.positions.np[:t] = np.tile(np.arange(query_len), size)
+        self.slot_mapping.np[:t] = -1
+        self.query_lens.np[:size] = query_len
+        self.seq_lens.np[:size] = query_len
+        self.query_start_loc.np[: size + 1] = np.arange(0, t + 1, query_len)
+        self.logits_indices.np[:t] = np.arange(t)
+        num_blocks = -(-query_len // self.block_size)
+        self.block_table.np[:size, :num_blocks] = 0
+        self.block_table.device[:size, :num_blocks] = 0
         self.block_table.forget()
         common = AttentionMetadata(
-            num_actual_tokens=size,
+            num_actual_tokens=t,
             num_reqs=size,
             query_start_loc=self.query_start_loc.upload(size + 1),
             query_lens=self.query_lens.upload(size),
             seq_lens=self.seq_lens.upload(size),
             block_table=self.block_table.device[:size],
-            slot_mapping=self.slot_mapping.upload(size),
-            max_query_len=1,
-            max_seq_len=1,
+            slot_mapping=self.slot_mapping.upload(t),
+            max_query_len=query_len,
+            max_seq_len=query_len,
             block_size=self.block_size,
+            decode_requests=torch.ones(size, dtype=torch.bool) if query_len > 1 else None,
         )
         inputs = StepInputs(
-            input_ids=self.input_ids.upload(size),
-            positions=self.positions.upload(size),
+            input_ids=self.input_ids.upload(t),
+            positions=self.positions.upload(t),
             attn_metadata=self.metadata_builder.build(common),
-            logits_indices=self.logits_indices.upload(size),
-            num_tokens=size,
-            num_padded=size,
-            uniform_decode=True,
-            query_starts=list(range(size)),
+            logits_indices=self.logits_indices.upload(t),
+            num_tokens=t,
+            num_padded=t,
+            uniform_query_len=query_len,
+            query_starts=list(range(0, t, query_len)),
             sampling_requests=[],
         )
         self._record_inputs_copied()

@@ -45,9 +45,16 @@ class StepRunner:
         """What runs compiled piece ``index`` of ``count``: the piece itself, without graphs."""
         return piece
 
-    def padded_num_tokens(self, num_tokens: int, uniform_decode: bool) -> int:
-        """The token (and, for uniform decodes, request) count the step's buffers are laid out
-        for; rows past ``num_tokens`` are padding (slot -1, sequence length 1, position 0)."""
+    def uniform_batch_size(self, num_reqs: int, query_len: int) -> int | None:
+        """The request count a uniform step (``num_reqs`` requests of ``query_len`` rows each, all
+        sampling: 1 for decodes, 1 + k for verifications of k drafts) is padded to for a graph
+        that replays it, or None where none does; padding requests have ``query_len`` rows, write
+        no cache slot and read harmless keys."""
+        return None
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """The token count any other step's buffers are laid out for; rows past ``num_tokens``
+        are padding that belongs to no request (slot -1, position 0)."""
         return num_tokens
 
     def reserved_memory_bytes(self) -> int:
