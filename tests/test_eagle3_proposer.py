@@ -188,6 +188,25 @@ def test_trained_head_is_accepted_through_the_runner(tiny_model, plain, trained_
     assert stats.mean_accepted_length > 1.5  # 1.73 measured (a random head's: about 1.0)
 
 
+def test_padded_verification_layout(tiny_model, plain, trained_head):
+    """Verifications laid out as kvik_cuda's FULL graphs replay them (1 + k rows a request, fewer
+    drafts padded inside the request, padding requests after; decodes padded to 4 requests), with
+    the head's pass and draft steps on their fixed-shape path: proposals equal the reference's."""
+    config = {"method": "eagle3", "model": str(trained_head), "num_speculative_tokens": K}
+    llm = make_llm(tiny_model("llama"), config, max_num_seqs=4)
+    runner = llm.engine.runner
+    runner.step_runner.uniform_batch_size = lambda n, rows: 4 if n <= 4 else None
+    proposer = proposer_of(llm)
+    graphs = proposer.graphs = EagerStepGraphs()
+    proposer.graph_sizes = [2, 4]
+    reference = WindowReference(proposer)
+    assert generate(llm) == plain
+    assert reference.compared > 10 and llm.stats.spec_decoding.num_accepted_tokens > 0
+    passes = {key[1:] for key in graphs.sizes if key[0] == "pass"}
+    # (padded rows, padded requests, longest query, requests): verifications of 4 rows a request
+    assert any(rows == 16 and reqs == 4 and query == K + 1 for rows, reqs, query, _ in passes)
+
+
 def test_aux_states_are_the_target_layers_inputs(tiny_model, tmp_path):
     """What the hooks copy into the proposer's buffer is each aux layer's input (transformers'
     ``hidden_states[i]``) at every row of the step."""
