@@ -8,9 +8,9 @@ weights, bf16, the engine's default graphs):
    engine: the runner's ``propose`` as the engine calls it after a step (the head's one batched
    pass over the step's rows, writing its KV cache, then two one-row draft steps), timed after a
    decode step and after a verification of 3 drafts, as a fraction of the plain decode step of
-   1. (goal: at most 15%); with the head run eagerly (the default), then with its batched pass and
-   draft steps replayed as CUDA graphs (``KVIK_EAGLE3_DRAFT_GRAPHS=1``'s path) where the platform
-   has them.
+   1. (goal: at most 15%); with the head run eagerly (``KVIK_EAGLE3_DRAFT_GRAPHS=0``), then with
+   its batched pass and draft steps replayed as CUDA graphs where the platform has them (the
+   engine's default with FULL graphs).
 
     python bench/spec_decode_gpu.py [--model bench/models/llama-3.1-8b] [--context 256]
 
@@ -150,8 +150,8 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
     step_runner = runner.step_runner
     replays = getattr(step_runner, "num_replays", 0)
     figures = {}
-    # The head eagerly (the default), then its batched pass and draft steps replayed as graphs
-    # where the platform has them (what KVIK_EAGLE3_DRAFT_GRAPHS=1 turns on), captured at their
+    # The head eagerly (KVIK_EAGLE3_DRAFT_GRAPHS=0), then its batched pass and draft steps
+    # replayed as graphs where the platform has them (the engine's default), captured at their
     # first use here.
     graphs = runner.platform.step_graphs() if proposer.graph_sizes else None
     for prefix, draft_graphs in (("eagle3", None), ("eagle3_graphed", graphs)):
@@ -274,7 +274,7 @@ def main() -> int:
     if "eagle3_graphed_propose_after_decode_ms" in eagle:
         graphed = [eagle[f"eagle3_graphed_propose_after_{n}_ms"] for n in ("decode", "verify")]
         print(
-            f"EAGLE-3 with its pass and draft steps as CUDA graphs (KVIK_EAGLE3_DRAFT_GRAPHS=1): "
+            f"EAGLE-3 with its pass and draft steps as CUDA graphs (the default): "
             f"{graphed[0]:.3f} ms after a decode step = {100 * graphed[0] / decode_ms:.1f}%, "
             f"{graphed[1]:.3f} ms after a verification = {100 * graphed[1] / decode_ms:.1f}%; "
             f"{eagle['eagle3_head_graph_replays']} head-graph replays",

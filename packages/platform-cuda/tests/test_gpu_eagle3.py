@@ -4,7 +4,7 @@ The hooks that take the target's aux hidden states copy them into a persistent b
 graph captured from the eagerly run layers replays the copies: after a replayed decode step the
 buffer holds transformers' hidden states of that position. Greedy outputs with a random head equal
 plain decoding's (fp32), and the head's proposals equal the window-recompute reference, with the
-draft steps run eagerly and replayed as graphs (KVIK_EAGLE3_DRAFT_GRAPHS=1).
+draft steps replayed as graphs (the default) and run eagerly (KVIK_EAGLE3_DRAFT_GRAPHS=0).
 """
 
 from __future__ import annotations
@@ -75,8 +75,7 @@ def test_greedy_identical_and_proposals_equal_reference(
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     plain.shutdown()
     del plain
-    if draft_graphs:
-        monkeypatch.setenv(DRAFT_GRAPHS_ENV, "1")
+    monkeypatch.setenv(DRAFT_GRAPHS_ENV, "1" if draft_graphs else "0")
     llm = eagle3_llm(folder, random_eagle3_head(tmp_path / "head", folder))
     proposer = llm.engine.runner.proposer
     assert (proposer.graphs is not None) == draft_graphs

@@ -54,7 +54,8 @@ if TYPE_CHECKING:
 
 #: The head's attention layer in its forward context.
 LAYER_NAME = "eagle3.midlayer.self_attn.attn"
-#: "1": the draft steps replay as CUDA graphs per padded batch size (where the platform has them).
+#: "0": the head's batched pass and draft steps run eagerly even where the platform replays them
+#: as CUDA graphs (the default with FULL graphs on).
 DRAFT_GRAPHS_ENV = "KVIK_EAGLE3_DRAFT_GRAPHS"
 
 
@@ -199,12 +200,12 @@ class Eagle3Proposer(Proposer):
         self.pass_out = torch.zeros(r * (self.k + 1), hidden, dtype=runner.dtype, device=device)
         # The batched pass (decode and verification steps) and the draft steps (per padded batch
         # size) replayed as graphs (kvik_cuda), or None: all eagerly, the draft steps for exactly
-        # the proposing requests. Off unless KVIK_EAGLE3_DRAFT_GRAPHS=1, and only with FULL graphs
-        # on (not yet run on a GPU: see docs/architecture.md).
+        # the proposing requests. On with FULL graphs (on the H200 they cut a k = 3 proposal from
+        # 3.5 to 1.6 ms: docs/benchmarks.md); KVIK_EAGLE3_DRAFT_GRAPHS=0 turns them off.
         self.graphs: StepGraphs | None = None
         capture_sizes = runner.config.compilation.cudagraph_capture_sizes
         self.graph_sizes = sorted(n for n in capture_sizes if n <= runner.max_num_seqs)
-        if os.environ.get(DRAFT_GRAPHS_ENV) == "1" and runner.config.compilation.full_graphs:
+        if os.environ.get(DRAFT_GRAPHS_ENV) != "0" and runner.config.compilation.full_graphs:
             self.graphs = runner.platform.step_graphs()
 
     # --- KV cache ---------------------------------------------------------------------------
