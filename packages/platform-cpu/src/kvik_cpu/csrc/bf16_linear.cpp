@@ -1,7 +1,9 @@
 // bf16 matrix products in AVX512-BF16 over weights packed as for AMX (kvik_cpu::amx_pack), for
-// the few rows a mixture-of-experts layer gives each expert in a decode step.
+// the few rows a mixture-of-experts layer gives each expert in a decode step, and a decode step's
+// dense layers on CPUs without AMX.
 //
-// y[M, N] = x[M, K] W[N, K]^T (+ bias), x and y bf16, fp32 accumulation. amx_pack's layout holds
+// y[M, N] = x[M, K] W[N, K]^T (+ bias), x bf16, fp32 accumulation, y bf16 (or the fp32 sums
+// themselves: fp32_out, for the LM head's logits). amx_pack's layout holds
 // each block of 16 output columns as K/2 runs of 64 bytes: 16 column pairs [k, k+1], exactly the
 // operand of vdpbf16ps. So one instruction adds a row's pair x[k, k+1] times 16 columns' pair, and
 // a 32-column panel of W (two such blocks) is one contiguous run of memory, streamed once per call
@@ -85,8 +87,28 @@ inline void store_rows(const float* c, int64_t rows, int64_t cols, const float* 
   }
 }
 
+// The same in fp32, unrounded: the LM head's logits, where rounding to bf16 (a step of 0.125 at
+// 16 to 32) ties logits that differ by less, and greedy argmax then takes the lower token id.
+inline void store_rows(const float* c, int64_t rows, int64_t cols, const float* bias, float* out,
+                       int64_t ld_out) {
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols >= 32 ? 0xFFFF
+                       : cols <= 16 ? 0
+                                    : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel), bias0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel + 16), bias1);
+    _mm512_mask_storeu_ps(out + m * ld_out, lo, v0);
+    _mm512_mask_storeu_ps(out + m * ld_out + 16, hi, v1);  // masked off: never touched
+  }
+}
+
+// Out: c10::BFloat16 (rounded once) or float (the sums as they are).
+template <typename Out>
 void bf16_linear_kernel(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w,
-                        int64_t Kp, int64_t N, const float* bias, c10::BFloat16* out) {
+                        int64_t Kp, int64_t N, const float* bias, Out* out) {
   const int64_t panels = round_up(N, kPanel) / kPanel;
   const int64_t panel_elems = kPanel * Kp;
   const int64_t block_elems = 16 * Kp;
@@ -119,7 +141,7 @@ void bf16_linear_kernel(const c10::BFloat16* x, int64_t M, int64_t K, const c10:
 #endif  // __AVX512BF16__
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, bool fp32_out) {
 #if !defined(__AVX512BF16__)
   TORCH_CHECK(false, "bf16_linear: this build of kvik_cpu's ops has no AVX512-BF16");
 #endif
@@ -142,13 +164,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   } else {
     input = x.contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__AVX512BF16__)
-  bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
-                     packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                     out.data_ptr<c10::BFloat16>());
+  const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (fp32_out) {
+    bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
+                       packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N, bias_ptr,
+                       out.data_ptr<float>());
+  } else {
+    bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
+                       packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N, bias_ptr,
+                       out.data_ptr<c10::BFloat16>());
+  }
 #endif
   return out;
 }
@@ -176,9 +204,9 @@ at::Tensor bf16_moe_experts(const at::Tensor& rows, at::IntArrayRef counts, at::
     if (count == 0) continue;
     TORCH_CHECK(count > 0 && start + count <= rows.size(0),
                 "bf16_moe_experts: the counts overrun the ", rows.size(0), " rows");
-    const at::Tensor act = kvik_cpu::ops::silu_and_mul(
-        bf16_linear(rows.narrow(0, start, count), gate_up[e], 2 * intermediate, std::nullopt));
-    out.narrow(0, start, count).copy_(bf16_linear(act, down[e], hidden, std::nullopt));
+    const at::Tensor act = kvik_cpu::ops::silu_and_mul(bf16_linear(
+        rows.narrow(0, start, count), gate_up[e], 2 * intermediate, std::nullopt, false));
+    out.narrow(0, start, count).copy_(bf16_linear(act, down[e], hidden, std::nullopt, false));
     start += count;
   }
   TORCH_CHECK(start == rows.size(0), "bf16_moe_experts: the counts cover ", start, " of ",
@@ -189,7 +217,8 @@ at::Tensor bf16_moe_experts(const at::Tensor& rows, at::IntArrayRef counts, at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
-  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor",
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None, "
+        "bool fp32_out=False) -> Tensor",
         &bf16_linear);
   m.def("bf16_moe_experts(Tensor rows, int[] counts, Tensor[] gate_up, Tensor[] down, "
         "int intermediate) -> Tensor",
