@@ -27,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -214,6 +215,81 @@ at::Tensor bf16_moe_experts(const at::Tensor& rows, at::IntArrayRef counts, at::
   return out;
 }
 
+#if defined(__AVX512BF16__)
+// acc[0:n] += float(r[0:n]) * w, the product rounded to fp32 before the add, as the reference's
+// separate multiply and index_add_ round it: the empty asm keeps the compiler from fusing the two
+// into one FMA (GCC contracts vector arithmetic by default), which would round once and differ.
+inline void add_weighted_row(float* acc, const c10::BFloat16* r, float w, int64_t n) {
+  const __m512 weight = _mm512_set1_ps(w);
+  for (int64_t h = 0; h < n; h += 16) {
+    const __mmask16 mask = n - h >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - h)) - 1);
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, r + h);
+    const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    __m512 product = _mm512_mul_ps(value, weight);
+    asm("" : "+v"(product));
+    _mm512_mask_storeu_ps(acc + h, mask,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(mask, acc + h), product));
+  }
+}
+#endif
+
+// A mixture-of-experts layer after its routing, in one call: hidden [T, H], the routing's
+// weights [T, k] fp32 and expert ids [T, k] (kvik.ops.moe_routing) -> [T, H]. The same work and
+// the same bits as kvik.ops.grouped_experts with bf16_moe_experts: the (token, k) pairs grouped
+// by expert in a stable counting sort (torch.argsort(stable=True)'s order), their rows gathered,
+// the experts' products, then each token's sum over its pairs in that order, in fp32, rounded
+// once to bf16. Without the dozen PyTorch ops around the experts that cost a decode step of a
+// small MoE about as much as one more layer's experts (docs/benchmarks.md).
+at::Tensor bf16_moe(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& ids,
+                    at::TensorList gate_up, at::TensorList down, int64_t intermediate) {
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(false, "bf16_moe: this build of kvik_cpu's ops has no AVX512-BF16");
+#endif
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16,
+              "bf16_moe: expected 2-D bfloat16 hidden states, got ", hidden.sizes(), " ",
+              hidden.scalar_type());
+  const int64_t tokens = hidden.size(0), width = hidden.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == tokens && ids.scalar_type() == at::kLong &&
+                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "bf16_moe: expected weights (float32) and ids (int64) of shape [", tokens,
+              ", top_k], got ", weights.sizes(), " ", weights.scalar_type(), " and ", ids.sizes(),
+              " ", ids.scalar_type());
+  const int64_t experts = static_cast<int64_t>(gate_up.size());
+  const int64_t pairs = ids.numel(), top_k = ids.size(1);
+  if (tokens == 0) return at::empty({0, width}, hidden.options());
+  const at::Tensor x = hidden.contiguous();
+  const at::Tensor id = ids.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const int64_t* id_ptr = id.data_ptr<int64_t>();
+  std::vector<int64_t> counts(experts, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(id_ptr[p] >= 0 && id_ptr[p] < experts, "bf16_moe: expert id ", id_ptr[p],
+                " is not in [0, ", experts, ")");
+    ++counts[id_ptr[p]];
+  }
+  std::vector<int64_t> next(experts, 0), order(pairs);
+  for (int64_t e = 1; e < experts; ++e) next[e] = next[e - 1] + counts[e - 1];
+  for (int64_t p = 0; p < pairs; ++p) order[next[id_ptr[p]]++] = p;
+  at::Tensor rows = at::empty({pairs, width}, hidden.options());
+  const auto* src = x.data_ptr<c10::BFloat16>();
+  auto* dst = rows.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    std::memcpy(dst + i * width, src + (order[i] / top_k) * width, width * sizeof(c10::BFloat16));
+  }
+  const at::Tensor results = bf16_moe_experts(rows, counts, gate_up, down, intermediate);
+  at::Tensor acc = at::zeros({tokens, width}, hidden.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const auto* res = results.data_ptr<c10::BFloat16>();
+  const float* w_ptr = w.data_ptr<float>();
+  float* acc_ptr = acc.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    add_weighted_row(acc_ptr + (order[i] / top_k) * width, res + i * width, w_ptr[order[i]],
+                     width);
+  }
+#endif
+  return acc.to(at::kBFloat16);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
@@ -223,4 +299,7 @@ TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
   m.def("bf16_moe_experts(Tensor rows, int[] counts, Tensor[] gate_up, Tensor[] down, "
         "int intermediate) -> Tensor",
         &bf16_moe_experts);
+  m.def("bf16_moe(Tensor hidden, Tensor weights, Tensor ids, Tensor[] gate_up, Tensor[] down, "
+        "int intermediate) -> Tensor",
+        &bf16_moe);
 }
