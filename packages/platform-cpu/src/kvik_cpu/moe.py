@@ -6,7 +6,8 @@ the matrix kernel of the engine's path (kvik_cpu.linear: ``AmxLinear`` on AMX, e
 ``Avx512Bf16Linear`` where the C++ ops built, else ``OneDnnLinear``; an expert's few rows in a
 decode step cost oneDNN more per call than reading its weights takes), and
 the step's tokens gathered per expert with index ops, as ``kvik.ops.grouped_experts`` does for the
-reference: one loop over the experts that have tokens, none over tokens.
+reference: one loop over the experts that have tokens, none over tokens. On ``Avx512Bf16Linear``
+all of it after the routing is one C++ call (``kvik_cpu::bf16_moe``, the same bits).
 """
 
 from __future__ import annotations
