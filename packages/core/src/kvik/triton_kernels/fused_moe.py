@@ -102,6 +102,52 @@ def moe_configs(
 
 
 @triton.jit
+def _route_rows(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    rows,
+    num_tokens,
+    num_experts,
+    logits_stride,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Route the tokens ``rows`` (those below num_tokens): per token, softmax over the router
+    logits in fp32, the top k by repeated arg-max (the lowest expert among equals), renormalised
+    where the model says; weights and expert ids stored at [token, k]."""
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    x = tl.load(
+        logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # rows past the tokens: finite, never stored
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(col_ok[None, :], p, -1.0)  # below any probability: never picked
+    ks = tl.arange(0, TOP_K_PAD)
+    top_w = tl.zeros([rows.shape[0], TOP_K_PAD], dtype=tl.float32)
+    top_i = tl.zeros([rows.shape[0], TOP_K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        index = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), 1)
+        top_w = tl.where(ks[None, :] == k, best[:, None], top_w)
+        top_i = tl.where(ks[None, :] == k, index[:, None], top_i)
+        p = tl.where(cols[None, :] == index[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    out = rows[:, None].to(tl.int64) * TOP_K + ks[None, :]
+    out_ok = row_ok[:, None] & (ks[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top_w, mask=out_ok)
+    tl.store(ids_ptr + out, top_i, mask=out_ok)
+
+
+@triton.jit
 def moe_routing_kernel(
     logits_ptr,
     weights_ptr,
@@ -113,27 +159,11 @@ def moe_routing_kernel(
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, E_PAD)
-    valid = cols < num_experts
-    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(valid, p, -1.0)  # below any probability: never picked
-    ks = tl.arange(0, TOP_K_PAD)
-    top_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
-    top_i = tl.zeros([TOP_K_PAD], dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        index = tl.min(tl.where(p == best, cols, E_PAD), 0)  # the lowest expert among equals
-        top_w = tl.where(ks == k, best, top_w)
-        top_i = tl.where(ks == k, index, top_i)
-        p = tl.where(cols == index, -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 0)
-    tl.store(weights_ptr + row * TOP_K + ks, top_w, mask=ks < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=ks < TOP_K)
+    row = tl.program_id(0)
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, row + tl.arange(0, 1), row + 1, num_experts,
+        logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -194,35 +224,11 @@ def moe_route_align_kernel(
 ):
     """``moe_routing_kernel``, ``moe_align_kernel``, the padding fill and ``moe_scatter_kernel``
     in one program, for at most TOKENS_PAD tokens (PAIRS_PAD >= TOKENS_PAD * TOP_K)."""
-    # Routing, every token at once: the same arithmetic as moe_routing_kernel, row-wise.
-    rows = tl.arange(0, TOKENS_PAD)
-    cols = tl.arange(0, E_PAD)
-    row_ok = rows < num_tokens
-    col_ok = cols < num_experts
-    x = tl.load(
-        logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
-        mask=row_ok[:, None] & col_ok[None, :],
-        other=float("-inf"),
-    ).to(tl.float32)
-    x = tl.where(row_ok[:, None], x, 0.0)  # padding rows: finite, never stored
-    p = tl.exp(x - tl.max(x, 1)[:, None])
-    p = p / tl.sum(p, 1)[:, None]
-    p = tl.where(col_ok[None, :], p, -1.0)
-    ks = tl.arange(0, TOP_K_PAD)
-    top_w = tl.zeros([TOKENS_PAD, TOP_K_PAD], dtype=tl.float32)
-    top_i = tl.zeros([TOKENS_PAD, TOP_K_PAD], dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, 1)
-        index = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), 1)
-        top_w = tl.where(ks[None, :] == k, best[:, None], top_w)
-        top_i = tl.where(ks[None, :] == k, index[:, None], top_i)
-        p = tl.where(cols[None, :] == index[:, None], -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 1)[:, None]
-    out = rows[:, None] * TOP_K + ks[None, :]
-    out_ok = row_ok[:, None] & (ks[None, :] < TOP_K)
-    tl.store(weights_ptr + out, top_w, mask=out_ok)
-    tl.store(ids_ptr + out, top_i, mask=out_ok)
+    # Routing, every token at once.
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.arange(0, TOKENS_PAD), num_tokens, num_experts,
+        logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
+    )  # fmt: skip
     tl.debug_barrier()  # the ids just stored are read back by other threads below
     # Alignment: as moe_align_kernel, over the pairs in one block.
     num_pairs = num_tokens * TOP_K
@@ -230,6 +236,7 @@ def moe_route_align_kernel(
     pair_ok = pairs < num_pairs
     expert = tl.load(ids_ptr + pairs, mask=pair_ok, other=0)
     counts = tl.histogram(expert, E_PAD, mask=pair_ok)
+    cols = tl.arange(0, E_PAD)
     padded = tl.where(cols < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
     total = tl.sum(padded, 0)
