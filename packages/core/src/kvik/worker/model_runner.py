@@ -699,13 +699,13 @@ class ModelRunner:
         drafts = [t for d in inputs.draft_token_ids for t in d]
         result = self.rejection_sampler(
             logits,
-            torch.tensor(drafts, dtype=torch.int64, device=logits.device),
+            torch.tensor(drafts, dtype=torch.int64),  # moved to the device only if it samples
             inputs.num_draft_tokens,
             dataclasses.replace(batch, processors=[]),
         )
         if raw_logprobs is not None:
-            rows = torch.tensor(logprob_rows, device=logits.device)
-            chosen = result.token_ids[rows, 0]
+            rows = torch.tensor(logprob_rows, device=result.token_ids.device)
+            chosen = result.token_ids[rows, 0].to(logits.device)
             tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i in logprob_rows])
             ids = [requests[i].request_id for i in logprob_rows]
 
