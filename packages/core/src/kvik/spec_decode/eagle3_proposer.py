@@ -40,12 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kvik import ops
-from kvik.attention.backend import AttentionMetadata, AttentionSpec
-from kvik.attention.selector import select_attention_backend
+from kvik.attention.backend import AttentionMetadata
 from kvik.layers.attention import Attention
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.spec_decode.eagle3 import default_aux_layer_ids, load_eagle3_head
-from kvik.spec_decode.proposer import Proposer
+from kvik.spec_decode.proposer import Proposer, attach_attention
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -144,28 +143,7 @@ class Eagle3Proposer(Proposer):
         ).to(runner.device)
         # The head's cache holds the model's dtype (no FP8 scales of its own).
         self.cache_dtype = runner.dtype
-        self.backend = select_attention_backend(
-            runner.platform, runner.dtype, c.head_dim, runner.block_size, self.cache_dtype
-        )
-        impl = self.backend.impl_class()(
-            c.num_attention_heads, c.head_dim, self.attn.scale, c.num_key_value_heads, None
-        )
-        impl.k_scale, impl.v_scale = self.attn.k_scale, self.attn.v_scale
-        self.attn.impl = impl
-        self.builder = self.backend.builder_class()(
-            self.backend,
-            AttentionSpec(
-                num_heads=c.num_attention_heads,
-                num_kv_heads=c.num_key_value_heads,
-                head_size=c.head_dim,
-                dtype=runner.dtype,
-                block_size=runner.block_size,
-                max_num_seqs=runner.max_num_seqs,
-                max_num_tokens=runner.max_num_tokens,
-                max_model_len=runner.max_model_len,
-                device=runner.device,
-            ),
-        )
+        self.backend, self.builder = attach_attention(runner, [self.attn])
         # The head's own frequencies (its rope_theta and scaling, fp32: load_eagle3_head keeps
         # them so), over every position of the engine, in fp32 as kvik's rotary op reads them.
         freq = self.head.midlayer.self_attn.inv_freq
