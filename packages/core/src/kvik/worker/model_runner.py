@@ -722,9 +722,10 @@ class ModelRunner:
         """How many drafts each sampling request may get for its next step: up to
         num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
         tokens ``new_tokens``, not appended yet). None for a request whose sampling reads more than one row's
-        logits (logprobs, logits processors such as penalties, a grammar: those are computed for
-        the position after the known tokens only), and none for anyone when the batch is larger
-        than ``disable_by_batch_size``."""
+        logits (logprobs, logits processors such as penalties: those are computed for the
+        position after the known tokens only), and none for anyone when the batch is larger than
+        ``disable_by_batch_size``. A request with a grammar gets drafts, which the scheduler cuts
+        to what its grammar accepts; each scored position then has its own mask."""
         limit = self.config.speculative.disable_by_batch_size
         requests = inputs.sampling_requests
         if limit is not None and len(inputs.query_starts) > limit:
@@ -732,11 +733,7 @@ class ModelRunner:
         caps = {}
         for request in requests:
             params = request.sampling_params
-            if (
-                params.logprobs is not None
-                or params.structured_outputs is not None
-                or self._state(request).processors
-            ):
+            if params.logprobs is not None or self._state(request).processors:
                 continue
             num_new = len(new_tokens[request.request_id])
             num_tokens = request.num_tokens + num_new
@@ -759,17 +756,22 @@ class ModelRunner:
     ) -> None:
         """Structured outputs: forbid, in the sampling rows' logits, what each request's grammar
         does not allow next. Before sampling and before logprobs, as vLLM does, so logprobs are
-        those of the constrained distribution. ``first_rows``: each request's logits row where
-        not its index (a speculative step; requests with a grammar get no drafts)."""
+        those of the constrained distribution. ``first_rows``: each request's first logits row
+        where not its index (a speculative step: a request that verifies k drafts has k + 1 rows,
+        and so many mask rows, one per scored position)."""
         at = first_rows if first_rows is not None else range(len(requests))
         row_of = {r.request_id: at[row] for row, r in enumerate(requests)}
-        rows = [row_of[request_id] for request_id in grammar.request_ids]
+        rows = [
+            row_of[request_id] + offset
+            for request_id, count in zip(grammar.request_ids, grammar.row_counts(), strict=True)
+            for offset in range(count)
+        ]
         bitmask = grammar.bitmask
         if rows != sorted(rows):
             order = sorted(range(len(rows)), key=rows.__getitem__)
             rows, bitmask = [rows[i] for i in order], bitmask[order]
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        whole = len(rows) == len(requests) == logits.shape[0]
+        whole = len(rows) == logits.shape[0]  # distinct rows, sorted: then 0 .. N - 1
         apply_token_bitmask(logits, bitmask, None if whole else rows)
 
     def _record_inputs_copied(self) -> None:
