@@ -681,14 +681,18 @@ class ModelRunner:
         finishers: list[Callable[[ModelRunnerOutput], None]],
     ) -> list[list[int]]:
         """Rejection-sample a step that scored drafts: per request, its accepted drafts and one
-        token more. Requests with logits processors or logprobs never get drafts (see
-        ``_proposal_caps``): their one row is processed and read here as a plain sample's."""
+        token more. A request with logits processors never gets drafts (see ``_proposal_caps``):
+        its one row is processed here as a plain sample's. A request with logprobs gets them at
+        each scored position (raw, before processors, as a plain step's), kept for its accepted
+        tokens."""
         batch = inputs.sampling
         wanted = [r.sampling_params.logprobs for r in requests]
+        counts = [k + 1 for k in inputs.num_draft_tokens]
         logprob_rows = [i for i, w in enumerate(wanted) if w is not None]
+        scored = [(i, j) for i in logprob_rows for j in range(counts[i])]
         raw_logprobs = None
-        if logprob_rows:
-            index = torch.tensor([first_rows[i] for i in logprob_rows], device=logits.device)
+        if scored:
+            index = torch.tensor([first_rows[i] + j for i, j in scored], device=logits.device)
             raw_logprobs = logits[index].log_softmax(-1)
         for row, processors, output_ids in batch.processors:
             if inputs.draft_token_ids[row]:
@@ -704,14 +708,20 @@ class ModelRunner:
             dataclasses.replace(batch, processors=[]),
         )
         if raw_logprobs is not None:
-            rows = torch.tensor(logprob_rows, device=result.token_ids.device)
-            chosen = result.token_ids[rows, 0].to(logits.device)
-            tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i in logprob_rows])
-            ids = [requests[i].request_id for i in logprob_rows]
+            # Each scored position's chosen token: the accepted run's, then the placeholder
+            # (clamped; those entries are dropped below).
+            request_index = torch.tensor([i for i, _ in scored], device=result.token_ids.device)
+            position = torch.tensor([j for _, j in scored], device=result.token_ids.device)
+            chosen = result.token_ids[request_index, position].clamp(min=0).to(logits.device)
+            tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i, _ in scored])
+            num_accepted = result.num_accepted
 
             def finish(output: ModelRunnerOutput) -> None:
-                for request_id, entry in zip(ids, tensors.to_lists()):
-                    output.logprobs[request_id] = [entry]
+                entries = iter(tensors.to_lists())
+                accepted = num_accepted.tolist()
+                for i in logprob_rows:
+                    mine = [next(entries) for _ in range(counts[i])]
+                    output.logprobs[requests[i].request_id] = mine[: accepted[i] + 1]
 
             finishers.append(finish)
         return result.to_lists()
@@ -721,19 +731,19 @@ class ModelRunner:
     ) -> dict[str, int]:
         """How many drafts each sampling request may get for its next step: up to
         num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
-        tokens ``new_tokens``, not appended yet). None for a request whose sampling reads more than one row's
-        logits (logprobs, logits processors such as penalties: those are computed for the
-        position after the known tokens only), and none for anyone when the batch is larger than
-        ``disable_by_batch_size``. A request with a grammar gets drafts, which the scheduler cuts
-        to what its grammar accepts; each scored position then has its own mask."""
+        tokens ``new_tokens``, not appended yet). None for a request with logits processors
+        (penalties and the like read the output history, which differs at each scored position;
+        they are applied to the position after the known tokens only), and none for anyone when
+        the batch is larger than ``disable_by_batch_size``. A request with a grammar gets drafts,
+        which the scheduler cuts to what its grammar accepts (each scored position has its own
+        mask); one with logprobs gets them at each scored position."""
         limit = self.config.speculative.disable_by_batch_size
         requests = inputs.sampling_requests
         if limit is not None and len(inputs.query_starts) > limit:
             return {}
         caps = {}
         for request in requests:
-            params = request.sampling_params
-            if params.logprobs is not None or self._state(request).processors:
+            if self._state(request).processors:
                 continue
             num_new = len(new_tokens[request.request_id])
             num_tokens = request.num_tokens + num_new
