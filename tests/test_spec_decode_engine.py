@@ -171,10 +171,10 @@ def test_stop_string_inside_an_accepted_run(tiny_model, tmp_path):
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
 
 
-def test_logprobs_speculate_and_penalties_do_not(tiny_model):
-    """Penalties read the output history, which differs at each scored position: such requests
-    get no drafts. Requests with logprobs speculate and get logprobs at each accepted position.
-    Both outputs (and the logprobs) are those of the plain engine, in a batch with others."""
+def test_logprobs_and_penalties_speculate(tiny_model):
+    """Requests with logprobs or penalties speculate: logprobs come at each accepted position,
+    penalties apply at each scored position over the history it follows. Outputs (and logprobs)
+    are those of the plain engine, in a batch with others and alone."""
     folder = tiny_model("llama")
     plain = make_llm(folder)
     llm = make_llm(
@@ -210,6 +210,26 @@ def test_logprobs_speculate_and_penalties_do_not(tiny_model):
             assert g[token_id].rank == e[token_id].rank
     stats = alone.stats.spec_decoding
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+    # Penalised (repetition, presence and frequency, a minimum length), alone: drafts from the
+    # unpenalised target are accepted where the penalties leave its choice alone.
+    for params in (
+        penalised,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            min_tokens=10,
+            presence_penalty=0.8,
+            frequency_penalty=0.6,
+            stop_token_ids=[7, 9, 11],
+        ),
+    ):
+        for prompt in prompts:
+            plain_out = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            before = alone.stats.spec_decoding.num_drafts
+            spec_out = alone.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert spec_out.token_ids == plain_out.token_ids, (params, prompt)
+            assert alone.stats.spec_decoding.num_drafts > before
 
 
 def test_disable_by_batch_size(tiny_model, reference):

@@ -681,10 +681,9 @@ class ModelRunner:
         finishers: list[Callable[[ModelRunnerOutput], None]],
     ) -> list[list[int]]:
         """Rejection-sample a step that scored drafts: per request, its accepted drafts and one
-        token more. A request with logits processors never gets drafts (see ``_proposal_caps``):
-        its one row is processed here as a plain sample's. A request with logprobs gets them at
-        each scored position (raw, before processors, as a plain step's), kept for its accepted
-        tokens."""
+        token more. Logits processors (penalties, biases, min-tokens) run at each scored position
+        over the history it follows. A request with logprobs gets them at each scored position
+        (raw, before processors, as a plain step's), kept for its accepted tokens."""
         batch = inputs.sampling
         wanted = [r.sampling_params.logprobs for r in requests]
         counts = [k + 1 for k in inputs.num_draft_tokens]
@@ -695,11 +694,15 @@ class ModelRunner:
             index = torch.tensor([first_rows[i] + j for i, j in scored], device=logits.device)
             raw_logprobs = logits[index].log_softmax(-1)
         for row, processors, output_ids in batch.processors:
-            if inputs.draft_token_ids[row]:
-                raise RuntimeError("a request with logits processors was given draft tokens")
-            at = first_rows[row]
-            for processor in processors:
-                logits[at] = processor(output_ids, logits[at])
+            # Scored position j follows the request's output and its first j drafts: each
+            # position's processors see that history (as a plain step would, had the drafts
+            # been sampled).
+            drafted = inputs.draft_token_ids[row]
+            for j in range(len(drafted) + 1):
+                history = [*output_ids, *drafted[:j]] if j else output_ids
+                at = first_rows[row] + j
+                for processor in processors:
+                    logits[at] = processor(history, logits[at])
         drafts = [t for d in inputs.draft_token_ids for t in d]
         result = self.rejection_sampler(
             logits,
@@ -731,20 +734,16 @@ class ModelRunner:
     ) -> dict[str, int]:
         """How many drafts each sampling request may get for its next step: up to
         num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
-        tokens ``new_tokens``, not appended yet). None for a request with logits processors
-        (penalties and the like read the output history, which differs at each scored position;
-        they are applied to the position after the known tokens only), and none for anyone when
-        the batch is larger than ``disable_by_batch_size``. A request with a grammar gets drafts,
-        which the scheduler cuts to what its grammar accepts (each scored position has its own
-        mask); one with logprobs gets them at each scored position."""
+        tokens ``new_tokens``, not appended yet); none for anyone when the batch is larger than
+        ``disable_by_batch_size``. Every kind of request speculates: a grammar's drafts are cut by
+        the scheduler to what it accepts (each scored position has its own mask), logits
+        processors and logprobs run at each scored position (``_verify``)."""
         limit = self.config.speculative.disable_by_batch_size
         requests = inputs.sampling_requests
         if limit is not None and len(inputs.query_starts) > limit:
             return {}
         caps = {}
         for request in requests:
-            if self._state(request).processors:
-                continue
             num_new = len(new_tokens[request.request_id])
             num_tokens = request.num_tokens + num_new
             num_output = request.num_output_tokens + num_new
