@@ -167,6 +167,29 @@ def moe_routing_kernel(
 
 
 @triton.jit
+def _store_expert_runs(counts, bins, num_experts, cursor_ptr, total_ptr, BLOCK_M: tl.constexpr):
+    """From each expert's pair count (bins past num_experts ignored): each expert's run of rows,
+    padded to whole BLOCK_M blocks and laid end to end. Stores each run's start (the scatter's
+    cursor) and the padded total; returns the runs' ends and the total."""
+    padded = tl.where(bins < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
+    tl.store(total_ptr, total)
+    return ends, total
+
+
+@triton.jit
+def _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M: tl.constexpr):
+    """Each row block's expert: the number of runs that end at or before its first row (-1 for
+    blocks past the total). Returns the blocks' first rows."""
+    first = blocks * BLOCK_M
+    run = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+    tl.store(block_expert_ptr + blocks, tl.where(first < total, run, -1), mask=blocks < max_blocks)
+    return first
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr,
     cursor_ptr,
@@ -185,19 +208,13 @@ def moe_align_kernel(
         offs = start + tl.arange(0, CHUNK)
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
         counts += tl.histogram(expert, E_BINS, mask=offs < num_pairs)
-    bins = tl.arange(0, E_BINS)
-    padded = tl.where(bins < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
-    tl.store(total_ptr, total)
-    # A row block's expert is the number of runs that end at or before its first row.
+    ends, total = _store_expert_runs(
+        counts, tl.arange(0, E_BINS), num_experts, cursor_ptr, total_ptr, BLOCK_M
+    )
     for b0 in range(0, max_blocks, BLOCKS_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
-        first = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        expert = tl.where(first < total, expert, -1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+        _store_block_experts(
+            ends, total, block_expert_ptr, b0 + tl.arange(0, BLOCKS_CHUNK), max_blocks, BLOCK_M
+        )
 
 
 @triton.jit
@@ -236,19 +253,12 @@ def moe_route_align_kernel(
     pair_ok = pairs < num_pairs
     expert = tl.load(ids_ptr + pairs, mask=pair_ok, other=0)
     counts = tl.histogram(expert, E_PAD, mask=pair_ok)
-    cols = tl.arange(0, E_PAD)
-    padded = tl.where(cols < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(cursor_ptr + cols, ends - padded, mask=cols < num_experts)
-    tl.store(total_ptr, total)
+    ends, total = _store_expert_runs(
+        counts, tl.arange(0, E_PAD), num_experts, cursor_ptr, total_ptr, BLOCK_M
+    )
     for b0 in range(0, max_blocks, BLOCKS_CHUNK):
         blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
-        first = blocks * BLOCK_M
-        run = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        tl.store(
-            block_expert_ptr + blocks, tl.where(first < total, run, -1), mask=blocks < max_blocks
-        )
+        first = _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M)
         # Every row of these blocks starts as padding (the pair count), the scatter fills some.
         rows_of_blocks = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
         padding = tl.full([BLOCKS_CHUNK, BLOCK_M], 0, tl.int32) + num_pairs
