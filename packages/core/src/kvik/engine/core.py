@@ -48,7 +48,8 @@ from kvik.worker.nvtx import nvtx_range
 if TYPE_CHECKING:
     from kvik.executor.base import PendingOutput
     from kvik.platforms.base import Platform
-    from kvik.worker.model_runner import ModelRunner, ModelRunnerOutput
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

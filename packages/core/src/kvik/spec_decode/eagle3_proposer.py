@@ -49,7 +49,8 @@ from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
     from kvik.platforms.base import StepGraphs
-    from kvik.worker.model_runner import ModelRunner, StepInputs
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import StepInputs
 
 #: The head's attention layer in its forward context.
 LAYER_NAME = "eagle3.midlayer.self_attn.attn"

@@ -23,7 +23,8 @@ from kvik.spec_decode.ngram_proposer import NgramProposer
 if TYPE_CHECKING:
     from kvik.layers.attention import Attention
     from kvik.scheduler.output import SchedulerOutput
-    from kvik.worker.model_runner import ModelRunner, StepInputs
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import StepInputs
 
 
 def attach_attention(runner: ModelRunner, layers: Iterable[Attention]) -> tuple[Any, Any]:

@@ -23,7 +23,8 @@ from kvik.compilation.piecewise import CompiledModel
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
-    from kvik.worker.model_runner import ModelRunner, StepInputs
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import StepInputs
 
 
 class StepRunner:
