@@ -20,7 +20,8 @@ def model(tmp_path_factory):
     return build_tiny_model("llama", tmp_path_factory.mktemp("stream-llama"))
 
 
-def test_slow_delta_consumer_gets_every_token(model):
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_slow_consumer_gets_every_token(model, kind):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     offline = LLM(str(model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
     expected = [
@@ -34,10 +35,13 @@ def test_slow_delta_consumer_gets_every_token(model):
     async def consume(engine: AsyncLLM, i: int) -> tuple[list[int], int, bool]:
         tokens, outputs, finished = [], 0, False
         stream = engine.generate(
-            {"prompt_token_ids": PROMPTS[i]}, params, f"r{i}", output_kind="delta"
+            {"prompt_token_ids": PROMPTS[i]}, params, f"r{i}", output_kind=kind
         )
         async for out in stream:
-            tokens += out.outputs[0].token_ids
+            if kind == "delta":
+                tokens += out.outputs[0].token_ids
+            else:
+                tokens = list(out.outputs[0].token_ids)
             outputs += 1
             finished = out.finished
             if outputs == 1:
