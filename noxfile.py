@@ -191,6 +191,8 @@ GPU_E2E_TESTS = [
     "packages/platform-cuda/tests/test_gpu_e2e.py",
     "packages/platform-cuda/tests/test_gpu_graphs.py",
     "packages/platform-cuda/tests/test_gpu_fp8_kv_cache.py",
+    "packages/platform-cuda/tests/test_gpu_spec_decode.py",
+    "packages/platform-cuda/tests/test_gpu_eagle3.py",
 ]
 GPU_STEPS = {
     "e2e": ["-m", "pytest", "-q", "-rA", "-s", *GPU_E2E_TESTS],

@@ -21,7 +21,13 @@ from kvik.layers.linear import Linear
 from kvik.quantization.kernels import TorchLinearKernel
 from kvik_cpu import extension, isa
 from kvik_cpu.isa import CpuIsa
-from kvik_cpu.linear import AmxLinear, OneDnnLinear, packed_linear_supported
+from kvik_cpu.linear import (
+    AmxLinear,
+    Avx512Bf16Linear,
+    OneDnnLinear,
+    avx512_bf16_linear_runs,
+    packed_linear_supported,
+)
 from kvik_cpu.paged_attention import CpuPagedBackend, CpuPagedImpl
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
@@ -179,7 +185,11 @@ def test_amx_linear_gives_a_row_the_same_bits_at_any_batch_size():
 
 
 #: The matmul kernel each path packs the weights for (None: F.linear on the dense weight).
-PATH_KERNEL = {CpuIsa.PLAIN: None, CpuIsa.AVX512BF16: OneDnnLinear, CpuIsa.AMX: AmxLinear}
+PATH_KERNEL = {
+    CpuIsa.PLAIN: None,
+    CpuIsa.AVX512BF16: Avx512Bf16Linear if avx512_bf16_linear_runs() else OneDnnLinear,
+    CpuIsa.AMX: AmxLinear,
+}
 
 
 @needs_kernels

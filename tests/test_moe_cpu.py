@@ -53,8 +53,9 @@ def test_packed_experts_equal_the_reference(cpu_path, tokens: int) -> None:
 
 
 def test_experts_in_one_call_equal_the_per_expert_loop() -> None:
-    """The AVX512-BF16 experts' one C++ call (bf16_moe_experts) runs the per-expert loop's kernels
-    in its order: the same bits; and counts that do not cover the rows are refused."""
+    """The AVX512-BF16 experts' one C++ call (bf16_moe_experts; bf16_moe with the grouping and
+    weighted sum around it) runs the per-expert loop's kernels in its order: the same bits; and
+    counts that do not cover the rows, or expert ids out of range, are refused."""
     if extension.load() is not None or expert_product(CpuIsa.AVX512BF16) is not Avx512Bf16Linear:
         pytest.skip("kvik_cpu's C++ ops did not build with AVX512-BF16 here")
     experts, hidden, inter, top_k = 8, 96, 64, 3
@@ -68,7 +69,15 @@ def test_experts_in_one_call_equal_the_per_expert_loop() -> None:
     logits = torch.randn(11, experts).to(torch.bfloat16)
     logits[:, 0] -= 100  # an expert without rows
     loop = ops.grouped_experts(x, logits, top_k, False, kernel.expert)
-    assert torch.equal(kernel(x, logits), loop)
+    assert torch.equal(kernel(x, logits), loop)  # bf16_moe: routing's aftermath in C++ too
+    in_one_call = ops.grouped_experts(x, logits, top_k, False, all_experts=kernel.all_experts)
+    assert torch.equal(in_one_call, loop)
+    assert kernel(x[:0], logits[:0]).shape == (0, hidden)
+    weights, ids = ops.moe_routing(logits, top_k, False)
+    with pytest.raises(RuntimeError, match="is not in"):
+        torch.ops.kvik_cpu.bf16_moe(
+            x, weights, ids + experts, kernel.gate_up_packed, kernel.down_packed, inter
+        )
     rows = torch.randn(5, hidden).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="cover"):
         kernel.all_experts(rows, [2, 2] + [0] * (experts - 2))

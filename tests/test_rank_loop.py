@@ -9,7 +9,7 @@ import msgspec
 
 from kvik.executor.rank_process import RankLoop, encode
 from kvik.executor.schedule_wire import StepMessage
-from kvik.worker.model_runner import ModelRunnerOutput
+from kvik.worker.step_io import ModelRunnerOutput
 
 
 class _Step:

@@ -171,9 +171,10 @@ def test_stop_string_inside_an_accepted_run(tiny_model, tmp_path):
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
 
 
-def test_requests_that_do_not_speculate(tiny_model):
-    """Logprobs and penalties read one position's logits: such requests get no drafts, and their
-    outputs (and logprobs) are those of the plain engine, in a batch with speculating ones."""
+def test_logprobs_and_penalties_speculate(tiny_model):
+    """Requests with logprobs or penalties speculate: logprobs come at each accepted position,
+    penalties apply at each scored position over the history it follows. Outputs (and logprobs)
+    are those of the plain engine, in a batch with others and alone."""
     folder = tiny_model("llama")
     plain = make_llm(folder)
     llm = make_llm(
@@ -193,7 +194,42 @@ def test_requests_that_do_not_speculate(tiny_model):
         assert e.keys() == g.keys()
         for token_id in e:
             assert g[token_id].logprob == pytest.approx(e[token_id].logprob, abs=1e-5)
-    assert llm.stats.spec_decoding.num_drafts > 0  # the third request did speculate
+    assert [len(g.outputs[0].logprobs) for g in got[:1]] == [12]
+    assert llm.stats.spec_decoding.num_drafts > 0
+
+    # Alone, the request with logprobs speculates: a draft equal to the target is always accepted.
+    alone = make_llm(
+        folder, {"method": "draft_model", "model": str(folder), "num_speculative_tokens": 2}
+    )
+    got = alone.generate(prompts[:1], with_logprobs, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == expected[0].outputs[0].token_ids
+    for e, g in zip(expected[0].outputs[0].logprobs, got.logprobs, strict=True):
+        assert e.keys() == g.keys()
+        for token_id in e:
+            assert g[token_id].logprob == pytest.approx(e[token_id].logprob, abs=1e-5)
+            assert g[token_id].rank == e[token_id].rank
+    stats = alone.stats.spec_decoding
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+    # Penalised (repetition, presence and frequency, a minimum length), alone: drafts from the
+    # unpenalised target are accepted where the penalties leave its choice alone.
+    for params in (
+        penalised,
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=16,
+            min_tokens=10,
+            presence_penalty=0.8,
+            frequency_penalty=0.6,
+            stop_token_ids=[7, 9, 11],
+        ),
+    ):
+        for prompt in prompts:
+            plain_out = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            before = alone.stats.spec_decoding.num_drafts
+            spec_out = alone.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+            assert spec_out.token_ids == plain_out.token_ids, (params, prompt)
+            assert alone.stats.spec_decoding.num_drafts > before
 
 
 def test_disable_by_batch_size(tiny_model, reference):

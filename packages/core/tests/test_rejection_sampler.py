@@ -61,6 +61,31 @@ def test_greedy_rows_beside_sampled_rows_stay_greedy():
     assert out.to_lists()[0] == [4, 5]  # the second draft (1) is not the argmax (5)
 
 
+def test_an_all_greedy_batch_on_the_host_equals_greedy_rows_on_the_device():
+    """All-greedy batches compare on the host (one read of the argmaxes); the same requests beside
+    a sampled one go through the device path: their outputs are the same."""
+    torch.manual_seed(3)
+    num_drafts = [3, 0, 2, 4, 1]
+    logits = torch.randn(sum(num_drafts) + len(num_drafts), 16)
+    argmax = logits.argmax(dim=-1).tolist()
+    drafts, row = [], 0
+    for i, k in enumerate(num_drafts):  # drafts that match the argmax for a while, then not
+        for j in range(k):
+            drafts.append(argmax[row + j] if j < i else (argmax[row + j] + 1) % 16)
+        row += k + 1
+    sampler = RejectionSampler(torch.Generator().manual_seed(0))
+    greedy = sampler(logits, torch.tensor(drafts), num_drafts, batch(len(num_drafts)))
+    assert greedy.token_ids.device.type == "cpu"
+    mixed = batch(len(num_drafts) + 1, temperature=1.0)
+    mixed.temperature[: len(num_drafts)] = 0.0
+    extra = torch.randn(2, 16)
+    beside = sampler(
+        torch.cat([logits, extra]), torch.tensor(drafts + [0]), num_drafts + [1], mixed
+    )
+    assert beside.to_lists()[: len(num_drafts)] == greedy.to_lists()
+    assert greedy.num_accepted.tolist() == [0, 0, 2, 3, 1]
+
+
 def test_bad_layouts_are_clear_errors():
     sampler = RejectionSampler(torch.Generator())
     with pytest.raises(ValueError, match="k_i \\+ 1 per request"):

@@ -132,3 +132,30 @@ def test_engine_refuses_speculation_it_does_not_run(tiny_llama):
             num_kv_blocks=64,
             speculative_config=ngram,
         )
+
+
+@pytest.mark.parametrize(
+    ("method", "graphs", "expected"),
+    [
+        ("eagle3", "full_and_piecewise", (0, "full")),
+        ("eagle3", "piecewise", (0, "none")),
+        ("ngram", "full_and_piecewise", (3, "full_and_piecewise")),
+    ],
+)
+def test_eagle3_turns_compilation_off(method, graphs, expected, caplog):
+    """EAGLE-3's hooks do not run inside compiled code: the engine runs the target's layers from
+    Python, keeping FULL graphs (captured from such runs); other methods keep what was asked."""
+    from types import SimpleNamespace
+
+    from kvik.config import CompilationConfig
+    from kvik.spec_decode.config import speculative_compilation
+
+    extra = {"model": "head"} if method == "eagle3" else {"prompt_lookup_max": 3}
+    speculative = {"method": method, "num_speculative_tokens": 3, **extra}
+    config = SimpleNamespace(
+        speculative=parse_speculative_config(speculative),
+        compilation=CompilationConfig(mode=3, cudagraph_mode=graphs),
+    )
+    speculative_compilation(config)
+    assert (config.compilation.mode, config.compilation.cudagraph_mode) == expected
+    assert ("compilation mode 3 is turned off" in caplog.text) == (method == "eagle3")

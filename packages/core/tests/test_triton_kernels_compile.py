@@ -20,13 +20,17 @@ from kvik.triton_kernels.activation import (  # noqa: E402
 )
 from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
+    ALIGN_BLOCKS_CHUNK,
     ALIGN_WARPS,
+    ROUTE_ALIGN_MAX_TOKENS,
+    ROUTE_ALIGN_WARPS,
     ROUTING_WARPS,
     SCATTER_BLOCK,
     SCATTER_WARPS,
     align_constexprs,
     moe_align_kernel,
     moe_gemm_kernel,
+    moe_route_align_kernel,
     moe_routing_kernel,
     moe_scatter_kernel,
 )
@@ -335,6 +339,23 @@ def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, bl
         },  # fmt: skip
         num_warps=ROUTING_WARPS,
     )
+    int_types = {n: "*i32" for n in moe_route_align_kernel.arg_names if n.endswith("_ptr")}
+    tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)
+    compiled_ok(
+        moe_route_align_kernel,
+        arch,
+        types=types(
+            moe_route_align_kernel, torch.bfloat16,
+            **int_types | {"logits_ptr": "*bf16", "weights_ptr": "*fp32"},
+        ),
+        constexprs={
+            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+            "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": True,
+            "TOKENS_PAD": tokens_pad, "PAIRS_PAD": triton.next_power_of_2(tokens_pad * top_k),
+            "BLOCK_M": block_m, "BLOCKS_CHUNK": ALIGN_BLOCKS_CHUNK,
+        },
+        num_warps=ROUTE_ALIGN_WARPS,
+    )  # fmt: skip
     int_types = {n: "*i32" for n in moe_align_kernel.arg_names if n.endswith("_ptr")}
     compiled_ok(
         moe_align_kernel,

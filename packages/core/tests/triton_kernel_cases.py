@@ -22,11 +22,13 @@ from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
 from kvik.triton_kernels.fused_moe import (
+    ROUTE_ALIGN_MAX_TOKENS,
     MoeConfig,
     align_to_blocks,
     fused_moe,
     max_row_blocks,
     route,
+    route_and_align,
 )
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
@@ -679,6 +681,32 @@ def test_align_groups_every_pair_once(tokens: int, experts: int, top_k: int, blo
     assert (sorted_pairs[int(total) :] == num_pairs).all()
     real = sorted_pairs[sorted_pairs < num_pairs].long()
     assert torch.equal(real.sort().values, torch.arange(num_pairs))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "block_m", "renormalize"),
+    [(1, 8, 2, 16, True), (1, 128, 8, 16, True), (5, 60, 4, 32, False), (16, 128, 8, 16, True),
+     (ROUTE_ALIGN_MAX_TOKENS, 6, 1, 64, False)],
+)  # fmt: skip
+def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormalize) -> None:
+    """The decode steps' single launch gives route()'s weights and ids bit for bit, and the
+    alignment align_to_blocks gives (the same runs; the order inside a run is free)."""
+    logits = router_logits(tokens, experts, experts // 4, torch.float32)
+    weights, ids, (sorted_pairs, block_expert, total) = route_and_align(
+        logits, top_k, renormalize, experts, block_m
+    )
+    ref_weights, ref_ids = route(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    ref_sorted, ref_block_expert, ref_total = align_to_blocks(ref_ids, experts, block_m)
+    assert torch.equal(total, ref_total) and torch.equal(block_expert, ref_block_expert)
+    assert sorted_pairs.shape == ref_sorted.shape
+    for b in range(block_expert.numel()):
+        rows = slice(b * block_m, (b + 1) * block_m)
+        assert sorted(sorted_pairs[rows].tolist()) == sorted(ref_sorted[rows].tolist())
+    with pytest.raises(ValueError, match="tokens"):
+        route_and_align(
+            router_logits(ROUTE_ALIGN_MAX_TOKENS + 1, 8, 0, torch.float32), 2, True, 8, 16
+        )
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

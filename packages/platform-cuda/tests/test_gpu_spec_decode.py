@@ -105,8 +105,8 @@ def test_greedy_identical_with_each_proposer_fp32(kind, models, tmp_path):  # no
         if method == "draft_model":  # the target as its own draft: every draft is accepted
             assert stats.num_accepted_tokens == stats.num_draft_tokens
         # (The random EAGLE-3 head's drafts are rarely right: no acceptance figure to assert.)
-        if method != "eagle3":  # EAGLE-3's target steps run eagerly (its hooks)
-            assert step_runner.replays_by_rows[1 + K] > 0, (method, step_runner.replays_by_rows)
+        # EAGLE-3's too: its hooks' copies are part of the graphs.
+        assert step_runner.replays_by_rows[1 + K] > 0, (method, step_runner.replays_by_rows)
         del llm
 
 

@@ -135,6 +135,11 @@ class CpuStepRunner(StepRunner):
             DecodeLayers(stack) if stack is not None and DecodeLayers.supports(stack) else None
         )
 
+    def run_layers_in_python(self) -> None:
+        super().run_layers_in_python()
+        # The one-call decode runs the whole stack in C++: module hooks would not see its steps.
+        self.decode_layers = None
+
     def forward_hidden(self, inputs) -> Tensor:
         if self.decode_layers is not None:
             embedded = self.decode_layers.stack.embed_tokens(inputs.input_ids)

@@ -5,8 +5,9 @@ The paths, each needing what the one before needs and more:
 
 - ``plain`` (any CPU): the portable paths. ``dtype="auto"`` is float32; in bfloat16 the matrix
   products are PyTorch's ``F.linear`` and paged attention takes its portable loops.
-- ``avx512bf16`` (AVX512-BF16): bfloat16 by default; the matrix products on weights prepacked for
-  oneDNN (``OneDnnLinear``), paged attention's bf16 dot products in AVX512-BF16.
+- ``avx512bf16`` (AVX512-BF16): bfloat16 by default; the matrix products on weights packed for
+  AVX512-BF16 dot products (``Avx512Bf16Linear``; oneDNN's ``OneDnnLinear`` where the C++ ops did
+  not build), paged attention's bf16 dot products in AVX512-BF16.
 - ``amx`` (AMX tiles, and Linux's permission to use them): the matrix products on AMX tiles
   (``AmxLinear``), paged attention's query-key scores on AMX, a decode step's layers in one C++ call
   (kvik_cpu.decode_layers).

@@ -8,9 +8,13 @@ weights once. Two packings:
   than oneDNN at decode batch sizes (docs/benchmarks.md), and a row's result does not depend on the
   other rows of the call.
 - ``Avx512Bf16Linear`` (csrc/bf16_linear.cpp): AVX512-BF16 dot products over AMX's packing, for
-  CPUs with bf16 but no AMX. At the 1 to 8 rows an expert gets in a decode step oneDNN's kernels
-  spend more per call than reading the weights takes; the mixture-of-experts layers use it
-  (kvik_cpu.moe), the dense layers keep oneDNN.
+  CPUs with bf16 but no AMX, where the C++ ops built: the dense layers and the mixture-of-experts
+  layers' experts (kvik_cpu.moe). At decode batch sizes oneDNN's kernels spend more per call than
+  reading the weights takes (docs/benchmarks.md). The LM head's logits come out as the fp32 sums:
+  rounded to bf16 (a step of 0.125 between 16 and 32) two logits closer than that tie, and greedy
+  decoding then takes the lower token id. The default model's answer to "What is the capital of
+  France?" starts with such a pair ("The" 25.55, "L" 25.48), and rounded it read "L'Étoile, la
+  Marseillaise, ...".
 - ``OneDnnLinear``: oneDNN's blocked layout (reordered once instead of on every ``F.linear`` call),
   for the avx512bf16 path (CPUs with bf16 but no AMX, or forced there: kvik_cpu.isa). Same bits as
   ``F.linear``.
@@ -21,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from kvik.layers.embedding import VocabEmbedding
+from kvik.layers.embedding import LMHead, VocabEmbedding
 from kvik.quantization.kernels import UNQUANTIZED, LinearKernel
 from kvik_cpu.isa import CpuIsa
 
@@ -55,16 +59,19 @@ class AmxLinear:
 
 class Avx512Bf16Linear:
     """y = x W^T + b in AVX512-BF16; W packed by ``kvik_cpu::amx_pack`` (needs the C++ ops:
-    ``avx512_bf16_linear_runs``)."""
+    ``avx512_bf16_linear_runs``). y is bf16, or with ``fp32_out`` the fp32 sums unrounded."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, fp32_out: bool = False) -> None:
         self.out_features = weight.shape[0]
         self.weight = torch.ops.kvik_cpu.amx_pack(weight.detach())
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.fp32_out = fp32_out
 
     def __call__(self, x: Tensor) -> Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        y = torch.ops.kvik_cpu.bf16_linear(rows, self.weight, self.out_features, self.bias)
+        y = torch.ops.kvik_cpu.bf16_linear(
+            rows, self.weight, self.out_features, self.bias, self.fp32_out
+        )
         return y.view(*x.shape[:-1], self.out_features)
 
 
@@ -93,21 +100,29 @@ class OneDnnLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
+Product = AmxLinear | Avx512Bf16Linear | OneDnnLinear
+
+
 class PackedLinearKernel(LinearKernel):
     """The CPU's kernel of the unquantized scheme: the weight packed once after loading
-    (``AmxLinear`` or ``OneDnnLinear``), the product on the packed copy.
+    (``AmxLinear``, ``Avx512Bf16Linear`` or ``OneDnnLinear``), the product on the packed copy.
 
     A linear layer's dense weight is then released (only the packed copy is read); an
-    embedding-shaped layer (the LM head) keeps it, since a tied embedding looks tokens up in it."""
+    embedding-shaped layer (the LM head) keeps it, since a tied embedding looks tokens up in it.
+    On ``Avx512Bf16Linear`` the LM head's logits are fp32 (the module's docstring says why)."""
 
     scheme = UNQUANTIZED
 
-    def __init__(self, product: type[AmxLinear] | type[OneDnnLinear]) -> None:
+    def __init__(self, product: type[Product]) -> None:
         self.product_class = product
-        self.packed: AmxLinear | OneDnnLinear | None = None
+        self.packed: Product | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        self.packed = self.product_class(layer.weight, getattr(layer, "bias", None))
+        bias = getattr(layer, "bias", None)
+        if self.product_class is Avx512Bf16Linear and isinstance(layer, LMHead):
+            self.packed = Avx512Bf16Linear(layer.weight, bias, fp32_out=True)
+        else:
+            self.packed = self.product_class(layer.weight, bias)
         if not isinstance(layer, VocabEmbedding):
             layer.weight.data = layer.weight.data.new_empty(0)
 
@@ -120,8 +135,10 @@ class PackedLinearKernel(LinearKernel):
 
 def packed_linear_kernel(layer: nn.Module, path: CpuIsa) -> PackedLinearKernel | None:
     """The packed kernel of an unquantized layer on kernel path ``path``: AMX on the amx path,
-    oneDNN on avx512bf16, none on plain (F.linear: what a CPU without native bf16 runs) or where
-    oneDNN cannot run the weight's dtype."""
+    AVX512-BF16 (oneDNN where the C++ ops did not build) on avx512bf16, none on plain (F.linear:
+    what a CPU without native bf16 runs) or where oneDNN cannot run the weight's dtype."""
     if path < CpuIsa.AVX512BF16 or not packed_linear_supported(layer.weight.dtype):
         return None
-    return PackedLinearKernel(AmxLinear if path >= CpuIsa.AMX else OneDnnLinear)
+    if path >= CpuIsa.AMX:
+        return PackedLinearKernel(AmxLinear)
+    return PackedLinearKernel(Avx512Bf16Linear if avx512_bf16_linear_runs() else OneDnnLinear)

@@ -6,7 +6,8 @@ the matrix kernel of the engine's path (kvik_cpu.linear: ``AmxLinear`` on AMX, e
 ``Avx512Bf16Linear`` where the C++ ops built, else ``OneDnnLinear``; an expert's few rows in a
 decode step cost oneDNN more per call than reading its weights takes), and
 the step's tokens gathered per expert with index ops, as ``kvik.ops.grouped_experts`` does for the
-reference: one loop over the experts that have tokens, none over tokens.
+reference: one loop over the experts that have tokens, none over tokens. On ``Avx512Bf16Linear``
+all of it after the routing is one C++ call (``kvik_cpu::bf16_moe``, the same bits).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from kvik.layers.moe import FusedMoE
-from kvik.ops import grouped_experts
+from kvik.ops import grouped_experts, moe_routing
 from kvik.quantization.moe_methods import UnquantizedMoeMethod
 from kvik_cpu.isa import CpuIsa
 from kvik_cpu.linear import AmxLinear, Avx512Bf16Linear, OneDnnLinear, avx512_bf16_linear_runs
@@ -55,8 +56,12 @@ class PackedExperts:
 
     def __call__(self, hidden: Tensor, router_logits: Tensor) -> Tensor:
         if self.in_one_call:
-            return grouped_experts(
-                hidden, router_logits, self.top_k, self.renormalize, all_experts=self.all_experts
+            # After the routing, the rest of grouped_experts in one C++ call too (its grouping,
+            # gather and weighted sum, the same bits): a decode step of a small MoE spent about
+            # a tenth of its time in those ops (docs/benchmarks.md).
+            weights, ids = moe_routing(router_logits, self.top_k, self.renormalize)
+            return torch.ops.kvik_cpu.bf16_moe(
+                hidden, weights, ids, self.gate_up_packed, self.down_packed, self.intermediate
             )
         return grouped_experts(hidden, router_logits, self.top_k, self.renormalize, self.expert)
 

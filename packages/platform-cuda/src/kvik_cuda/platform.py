@@ -263,6 +263,12 @@ class CudaPlatform(Platform):
         return super().step_runner_class(config)
 
     @classmethod
+    def step_graphs(cls):
+        from kvik_cuda.step_graphs import LazyStepGraphs
+
+        return LazyStepGraphs()
+
+    @classmethod
     def synchronize(cls) -> None:
         import torch
 

@@ -183,8 +183,12 @@ class AsyncLLM:
                 self.client.add_request(request)
             while True:
                 changed = await self._next_changes(stream)
-                yield self._request_output(stream, changed)
-                if stream.finished:
+                out = self._request_output(stream, changed)
+                yield out
+                # Decide on what was handed out, not on the stream now: while the consumer held
+                # ``out`` the output loop may have finished the request, and its last tokens
+                # wait in the queue for the next round.
+                if out.finished:
                     return
         finally:
             self.abort(request_id)

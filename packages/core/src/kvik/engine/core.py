@@ -41,14 +41,15 @@ from kvik.platforms.selection import select_platform
 from kvik.request import Request
 from kvik.scheduler.output import EngineCoreOutput, SchedulerOutput
 from kvik.scheduler.scheduler import Scheduler
-from kvik.spec_decode.config import check_speculative_engine
+from kvik.spec_decode.config import check_speculative_engine, speculative_compilation
 from kvik.structured_output import StructuredOutputManager
 from kvik.worker.nvtx import nvtx_range
 
 if TYPE_CHECKING:
     from kvik.executor.base import PendingOutput
     from kvik.platforms.base import Platform
-    from kvik.worker.model_runner import ModelRunner, ModelRunnerOutput
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ class EngineCore:
         ``config.parallel`` names. ``runner``: a model runner for one in-process rank (tests pass
         a fake device)."""
         check_speculative_engine(config)
+        speculative_compilation(config)
         self.config = config
         self.platform = platform if platform is not None else select_platform(config.device)
         # Checks the backend and reasoning parser; xgrammar loads at the first grammar.
@@ -101,8 +103,8 @@ class EngineCore:
         speculative = config.speculative
         if speculative is not None:
             config.scheduler.num_speculative_tokens = speculative.num_speculative_tokens
-            if speculative.method == "draft_model":
-                # The draft writes its proposals' keys past the scheduled tokens.
+            if speculative.method in ("draft_model", "eagle3"):
+                # The draft (or head) writes its proposals' keys past the scheduled tokens.
                 config.scheduler.num_lookahead_tokens = speculative.num_speculative_tokens
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, self.structured_outputs)
         self._in_flight: _InFlight | None = None

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from kvik.config import EngineConfig
     from kvik.platforms.base import Platform
     from kvik.scheduler.output import SchedulerOutput
-    from kvik.worker.model_runner import ModelRunnerOutput
+    from kvik.worker.step_io import ModelRunnerOutput
 
 
 class PendingOutput(Protocol):

@@ -29,7 +29,7 @@ import zmq
 from kvik.executor.base import Executor, RankFailedError
 from kvik.executor.rank_process import encode, run_rank
 from kvik.executor.schedule_wire import ScheduleSender
-from kvik.worker.model_runner import ModelRunnerOutput
+from kvik.worker.step_io import ModelRunnerOutput
 
 if TYPE_CHECKING:
     from kvik.config import EngineConfig

@@ -28,7 +28,7 @@ from kvik.executor.schedule_wire import RankRequests, StepMessage
 if TYPE_CHECKING:
     from kvik.config import EngineConfig
     from kvik.platforms.base import Platform
-    from kvik.worker.model_runner import PendingStep
+    from kvik.worker.step_io import PendingStep
 
 logger = logging.getLogger(__name__)
 

@@ -51,6 +51,7 @@ class GrammarMasks(msgspec.Struct, array_like=True):
     request_ids: list[str]
     num_words: int
     words: bytes
+    rows_per_request: list[int] | None = None
 
 
 class StepMessage(msgspec.Struct, array_like=True):
@@ -119,14 +120,21 @@ def _grammar_masks(grammar: GrammarBitmask | None) -> GrammarMasks | None:
     if grammar is None:
         return None
     words = grammar.bitmask.to(torch.int32).contiguous()
-    return GrammarMasks(list(grammar.request_ids), words.shape[1], words.numpy().tobytes())
+    return GrammarMasks(
+        list(grammar.request_ids),
+        words.shape[1],
+        words.numpy().tobytes(),
+        grammar.rows_per_request,
+    )
 
 
 def _grammar_bitmask(masks: GrammarMasks | None) -> GrammarBitmask | None:
     if masks is None:
         return None
     words = torch.frombuffer(bytearray(masks.words), dtype=torch.int32)
-    return GrammarBitmask(masks.request_ids, words.view(-1, masks.num_words))
+    return GrammarBitmask(
+        masks.request_ids, words.view(-1, masks.num_words), masks.rows_per_request
+    )
 
 
 def _new_request(request: Request) -> NewRequest:

@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from kvik.config import EngineConfig
     from kvik.platforms.base import Platform
     from kvik.scheduler.output import SchedulerOutput
-    from kvik.worker.model_runner import ModelRunner, ModelRunnerOutput, PendingStep
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import ModelRunnerOutput, PendingStep
 
 
 class UniProcExecutor(Executor):

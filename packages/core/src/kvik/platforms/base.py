@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -12,6 +13,15 @@ if TYPE_CHECKING:
     from kvik.config import EngineConfig, OpsDispatch
     from kvik.quantization.kernels import LinearKernel
     from kvik.worker.step_runner import StepRunner
+
+
+class StepGraphs(Protocol):
+    """Replayable device work, one graph per key: ``run(key, fn)`` captures what ``fn`` queues
+    (on persistent buffers only) the first time a key is seen, and replays it after. For work
+    outside the model's step (EAGLE-3's draft steps)."""
+
+    def run(self, key: Hashable, fn: Callable[[], None]) -> None: ...
+
 
 #: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.9
@@ -146,6 +156,11 @@ class Platform:
         from kvik.worker.step_runner import StepRunner
 
         return StepRunner
+
+    @classmethod
+    def step_graphs(cls) -> StepGraphs | None:
+        """A fresh ``StepGraphs`` where the platform can replay graphs (None: it cannot)."""
+        return None
 
     @classmethod
     def async_scheduling_default(cls) -> bool:

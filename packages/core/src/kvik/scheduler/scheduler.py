@@ -40,7 +40,8 @@ known tokens only). Speculation runs with synchronous scheduling only (the Engin
 Structured outputs: a waiting request whose grammar is still compiling is passed over (it keeps
 its place) while the others are admitted; one whose grammar failed to compile is finished as
 aborted, its output handed out by ``take_early_outputs``. A request whose grammar has reached its
-end finishes with "stop".
+end finishes with "stop". With speculation its drafts are cut, as they arrive, to the prefix its
+grammar accepts (``StructuredOutputManager.valid_drafts``).
 """
 
 from __future__ import annotations
@@ -343,7 +344,10 @@ class Scheduler:
                     self._release(request)
                     break
             if not request.is_finished() and spec_token_ids is not None:
-                request.spec_token_ids = list(spec_token_ids.get(request.request_id, ()))
+                drafts = list(spec_token_ids.get(request.request_id, ()))
+                if request.structured_output is not None:
+                    drafts = self.structured_outputs.valid_drafts(request, drafts)
+                request.spec_token_ids = drafts
             outputs.append(self._output(request, new_token_ids))
         self.running = [r for r in self.running if not r.is_finished()]
         return outputs

@@ -8,8 +8,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args
+
+from kvik.config import COMPILATION_MODE_NONE
+
+logger = logging.getLogger(__name__)
 
 SpeculativeMethod = Literal["ngram", "draft_model", "eagle3"]
 SPECULATIVE_METHODS: tuple[str, ...] = get_args(SpeculativeMethod)
@@ -125,6 +130,29 @@ def check_speculative_engine(config: Any) -> None:
             f"(the 'uni' executor); this engine has tensor_parallel_size="
             f"{parallel.tensor_parallel_size} and executor {parallel.executor_backend!r}"
         )
+
+
+def speculative_compilation(config: Any) -> None:
+    """EAGLE-3 reads the target's hidden states through module hooks on three decoder layers
+    (kvik.spec_decode.eagle3_proposer), which compiled code does not run: with it, the target runs
+    its layers from Python, and FULL CUDA graphs captured from such runs (which replay the hooks'
+    copies) are kept, PIECEWISE graphs (of the compiled model) are not. ``config``: the
+    EngineConfig, changed in place, with a warning where the user asked for compilation."""
+    speculative = config.speculative
+    compilation = config.compilation
+    if speculative is None or speculative.method != "eagle3" or not compilation.compiled:
+        return
+    mode = {"piecewise": "none", "full_and_piecewise": "full"}.get(
+        compilation.cudagraph_mode, compilation.cudagraph_mode
+    )
+    logger.warning(
+        "EAGLE-3 reads hidden states the compiled model does not expose: compilation mode 3 is "
+        "turned off (cudagraph_mode %s -> %s)",
+        compilation.cudagraph_mode,
+        mode,
+    )
+    compilation.mode = COMPILATION_MODE_NONE
+    compilation.cudagraph_mode = mode
 
 
 def _is_int(value: Any) -> bool:

@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from kvik import ops
-from kvik.attention.backend import AttentionMetadata, AttentionSpec
-from kvik.attention.selector import select_attention_backend
+from kvik.attention.backend import AttentionMetadata
 from kvik.layers.attention import Attention
 from kvik.model_loader.loader import load_model, load_model_config
-from kvik.spec_decode.proposer import Proposer
+from kvik.spec_decode.proposer import Proposer, attach_attention
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -51,35 +50,9 @@ class DraftModelProposer(Proposer):
         self.layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
-        first = next(iter(self.layers.values()))
         # The draft's cache holds the model's dtype (no FP8 scales of its own).
         self.cache_dtype = runner.dtype
-        self.backend = select_attention_backend(
-            runner.platform, runner.dtype, first.head_size, runner.block_size, self.cache_dtype
-        )
-        for layer in self.layers.values():
-            layer.impl = self.backend.impl_class()(
-                layer.num_heads,
-                layer.head_size,
-                layer.scale,
-                layer.num_kv_heads,
-                layer.sliding_window,
-            )
-            layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
-        self.builder = self.backend.builder_class()(
-            self.backend,
-            AttentionSpec(
-                num_heads=first.num_heads,
-                num_kv_heads=first.num_kv_heads,
-                head_size=first.head_size,
-                dtype=runner.dtype,
-                block_size=runner.block_size,
-                max_num_seqs=runner.max_num_seqs,
-                max_num_tokens=runner.max_num_tokens,
-                max_model_len=runner.max_model_len,
-                device=runner.device,
-            ),
-        )
+        self.backend, self.builder = attach_attention(runner, self.layers.values())
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
 
     def kv_cache_bytes_per_block(self) -> int:

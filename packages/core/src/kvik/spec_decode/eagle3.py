@@ -153,9 +153,11 @@ class Eagle3Attention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
-    def output(self, attended: Tensor) -> Tensor:
+    @staticmethod
+    def merge_heads(attended: Tensor) -> Tensor:
+        """[B, heads, T, D] -> [B, T, heads * D]."""
         b, _, t, _ = attended.shape
-        return self.o_proj(attended.transpose(1, 2).reshape(b, t, -1))
+        return attended.transpose(1, 2).reshape(b, t, -1)
 
 
 class Eagle3MLP(nn.Module):
@@ -184,19 +186,28 @@ class Eagle3Layer(nn.Module):
         self.mlp = Eagle3MLP(config)
         self.norm_before_residual = config.norm_before_residual
 
+    def attention_input(self, embeds: Tensor, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """-> the attention's input ``[..., 2 * hidden]`` and the residual stream's start."""
+        normed_hidden = self.hidden_norm(hidden)
+        residual = normed_hidden if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1), residual
+
     def attention_inputs(
         self, embeds: Tensor, hidden: Tensor, positions: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """-> q, k, v and the residual stream's start."""
-        normed_hidden = self.hidden_norm(hidden)
-        residual = normed_hidden if self.norm_before_residual else hidden
-        x = torch.cat([self.input_layernorm(embeds), normed_hidden], dim=-1)
+        x, residual = self.attention_input(embeds, hidden)
         q, k, v = self.self_attn.project(x, positions)
         return q, k, v, residual
 
     def finish(self, attended: Tensor, residual: Tensor) -> Tensor:
         """Attention output [B, heads, T, D] -> the layer's output before the final norm."""
-        residual = self.self_attn.output(attended) + residual
+        return self.after_attention(self.self_attn.merge_heads(attended), residual)
+
+    def after_attention(self, attended: Tensor, residual: Tensor) -> Tensor:
+        """Attention output with its heads merged [..., heads * D] -> the layer's output before
+        the final norm."""
+        residual = self.self_attn.o_proj(attended) + residual
         return self.mlp(self.post_attention_layernorm(residual)) + residual
 
 
@@ -259,7 +270,9 @@ class Eagle3Head(nn.Module):
     def propose_greedy(self, token_ids: Tensor, hidden: Tensor, k: int) -> Tensor:
         """k greedy draft tokens (target ids) following one sequence: token_ids [T] and hidden
         [T, hidden] in the row convention (the last row holds the newest token). Recomputes the
-        causal pass over all rows each step, which is exact and cheap for one layer offline."""
+        causal pass over all rows each step, which is exact and cheap for one layer offline (the
+        runner's proposer, kvik.spec_decode.eagle3_proposer, keeps a KV cache instead; this is
+        its reference in the tests)."""
         tokens, states = token_ids.unsqueeze(0), hidden.unsqueeze(0)
         drafted = []
         for _ in range(k):
@@ -327,4 +340,13 @@ def load_eagle3_head(
     head.load_state_dict(tensors)
     if own_embedding is not None:
         head.embed_tokens = nn.Embedding.from_pretrained(own_embedding, freeze=True)
-    return head.to(device=device, dtype=dtype)  # casts the floating-point tensors only
+    head = head.to(device=device, dtype=dtype)  # casts the floating-point tensors only
+    # The rotary frequencies stay fp32: rounded to bf16, a position in the thousands would be
+    # rotated by radians too much or too little.
+    attention = head.midlayer.self_attn
+    attention.inv_freq = attention.inv_freq.to(device=device, dtype=torch.float32)
+    attention.inv_freq.copy_(
+        inv_freq(config.head_dim, config.rope_theta, config.rope_scaling,
+                 config.max_position_embeddings)
+    )  # fmt: skip
+    return head

@@ -1,12 +1,16 @@
-"""Offline measurement of an EAGLE-3 head: greedy speculative decoding with the target in
-transformers, k drafts a step, counting how many the target accepts.
+"""Measurement of an EAGLE-3 head: greedy speculative decoding with k drafts a step, counting how
+many the target accepts; offline with the target in transformers (``evaluate_acceptance``), or
+through kvik's engine and the runner's proposer (``engine_acceptance``).
 
-The output is the target's own greedy text by construction; ``check_against_plain`` compares it
-with plain greedy decoding all the same.
+The offline output is the target's own greedy text by construction; ``check_against_plain``
+compares it with plain greedy decoding all the same.
+
+    python -m kvik.spec_decode.eagle3_eval --head DIR   # the default model, held-out prompts
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +115,51 @@ def evaluate_acceptance(
                     f"prompt {i}: speculative output differs from plain greedy decoding"
                 )
     return total
+
+
+def engine_acceptance(
+    head_folder: str,
+    prompts: list[list[int]],
+    k: int = 3,
+    max_new_tokens: int = 48,
+    dtype: str = "float32",
+    model: str | None = None,
+) -> SpecDecodingStats:
+    """Acceptance of the head through kvik's engine (the runner's ``Eagle3Proposer``) on
+    ``model`` (default: the default model), greedy, not stopping at EOS as the offline loop."""
+    from kvik import LLM, SamplingParams
+
+    speculative = {"method": "eagle3", "model": str(head_folder), "num_speculative_tokens": k}
+    llm = LLM(model, dtype=dtype, max_model_len=1024, speculative_config=speculative)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm.stats.spec_decoding
+
+
+def main(argv: list[str] | None = None) -> None:
+    from kvik.spec_decode import train_eagle3 as trainer
+    from kvik.spec_decode.eagle3 import load_eagle3_head
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head", required=True, help="the head's folder")
+    parser.add_argument("--prompts", type=int, default=16, help="held-out instructions")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--skip-offline", action="store_true", help="the engine's figure only")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    target, tokenizer = trainer.load_default_target()
+    instructions = trainer.evaluation_instructions(args.prompts, args.seed)
+    prompts = trainer.chat_prompt_ids(tokenizer, instructions)
+    stats = engine_acceptance(args.head, prompts, args.k, args.new_tokens)
+    print(f"held-out, k={args.k}, greedy, kvik's engine (fp32): {stats.summary()}")
+    if not args.skip_offline:
+        head = load_eagle3_head(args.head, target.get_input_embeddings())
+        stats = evaluate_acceptance(target, head, prompts, args.k, args.new_tokens)
+        print(f"held-out, k={args.k}, greedy, offline (transformers, fp32): {stats.summary()}")
+
+
+if __name__ == "__main__":
+    main()

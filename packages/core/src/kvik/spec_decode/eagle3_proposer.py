@@ -2,32 +2,73 @@
 
 The head reads, per position, the inputs of three target layers (``aux_hidden_state_layers``, as
 vLLM names them: the checkpoint's ``eagle_aux_hidden_state_layer_ids`` or vLLM's default for the
-target's depth). They are taken with forward pre-hooks on those decoder layers, so models need no
-change; a layer's input is its residual stream ``hidden + residual`` (the fused form kvik's layers
-hand on). Hooks only fire when the model's layers run from Python, so with EAGLE-3 every target
-step runs eagerly (no CUDA graphs, no compiled pieces, no CPU one-call decode).
+target's depth). Forward pre-hooks on those decoder layers copy them (a layer's input is its
+residual stream ``hidden + residual``, the fused form kvik's layers hand on) into a persistent
+buffer ``aux`` [max_num_tokens, 3 * hidden], so models need no change, and a FULL CUDA graph
+captured from the eagerly run layers records the copies and replays them. Compiled code does not
+run hooks: the engine turns compilation off with EAGLE-3 (``speculative_compilation``), and the
+CPU's one-call decode is turned off too (``StepRunner.run_layers_in_python``).
 
-Per request the proposer keeps the head's input rows (``fc`` of the three states) of every
-computed position whose token is known, and proposes with ``Eagle3Head.propose_greedy`` over the
-last ``WINDOW`` rows: the head's one layer is recomputed over them at each draft step (the head
-keeps no KV cache of its own yet).
+The head's one layer keeps a KV cache laid out in the target's blocks, as a draft model's is
+(kvik.spec_decode.draft_model): a request's block table serves both, and its attention runs
+through the runner's attention backend. After each target step (``propose``):
+
+1. One batched pass of the head over all the step's rows writes its cache. Row ``p`` pairs the
+   target's state at position ``p`` with the token at ``p + 1``: the next row's input token, or
+   for a request's last known row the token the step sampled (or the prompt's next token). In a
+   verification, the rows after the last accepted draft pair with rejected drafts: their keys are
+   garbage, but they sit past the request's known tokens, and the draft steps below (and the next
+   step's rows) overwrite them before anything reads them, as in vLLM's EAGLE proposer.
+2. The first draft of every proposing request is the argmax at its last known row.
+3. ``k - 1`` draft steps of one row per request, all requests at once: the row at the position
+   after the previous one, fed with the previous draft and the previous row's pre-norm output as
+   its hidden state, written into the cache at that position (the scheduler allocates these
+   ``num_lookahead_tokens`` slots).
+
+Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
 
 from __future__ import annotations
 
+import bisect
+import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kvik import ops
+from kvik.attention.backend import AttentionMetadata
+from kvik.layers.attention import Attention
+from kvik.layers.rotary import RotaryEmbedding
 from kvik.spec_decode.eagle3 import default_aux_layer_ids, load_eagle3_head
-from kvik.spec_decode.proposer import Proposer
+from kvik.spec_decode.proposer import Proposer, attach_attention
+from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
+    from kvik.platforms.base import StepGraphs
     from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import StepInputs
 
-#: Head rows a proposal attends over (the newest ones).
-WINDOW = 1024
+#: The head's attention layer in its forward context.
+LAYER_NAME = "eagle3.midlayer.self_attn.attn"
+#: "0": the head's batched pass and draft steps run eagerly even where the platform replays them
+#: as CUDA graphs (the default with FULL graphs on).
+DRAFT_GRAPHS_ENV = "KVIK_EAGLE3_DRAFT_GRAPHS"
+
+
+def _fuse(linears: list[nn.Linear]) -> Tensor:
+    """One weight for several bias-free products of the same input, each linear's weight then a
+    view of its rows."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    at = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.weight = nn.Parameter(fused[at : at + rows], requires_grad=False)
+        at += rows
+    return fused
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -47,21 +88,23 @@ class Eagle3Proposer(Proposer):
         config = runner.config
         target = runner.model
         layers = _decoder_layers(target)
-        embedding = target.model.embed_tokens
         self.head = load_eagle3_head(
-            config.speculative.model, embedding, dtype=runner.dtype, device=runner.device
+            config.speculative.model,
+            target.model.embed_tokens,
+            dtype=runner.dtype,
+            device=runner.device,
         )
         head_config = self.head.config
-        hf = config.model.hf_config
+        hidden_size = config.model.hf_config.hidden_size
         if head_config.vocab_size != config.model.vocab_size:
             raise ValueError(
                 f"the EAGLE-3 head's vocab_size is {head_config.vocab_size}, the target's "
                 f"{config.model.vocab_size}: the head belongs to another model"
             )
-        if head_config.target_hidden_size != hf.hidden_size:
+        if head_config.target_hidden_size != hidden_size:
             raise ValueError(
                 f"the EAGLE-3 head reads hidden states of size {head_config.target_hidden_size}, "
-                f"the target's are {hf.hidden_size}: the head belongs to another model"
+                f"the target's are {hidden_size}: the head belongs to another model"
             )
         ids = head_config.eagle_aux_hidden_state_layer_ids or default_aux_layer_ids(len(layers))
         if len(ids) != 3 or not all(0 <= i < len(layers) for i in ids):
@@ -69,71 +112,316 @@ class Eagle3Proposer(Proposer):
                 f"EAGLE-3 reads three of the target's {len(layers)} layers; the head names {ids}"
             )
         self.aux_layer_ids = list(ids)
-        self._captured: dict[int, Tensor] | None = None
-        for i in self.aux_layer_ids:
-            layers[i].register_forward_pre_hook(self._capture_hook(i))
-        self._aux: Tensor | None = None
-        # Per request: its head input rows, from position ``first[id]`` on.
-        self.rows: dict[str, Tensor] = {}
-        self.first: dict[str, int] = {}
+        self.k = config.speculative.num_speculative_tokens
+        device = runner.device
+        # Written by the hooks at every forward of the target (graph captures included).
+        self.aux = torch.zeros(
+            runner.max_num_tokens, 3 * hidden_size, dtype=runner.dtype, device=device
+        )
+        for slot, i in enumerate(self.aux_layer_ids):
+            columns = slice(slot * hidden_size, (slot + 1) * hidden_size)
+            layers[i].register_forward_pre_hook(self._copy_hook(columns))
+        runner.step_runner.run_layers_in_python()
+        self._init_attention(runner)
+        self._init_fused_layer(runner)
+        self._init_draft_buffers(runner)
 
-    def _capture_hook(self, index: int):
+    def _copy_hook(self, columns: slice):
         def hook(module: nn.Module, args: tuple) -> None:
-            if self._captured is not None:
-                hidden, residual = args[1], args[2]
-                self._captured[index] = hidden if residual is None else hidden + residual
+            hidden, residual = args[1], args[2]
+            out = self.aux[: hidden.shape[0], columns]
+            if residual is None:
+                out.copy_(hidden)
+            else:
+                torch.add(hidden, residual, out=out)
 
         return hook
 
-    def drop(self, request_id: str) -> None:
-        self.rows.pop(request_id, None)
-        self.first.pop(request_id, None)
+    def _init_attention(self, runner: ModelRunner) -> None:
+        c = self.head.config
+        self.attn = Attention(
+            c.num_attention_heads, c.head_dim, c.head_dim**-0.5, c.num_key_value_heads, LAYER_NAME
+        ).to(runner.device)
+        # The head's cache holds the model's dtype (no FP8 scales of its own).
+        self.cache_dtype = runner.dtype
+        self.backend, self.builder = attach_attention(runner, [self.attn])
+        # The head's own frequencies (its rope_theta and scaling, fp32: load_eagle3_head keeps
+        # them so), over every position of the engine, in fp32 as kvik's rotary op reads them.
+        freq = self.head.midlayer.self_attn.inv_freq
+        t = torch.arange(runner.max_model_len, dtype=torch.float32, device=freq.device)
+        angles = torch.outer(t, freq)
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        self.rotary = RotaryEmbedding(c.head_dim, cos_sin, is_neox=True)
 
-    def run_target(self, inputs):
-        self._captured = {}
-        try:
-            hidden = self.runner.step_runner.eager_hidden(inputs)
-            aux = [self._captured[i] for i in self.aux_layer_ids]
-        finally:
-            self._captured = None
-        self._aux = torch.cat(aux, dim=-1)[: inputs.num_tokens]
-        logits = None
-        if inputs.num_sampling:
-            logits = self.runner.model.compute_logits(hidden[inputs.logits_indices]).float()
-        return hidden, logits
+    def _init_draft_buffers(self, runner: ModelRunner) -> None:
+        """Persistent inputs of the draft steps (one row per proposing request), filled once per
+        proposal: fixed addresses, so that the steps could be captured in a graph."""
+        r, steps, device = runner.max_num_seqs, max(1, self.k - 1), runner.device
+        self.max_blocks = -(-runner.max_model_len // runner.block_size)
+        self.draft_positions = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        self.draft_slots = torch.full((steps, r), -1, dtype=torch.int64, device=device)
+        self.draft_seq_lens = torch.ones(steps, r, dtype=torch.int32, device=device)
+        self.draft_block_table = torch.zeros(r, self.max_blocks, dtype=torch.int32, device=device)
+        self.draft_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
+        self.draft_query_lens = torch.ones(r, dtype=torch.int32, device=device)
+        self.draft_tokens = torch.zeros(r, dtype=torch.int64, device=device)
+        hidden = self.head.config.hidden_size
+        self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
+        self.draft_out = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        self._max_seq_len = 1
+        # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
+        # (what the largest proposal needs), so that a graph reads them at one address.
+        capacity = r * (3 + 3 * steps + self.max_blocks)
+        host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
+        self._staging = (host, host if device.type == "cpu" else host.to(device))
+        # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
+        self.pass_tokens = torch.zeros(runner.max_num_tokens, dtype=torch.int64, device=device)
+        self.pass_out = torch.zeros(r * (self.k + 1), hidden, dtype=runner.dtype, device=device)
+        # The batched pass (decode and verification steps) and the draft steps (per padded batch
+        # size) replayed as graphs (kvik_cuda), or None: all eagerly, the draft steps for exactly
+        # the proposing requests. On with FULL graphs (on the H200 they cut a k = 3 proposal from
+        # 3.5 to 1.6 ms: docs/benchmarks.md); KVIK_EAGLE3_DRAFT_GRAPHS=0 turns them off.
+        self.graphs: StepGraphs | None = None
+        capture_sizes = runner.config.compilation.cudagraph_capture_sizes
+        self.graph_sizes = sorted(n for n in capture_sizes if n <= runner.max_num_seqs)
+        if os.environ.get(DRAFT_GRAPHS_ENV) != "0" and runner.config.compilation.full_graphs:
+            self.graphs = runner.platform.step_graphs()
 
-    def propose(self, scheduler_output, inputs, new_tokens, caps):
-        head_rows = self.head.combine(self._aux.to(self.head.fc.weight.dtype))
-        self._aux = None
-        for s, first_row in zip(scheduler_output.scheduled, inputs.query_starts, strict=True):
-            request_id = s.request.request_id
-            # Rows whose input token is known: all but rejected drafts.
-            num_valid = s.num_tokens - len(s.spec_token_ids)
-            if s.spec_token_ids:
-                num_valid += len(new_tokens[request_id]) - 1
-            self._keep(request_id, s.start, head_rows[first_row : first_row + num_valid])
-        drafts = {}
-        for request in inputs.sampling_requests:
-            request_id = request.request_id
-            cap = caps.get(request_id)
-            if not cap:
-                continue
-            tokens = request.all_token_ids + new_tokens[request_id]
-            first, rows = self.first[request_id], self.rows[request_id]
-            # Row p pairs position p's hidden state with the token at p + 1.
-            if first + rows.shape[0] != len(tokens) - 1:
-                continue
-            token_ids = torch.tensor(tokens[first + 1 :], device=rows.device)
-            proposal = self.head.propose_greedy(token_ids[-WINDOW:], rows[-WINDOW:], cap)
-            drafts[request_id] = proposal.tolist()
-        return drafts
+    # --- KV cache ---------------------------------------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        c = self.head.config
+        return (
+            2
+            * self.runner.block_size
+            * c.num_key_value_heads
+            * c.head_dim
+            * (self.cache_dtype.itemsize)
+        )
 
-    def _keep(self, request_id: str, start: int, rows: Tensor) -> None:
-        """Store rows for positions ``start...``; a recompute overwrites. After a gap (a prefix
-        cache hit the target did not compute for this request) the rows start over there."""
-        old = self.rows.get(request_id)
-        first = self.first.get(request_id, start)
-        if old is None or not first <= start <= first + old.shape[0]:
-            self.rows[request_id], self.first[request_id] = rows, start
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks == 0:
+            self.attn.kv_cache = None
             return
-        self.rows[request_id] = torch.cat([old[: start - first], rows])
+        c = self.head.config
+        shape = self.backend.kv_cache_shape(
+            num_blocks, self.runner.block_size, c.num_key_value_heads, c.head_dim
+        )
+        self.attn.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.runner.device)
+
+    # --- the head's layer ---------------------------------------------------------------------
+    def _init_fused_layer(self, runner: ModelRunner) -> None:
+        """The layer's kernels as the target's layers run them: kvik's small ops (one launch per
+        norm, one for SiLU-and-multiply) and q/k/v and gate/up as one product each. The head's
+        own weights become views of the fused ones, so the reference path
+        (``Eagle3Head.propose_greedy``) keeps working on the same memory."""
+        with ops.ops_dispatch(runner.config.ops_dispatch or runner.platform.ops_dispatch):
+            self._rms_norm = ops.small_op("rms_norm")
+            self._fused_add_rms_norm = ops.small_op("fused_add_rms_norm")
+            self._silu_and_mul = ops.small_op("silu_and_mul")
+        attn, mlp = self.head.midlayer.self_attn, self.head.midlayer.mlp
+        self._qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self._qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features,
+                           attn.v_proj.out_features]  # fmt: skip
+        self._gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj])
+
+    def _layer(self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common) -> Tensor:
+        """The head's layer over flat rows [T] through the paged cache: pre-norm outputs
+        [T, hidden] (what ``Eagle3Layer`` computes, in the runner's kernels)."""
+        layer = self.head.midlayer
+        eps = layer.input_layernorm.eps
+        normed_hidden = self._rms_norm(hidden, layer.hidden_norm.weight, eps)
+        residual = normed_hidden if layer.norm_before_residual else hidden
+        embeds = self._rms_norm(self.head.embed(token_ids), layer.input_layernorm.weight, eps)
+        qkv = F.linear(torch.cat([embeds, normed_hidden], dim=-1), self._qkv_weight)
+        q, k, v = qkv.split(self._qkv_sizes, dim=-1)
+        context = ForwardContext(self.builder.build(common), {LAYER_NAME: self.attn})
+        with forward_context(context):
+            attended = self.attn(q, k, v, positions, self.rotary)
+        normed, residual = self._fused_add_rms_norm(
+            layer.self_attn.o_proj(attended), residual, layer.post_attention_layernorm.weight, eps
+        )
+        gate_up = F.linear(normed, self._gate_up_weight)
+        return layer.mlp.down_proj(self._silu_and_mul(gate_up)) + residual
+
+    def _greedy(self, prenorm: Tensor) -> Tensor:
+        """Rows [B, hidden] -> greedy drafts [B] (target ids)."""
+        norm = self.head.norm
+        logits = self.head.lm_head(self._rms_norm(prenorm, norm.weight, norm.eps))
+        return self.head.draft_to_target(logits.argmax(dim=-1))
+
+    # --- proposing ----------------------------------------------------------------------------
+    def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps):
+        scheduled = scheduler_output.scheduled
+        starts = inputs.query_starts
+        # Per scheduled request: its last row whose next token is known, and that token.
+        last_rows, next_ids = [], []
+        for s, first_row in zip(scheduled, starts, strict=True):
+            request = s.request
+            new = new_tokens.get(request.request_id) if s.samples else None
+            if new:
+                # Rows whose input token is known: all but rejected drafts.
+                num_valid = s.num_tokens - len(s.spec_token_ids) + len(new) - 1
+                next_ids.append(new[-1])
+            else:  # a prompt chunk that does not sample: the prompt goes on
+                num_valid = s.num_tokens
+                next_ids.append(request.all_token_ids[s.start + s.num_tokens])
+            last_rows.append(first_row + num_valid - 1)
+        proposing = [(r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)]
+        count = len(proposing)
+        rows = [last_rows[r] for r, _ in proposing]
+        num_steps = max((caps[s.request.request_id] for _, s in proposing), default=1)
+        size = steps = 0
+        draft_arrays: list[np.ndarray] = []
+        if num_steps > 1:
+            size = self._graph_size(count)
+            graphed = size is not None
+            # A graph always runs k - 1 steps (what its capture holds); eagerly, what caps need.
+            steps = self.k - 1 if graphed else num_steps - 1
+            size = size if graphed else count
+            offsets = [last_rows[r] - starts[r] for r, _ in proposing]
+            draft_arrays = self._draft_inputs(proposing, offsets, steps, size)
+        # Every index the device needs, in one copy.
+        uploaded = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)]
+                                + draft_arrays)  # fmt: skip
+        key = self._pass_key(inputs, scheduled)
+        if key is None:
+            prenorm = self._batched_pass(inputs, uploaded[0], uploaded[1])
+        else:
+            prenorm = self._graphed_pass(key, inputs, uploaded[0], uploaded[1])
+        if not proposing:
+            return {}
+        hidden = prenorm.index_select(0, uploaded[2])
+        first = self._greedy(hidden)
+        drafted = first[:, None]
+        if num_steps > 1:
+            positions, slots, seq_lens, table = uploaded[3:]
+            self.draft_positions[:steps, :size].copy_(positions.view(steps, size))
+            self.draft_slots[:steps, :size].copy_(slots.view(steps, size))
+            self.draft_seq_lens[:steps, :size].copy_(seq_lens.view(steps, size))
+            self.draft_block_table[:size].copy_(table.view(size, self.max_blocks))
+            self.draft_tokens[:count].copy_(first)
+            self.draft_tokens[count:size] = 0
+            self.draft_hidden[:count].copy_(hidden)
+            if graphed:
+                self.graphs.run(("draft", size), lambda: self._draft_steps(size, steps))
+            else:
+                self._draft_steps(size, steps)
+            drafted = torch.cat([drafted, self.draft_out[:steps, :count].T], dim=1)
+        proposals = drafted.tolist()
+        return {
+            s.request.request_id: proposals[i][: caps[s.request.request_id]]
+            for i, (_, s) in enumerate(proposing)
+        }
+
+    def _graph_size(self, count: int) -> int | None:
+        """The padded batch size whose graph runs ``count`` requests' draft steps (None: they
+        run eagerly)."""
+        if self.graphs is None or self.k < 2 or not self.graph_sizes:
+            return None
+        if count > self.graph_sizes[-1]:
+            return None
+        return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
+
+    def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
+        """int64 arrays -> device views, through one host-to-device copy (from pinned memory
+        on a GPU; the previous proposal's read-back has waited for the previous copy)."""
+        host, staged = self._staging
+        total = sum(a.size for a in arrays)
+        if total > host.numel():
+            raise RuntimeError(f"a proposal needs {total} staged indices, more than {host.numel()}")
+        host_np = host.numpy()
+        views, at = [], 0
+        for a in arrays:
+            host_np[at : at + a.size] = a.ravel()
+            views.append((at, a.size))
+            at += a.size
+        if staged is not host:
+            staged[:total].copy_(host[:total], non_blocking=True)
+        return [staged[at : at + n] for at, n in views]
+
+    def _pass_key(self, inputs: StepInputs, scheduled) -> tuple | None:
+        """The graph key of the step's batched pass, or None to run it eagerly: a graph holds
+        decode and verification steps (every request samples after at most k drafts), keyed by
+        what fixes its launches (token and request counts, the longest query)."""
+        if self.graphs is None or inputs.num_padded > self.pass_out.shape[0]:
+            return None
+        if not all(s.samples for s in scheduled):
+            return None
+        common = inputs.common_metadata
+        if common.max_query_len > self.k + 1:
+            return None
+        return ("pass", inputs.num_padded, common.num_reqs, common.max_query_len, len(scheduled))
+
+    def _batched_pass(self, inputs: StepInputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
+        """The head over every row of the step (its cache written at the step's slots): pre-norm
+        outputs [T_pad, hidden]. Every input is a persistent buffer (the runner's step buffers,
+        ``aux``, the staged indices), so a graph can replay it."""
+        num_rows = inputs.num_padded
+        # Row p's token is the one at p + 1: the next row's input, except at each request's last
+        # known row (and on padding rows, whose outputs are never read).
+        token_ids = self.pass_tokens[:num_rows]
+        token_ids[: num_rows - 1] = inputs.input_ids[1:num_rows]
+        token_ids[num_rows - 1 :] = 0
+        token_ids[last_rows] = next_ids
+        hidden = self.head.combine(self.aux[:num_rows])
+        return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+
+    def _graphed_pass(self, key: tuple, inputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
+        num_rows = inputs.num_padded
+
+        def run() -> None:
+            out = self._batched_pass(inputs, last_rows, next_ids)
+            self.pass_out[:num_rows].copy_(out)
+
+        self.graphs.run(key, run)
+        return self.pass_out[:num_rows]
+
+    def _draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
+        """Positions, slots and sequence lengths [steps, size] and the block table [size,
+        max_blocks] of ``steps`` draft steps, for the proposing requests (``last_offsets``: each
+        one's last known row within its own rows) and padding rows up to ``size`` (no cache
+        write; at step j, position j, attending over keys of block 0)."""
+        bs = self.runner.block_size
+        count = len(proposing)
+        table = np.zeros((size, self.max_blocks), dtype=np.int64)
+        num_blocks = np.ones(size, dtype=np.int64)
+        last_position = np.full(size, -1, dtype=np.int64)
+        for i, ((_, s), offset) in enumerate(zip(proposing, last_offsets, strict=True)):
+            table[i, : len(s.block_ids)] = s.block_ids
+            num_blocks[i] = len(s.block_ids)
+            last_position[i] = s.start + offset
+        # Step j (0-based) writes and reads the row at last_position + j + 1; a graph's steps past
+        # a request's cap stay within the rotary table (their drafts are dropped).
+        positions = last_position[None, :] + np.arange(1, steps + 1)[:, None]
+        positions = np.minimum(positions, self.runner.max_model_len - 1)
+        block = positions // bs
+        inside = block < num_blocks  # a slot past the request's blocks is not written
+        rows = np.broadcast_to(np.arange(size), positions.shape)
+        slots = np.where(
+            inside, table[rows, np.minimum(block, num_blocks - 1)] * bs + positions % bs, -1
+        )
+        slots[:, count:] = -1
+        self._max_seq_len = int(positions.max()) + 1
+        return [positions, slots, positions + 1, table]
+
+    def _draft_steps(self, size: int, steps: int) -> None:
+        """``steps`` one-row-per-request passes after the batched one, on the persistent buffers
+        only (so that a graph can hold them): fed with ``draft_tokens`` and ``draft_hidden`` (the
+        first draft and its row's pre-norm output), each step's drafts go to ``draft_out``."""
+        tokens, hidden = self.draft_tokens[:size], self.draft_hidden[:size]
+        for step in range(steps):
+            common = AttentionMetadata(
+                num_actual_tokens=size,
+                num_reqs=size,
+                query_start_loc=self.draft_query_start_loc[: size + 1],
+                query_lens=self.draft_query_lens[:size],
+                seq_lens=self.draft_seq_lens[step, :size],
+                block_table=self.draft_block_table[:size],
+                slot_mapping=self.draft_slots[step, :size],
+                max_query_len=1,
+                max_seq_len=self._max_seq_len,
+                block_size=self.runner.block_size,
+            )
+            hidden = self._layer(tokens, hidden, self.draft_positions[step, :size], common)
+            tokens = self._greedy(hidden)
+            self.draft_out[step, :size].copy_(tokens)

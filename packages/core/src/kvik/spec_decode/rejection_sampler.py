@@ -12,9 +12,11 @@ target's distribution after temperature, top-k, top-p and min-p, as kvik's sampl
 q is the proposer's distribution, or "one-hot at its proposal" (``draft_probs=None``: n-gram and
 other deterministic proposers), where the rule reads: accept with p(d), else sample p without d.
 
-All of it runs on the logits' device, batched. A seeded request draws its uniforms and its
-exponential noise from its own generator, in a fixed order (uniforms for its drafts, then noise
-for its rows), so its tokens do not depend on the rest of the batch.
+A batch of greedy requests only reads the target's argmax at each row back (one copy) and
+compares on the host: a step's few dozen small launches and three reads would cost more than the
+comparison. Otherwise all of it runs on the logits' device, batched. A seeded request draws its
+uniforms and its exponential noise from its own generator, in a fixed order (uniforms for its
+drafts, then noise for its rows), so its tokens do not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ class RejectionSampler:
         sampling: SamplingBatch,
         draft_probs: Tensor | None = None,
     ) -> RejectionOutput:
-        """target_logits [sum(k_i + 1), V]; draft_token_ids [sum(k_i)]; sampling: one row per
-        request (``generators`` keyed by request index); draft_probs [sum(k_i), V] or None."""
+        """target_logits [sum(k_i + 1), V]; draft_token_ids [sum(k_i)] (on the host or the
+        logits' device); sampling: one row per request (``generators`` keyed by request index);
+        draft_probs [sum(k_i), V] or None. An all-greedy batch's output is on the host."""
         if any(k < 0 for k in num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         device = target_logits.device
@@ -129,12 +132,14 @@ class RejectionSampler:
                 "logits processors depend on the tokens before each position: apply them to "
                 "target_logits per position before rejection sampling"
             )
+        if sampling.all_greedy:
+            greedy = target_logits.max(dim=-1).indices.cpu()
+            return _greedy_on_host(greedy, draft_token_ids.cpu(), num_draft_tokens)
+        draft_token_ids = draft_token_ids.to(device)
         layout = _Layout.build(num_draft_tokens, device)
         drafts = torch.where(layout.valid, draft_token_ids[layout.draft_index], -1)
         greedy_tokens = target_logits.max(dim=-1).indices[layout.target_index]  # [B, K + 1]
         greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
-        if sampling.all_greedy:
-            return greedy_out
         sampled_out = self._sample(target_logits, drafts, draft_probs, sampling, layout)
         greedy_rows = (sampling.temperature < _GREEDY_EPS).unsqueeze(1)
         return RejectionOutput(
@@ -197,6 +202,30 @@ class RejectionSampler:
                 rows = slice(first_rows[request], first_rows[request] + k + 1)
                 noise[rows].exponential_(generator=generator)
         return uniforms, noise
+
+
+def _greedy_on_host(
+    greedy: Tensor, draft_token_ids: Tensor, num_draft_tokens: list[int]
+) -> RejectionOutput:
+    """Per request, its drafts up to the first that differs from the target's argmax at its
+    position, then the argmax there (``greedy`` [sum(k_i + 1)] and the drafts on the host)."""
+    targets, drafts = greedy.tolist(), draft_token_ids.tolist()
+    width = max(num_draft_tokens, default=0) + 1
+    rows, counts = [], []
+    row = draft = 0
+    for k in num_draft_tokens:
+        accepted = 0
+        while accepted < k and drafts[draft + accepted] == targets[row + accepted]:
+            accepted += 1
+        out = drafts[draft : draft + accepted] + [targets[row + accepted]]
+        rows.append(out + [PLACEHOLDER_TOKEN_ID] * (width - len(out)))
+        counts.append(accepted)
+        row += k + 1
+        draft += k
+    return RejectionOutput(
+        torch.tensor(rows, dtype=torch.int64).view(len(num_draft_tokens), width),
+        torch.tensor(counts, dtype=torch.int64),
+    )
 
 
 def _emit(drafts: Tensor, accepted: Tensor, layout: _Layout, final: Tensor) -> RejectionOutput:

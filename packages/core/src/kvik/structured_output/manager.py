@@ -7,6 +7,11 @@ compiled yet stays in the scheduler's waiting queue while others run (``is_ready
 a request's matcher as the scheduler appends them (``accept_token``); a matcher that has reached
 the end of its grammar finishes the request with "stop".
 
+Speculative decoding (vLLM's rule): a request's drafts are cut, as they arrive, to the longest
+prefix its grammar accepts (``valid_drafts``), and a step that scores k drafts gets k + 1 mask rows:
+the grammar's state before the first draft, then after each (the matcher advances through the
+drafts and rolls back). The scheduler then appends the accepted run through ``accept_token``.
+
 Asynchronous scheduling: the bitmask of a step is filled when the step is scheduled, from the
 tokens known then. A request with a grammar counts as reading its output history
 (``Request.needs_output_history``), so the engine collects the step in flight before scheduling
@@ -41,11 +46,19 @@ _CACHE_SIZE = 512
 
 @dataclass
 class GrammarBitmask:
-    """One step's masks: row i of ``bitmask`` [M, ceil(V / 32)] int32 (host memory) belongs to
-    the request ``request_ids[i]``; requests of the step without a grammar have no row."""
+    """One step's masks, ``bitmask`` [M, ceil(V / 32)] int32 (host memory): the request
+    ``request_ids[i]`` has ``rows_per_request[i]`` consecutive rows (one, or 1 + its scheduled
+    drafts in a verification: one per scored position), in that order; requests of the step
+    without a grammar have none. ``rows_per_request`` None: one row each."""
 
     request_ids: list[str]
     bitmask: torch.Tensor
+    rows_per_request: list[int] | None = None
+
+    def row_counts(self) -> list[int]:
+        if self.rows_per_request is None:
+            return [1] * len(self.request_ids)
+        return self.rows_per_request
 
 
 @dataclass
@@ -85,6 +98,9 @@ class StructuredOutputManager:
         self._reasoning_end: ReasoningEnd | None = None
         self._setup_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        # Ids no grammar accepts (special tokens, the padding past the tokenizer's vocabulary):
+        # drafts stop at them without asking the matcher, which would log a warning for each.
+        self._special_ids: frozenset[int] = frozenset()
 
     # -- compilation (off the critical path) ------------------------------------------------
 
@@ -129,6 +145,7 @@ class StructuredOutputManager:
                     raise ValueError(f"structured outputs need a tokenizer, and {source} has none")
                 stop_token_ids = sorted(self._model.eos_token_ids())
                 info = tokenizer_info(tokenizer, self._model.vocab_size, stop_token_ids)
+                self._special_ids = frozenset(info.special_token_ids) - set(stop_token_ids)
                 if self.settings.reasoning_parser is not None:
                     self._reasoning_end = ReasoningEnd(self.settings.reasoning_parser, tokenizer)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self._max_workers)
@@ -172,21 +189,73 @@ class StructuredOutputManager:
     # -- each step ----------------------------------------------------------------------------
 
     def grammar_bitmask(self, scheduled: list[ScheduledRequest]) -> GrammarBitmask | None:
-        """The masks of the step's requests that sample under an active grammar, or None."""
-        rows = [
-            s.request
+        """The masks of the step's requests that sample under an active grammar, or None: one
+        row per scored position (1 + the request's scheduled drafts)."""
+        constrained = [
+            s
             for s in scheduled
             if s.samples and s.request.structured_output is not None
             if s.request.structured_output.active
         ]
-        if not rows:
+        if not constrained:
             return None
         import xgrammar as xgr
 
-        bitmask = xgr.allocate_token_bitmask(len(rows), self._model.vocab_size)
-        for index, request in enumerate(rows):
-            request.structured_output.matcher.fill_next_token_bitmask(bitmask, index)
-        return GrammarBitmask([r.request_id for r in rows], bitmask)
+        counts = [1 + len(s.spec_token_ids) for s in constrained]
+        bitmask = xgr.allocate_token_bitmask(sum(counts), self._model.vocab_size)  # all allowed
+        index = 0
+        for s in constrained:
+            self._fill_rows(s.request, s.spec_token_ids, bitmask, index)
+            index += 1 + len(s.spec_token_ids)
+        speculative = any(count > 1 for count in counts)
+        return GrammarBitmask(
+            [s.request.request_id for s in constrained], bitmask, counts if speculative else None
+        )
+
+    def _fill_rows(
+        self, request: Request, drafts: tuple[int, ...], bitmask: torch.Tensor, first: int
+    ) -> None:
+        """Rows ``first .. first + len(drafts)``: the grammar's next-token mask before each draft
+        and after the last, the matcher advanced through the drafts and rolled back after. Rows
+        after a draft that ends the grammar stay all-allowed (the request stops at that draft);
+        a draft the grammar refuses (``valid_drafts`` cut them all, so only a bug makes one) is
+        refused by its row's mask, and the rows after it are never read."""
+        matcher = request.structured_output.matcher
+        advanced = 0
+        for row, draft in enumerate((*drafts, None)):
+            if matcher.is_terminated():
+                break
+            matcher.fill_next_token_bitmask(bitmask, first + row)
+            if draft is None or not matcher.accept_token(draft):
+                break
+            advanced += 1
+        if advanced:
+            matcher.rollback(advanced)
+
+    def valid_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of a request's proposed drafts that its grammar allows after the
+        tokens it has; all of them without a grammar. While the model is still reasoning the
+        drafts stop before the end-of-reasoning token, so that every position a step scores is
+        unconstrained (the grammar's first mask comes with the step after)."""
+        so = request.structured_output
+        if so is None or so.matcher is None or not drafts:
+            return drafts
+        if not so.reasoning_ended:
+            end = self._reasoning_end.end_id if self._reasoning_end is not None else None
+            return drafts[: drafts.index(end)] if end in drafts else drafts
+        matcher = so.matcher
+        accepted = 0
+        for draft in drafts:
+            if (
+                draft in self._special_ids
+                or matcher.is_terminated()
+                or not matcher.accept_token(draft)
+            ):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return drafts[:accepted]
 
     def accept_token(self, request: Request, token_id: int) -> None:
         """Advance the request's grammar by a sampled token (tokens of its reasoning excepted)."""

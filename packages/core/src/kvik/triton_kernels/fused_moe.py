@@ -19,6 +19,11 @@ step replays under a CUDA graph (nothing is read back to the host):
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
 
+A decode step of up to ``ROUTE_ALIGN_MAX_TOKENS`` tokens does steps 1-3 in one launch instead
+(``moe_route_align_kernel``, one program: the tokens' routing as a [tokens, experts] tile, then the
+histogram, the runs and the scatter over the pairs it just wrote): at one token the experts' bytes
+take ~18 µs and every launch around them a few more (docs/benchmarks.md).
+
 Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
 two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
 down GEMM); the GEMMs multiply e4m3 tiles and scale each K step's product by its row group's
@@ -97,6 +102,52 @@ def moe_configs(
 
 
 @triton.jit
+def _route_rows(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    rows,
+    num_tokens,
+    num_experts,
+    logits_stride,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """Route the tokens ``rows`` (those below num_tokens): per token, softmax over the router
+    logits in fp32, the top k by repeated arg-max (the lowest expert among equals), renormalised
+    where the model says; weights and expert ids stored at [token, k]."""
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < num_tokens
+    col_ok = cols < num_experts
+    x = tl.load(
+        logits_ptr + rows[:, None].to(tl.int64) * logits_stride + cols[None, :],
+        mask=row_ok[:, None] & col_ok[None, :],
+        other=float("-inf"),
+    ).to(tl.float32)
+    x = tl.where(row_ok[:, None], x, 0.0)  # rows past the tokens: finite, never stored
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = p / tl.sum(p, 1)[:, None]
+    p = tl.where(col_ok[None, :], p, -1.0)  # below any probability: never picked
+    ks = tl.arange(0, TOP_K_PAD)
+    top_w = tl.zeros([rows.shape[0], TOP_K_PAD], dtype=tl.float32)
+    top_i = tl.zeros([rows.shape[0], TOP_K_PAD], dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        index = tl.min(tl.where(p == best[:, None], cols[None, :], E_PAD), 1)
+        top_w = tl.where(ks[None, :] == k, best[:, None], top_w)
+        top_i = tl.where(ks[None, :] == k, index[:, None], top_i)
+        p = tl.where(cols[None, :] == index[:, None], -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 1)[:, None]
+    out = rows[:, None].to(tl.int64) * TOP_K + ks[None, :]
+    out_ok = row_ok[:, None] & (ks[None, :] < TOP_K)
+    tl.store(weights_ptr + out, top_w, mask=out_ok)
+    tl.store(ids_ptr + out, top_i, mask=out_ok)
+
+
+@triton.jit
 def moe_routing_kernel(
     logits_ptr,
     weights_ptr,
@@ -108,27 +159,34 @@ def moe_routing_kernel(
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, E_PAD)
-    valid = cols < num_experts
-    x = tl.load(logits_ptr + row * logits_stride + cols, mask=valid, other=float("-inf"))
-    x = x.to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(valid, p, -1.0)  # below any probability: never picked
-    ks = tl.arange(0, TOP_K_PAD)
-    top_w = tl.zeros([TOP_K_PAD], dtype=tl.float32)
-    top_i = tl.zeros([TOP_K_PAD], dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, 0)
-        index = tl.min(tl.where(p == best, cols, E_PAD), 0)  # the lowest expert among equals
-        top_w = tl.where(ks == k, best, top_w)
-        top_i = tl.where(ks == k, index, top_i)
-        p = tl.where(cols == index, -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 0)
-    tl.store(weights_ptr + row * TOP_K + ks, top_w, mask=ks < TOP_K)
-    tl.store(ids_ptr + row * TOP_K + ks, top_i, mask=ks < TOP_K)
+    row = tl.program_id(0)
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, row + tl.arange(0, 1), row + 1, num_experts,
+        logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_expert_runs(counts, bins, num_experts, cursor_ptr, total_ptr, BLOCK_M: tl.constexpr):
+    """From each expert's pair count (bins past num_experts ignored): each expert's run of rows,
+    padded to whole BLOCK_M blocks and laid end to end. Stores each run's start (the scatter's
+    cursor) and the padded total; returns the runs' ends and the total."""
+    padded = tl.where(bins < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
+    tl.store(total_ptr, total)
+    return ends, total
+
+
+@triton.jit
+def _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M: tl.constexpr):
+    """Each row block's expert: the number of runs that end at or before its first row (-1 for
+    blocks past the total). Returns the blocks' first rows."""
+    first = blocks * BLOCK_M
+    run = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+    tl.store(block_expert_ptr + blocks, tl.where(first < total, run, -1), mask=blocks < max_blocks)
+    return first
 
 
 @triton.jit
@@ -150,19 +208,64 @@ def moe_align_kernel(
         offs = start + tl.arange(0, CHUNK)
         expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
         counts += tl.histogram(expert, E_BINS, mask=offs < num_pairs)
-    bins = tl.arange(0, E_BINS)
-    padded = tl.where(bins < num_experts, tl.cdiv(counts, BLOCK_M) * BLOCK_M, 0)
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
-    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
-    tl.store(total_ptr, total)
-    # A row block's expert is the number of runs that end at or before its first row.
+    ends, total = _store_expert_runs(
+        counts, tl.arange(0, E_BINS), num_experts, cursor_ptr, total_ptr, BLOCK_M
+    )
+    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
+        _store_block_experts(
+            ends, total, block_expert_ptr, b0 + tl.arange(0, BLOCKS_CHUNK), max_blocks, BLOCK_M
+        )
+
+
+@triton.jit
+def moe_route_align_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    cursor_ptr,
+    num_tokens,
+    num_experts,
+    logits_stride,
+    max_blocks,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    TOKENS_PAD: tl.constexpr,
+    PAIRS_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_CHUNK: tl.constexpr,
+):
+    """``moe_routing_kernel``, ``moe_align_kernel``, the padding fill and ``moe_scatter_kernel``
+    in one program, for at most TOKENS_PAD tokens (PAIRS_PAD >= TOKENS_PAD * TOP_K)."""
+    # Routing, every token at once.
+    _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.arange(0, TOKENS_PAD), num_tokens, num_experts,
+        logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
+    )  # fmt: skip
+    tl.debug_barrier()  # the ids just stored are read back by other threads below
+    # Alignment: as moe_align_kernel, over the pairs in one block.
+    num_pairs = num_tokens * TOP_K
+    pairs = tl.arange(0, PAIRS_PAD)
+    pair_ok = pairs < num_pairs
+    expert = tl.load(ids_ptr + pairs, mask=pair_ok, other=0)
+    counts = tl.histogram(expert, E_PAD, mask=pair_ok)
+    ends, total = _store_expert_runs(
+        counts, tl.arange(0, E_PAD), num_experts, cursor_ptr, total_ptr, BLOCK_M
+    )
     for b0 in range(0, max_blocks, BLOCKS_CHUNK):
         blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
-        first = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        expert = tl.where(first < total, expert, -1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < max_blocks)
+        first = _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M)
+        # Every row of these blocks starts as padding (the pair count), the scatter fills some.
+        rows_of_blocks = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        padding = tl.full([BLOCKS_CHUNK, BLOCK_M], 0, tl.int32) + num_pairs
+        tl.store(sorted_ptr + rows_of_blocks, padding, mask=(blocks < max_blocks)[:, None])
+    tl.debug_barrier()  # the cursors and the padding are in place before the scatter
+    slot = tl.atomic_add(cursor_ptr + expert, 1, mask=pair_ok)
+    tl.store(sorted_ptr + slot, pairs, mask=pair_ok)
 
 
 @triton.jit
@@ -271,6 +374,9 @@ ALIGN_CHUNK = 1024
 ALIGN_BLOCKS_CHUNK = 64
 SCATTER_BLOCK = 1024
 SCATTER_WARPS = 4
+#: Steps of at most this many tokens route and align in one launch (moe_route_align_kernel).
+ROUTE_ALIGN_MAX_TOKENS = 16
+ROUTE_ALIGN_WARPS = 4
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -325,6 +431,38 @@ def align_to_blocks(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor
     return sorted_pairs, block_expert, total
 
 
+def route_and_align(
+    router_logits: Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """``route`` then ``align_to_blocks`` in one launch, for at most ROUTE_ALIGN_MAX_TOKENS
+    tokens: (weights, ids, (sorted pairs, block experts, total))."""
+    router_logits = router_logits.contiguous()
+    tokens = router_logits.shape[0]
+    if not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        raise ValueError(
+            f"route_and_align takes 1 to {ROUTE_ALIGN_MAX_TOKENS} tokens, not {tokens}"
+        )
+    device = router_logits.device
+    num_pairs = tokens * top_k
+    blocks = max_row_blocks(num_pairs, num_experts, block_m)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)
+    moe_route_align_kernel[(1,)](
+        router_logits, weights, ids, sorted_pairs, block_expert, total, cursor, tokens,
+        num_experts, router_logits.stride(0), blocks, TOP_K=top_k,
+        TOP_K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize, TOKENS_PAD=tokens_pad,
+        PAIRS_PAD=triton.next_power_of_2(tokens_pad * top_k), BLOCK_M=block_m,
+        BLOCKS_CHUNK=ALIGN_BLOCKS_CHUNK, num_warps=ROUTE_ALIGN_WARPS,
+    )  # fmt: skip
+    return weights, ids, (sorted_pairs, block_expert, total)
+
+
 def grouped_gemm(
     a: Tensor,
     w: Tensor,
@@ -364,6 +502,16 @@ def grouped_gemm(
     )  # fmt: skip
 
 
+def _route_and_align(
+    router_logits: Tensor, top_k: int, renormalize: bool, experts: int, config: MoeConfig
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
+    """One launch for decode-sized steps, three above."""
+    if router_logits.shape[0] <= ROUTE_ALIGN_MAX_TOKENS:
+        return route_and_align(router_logits, top_k, renormalize, experts, config.block_m)
+    weights, ids = route(router_logits, top_k, renormalize)
+    return weights, ids, align_to_blocks(ids, experts, config.block_m)
+
+
 def fused_moe(
     hidden: Tensor,
     router_logits: Tensor,
@@ -388,10 +536,9 @@ def fused_moe(
         configs = moe_configs(arch, tokens, experts, inter, size, top_k, hidden.dtype)
     up_config, down_config = configs
     hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids, aligned = _route_and_align(router_logits, top_k, renormalize, experts, up_config)
     num_pairs = tokens * top_k
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    aligned = align_to_blocks(ids, experts, up_config.block_m)
     grouped_gemm(hidden, w13, act, aligned, None, top_k, True, up_config)
     if down_config.block_m != up_config.block_m:
         aligned = align_to_blocks(ids, experts, down_config.block_m)
@@ -438,11 +585,10 @@ def fused_moe_fp8_block(
             )
     w13, w2 = w13.contiguous(), w2.contiguous()
     w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    weights, ids = route(router_logits, top_k, renormalize)
+    weights, ids, aligned = _route_and_align(router_logits, top_k, renormalize, experts, up_config)
     num_pairs = tokens * top_k
     q, q_scale = per_token_group_quant_fp8(hidden.contiguous())
     act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    aligned = align_to_blocks(ids, experts, up_config.block_m)
     grouped_gemm(q, w13, act, aligned, None, top_k, True, up_config, (q_scale, w13_scale))
     if down_config.block_m != up_config.block_m:
         aligned = align_to_blocks(ids, experts, down_config.block_m)

@@ -12,7 +12,6 @@ sampled tokens.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -35,7 +34,9 @@ from kvik.spec_decode.proposer import Proposer, make_proposer
 from kvik.spec_decode.rejection_sampler import RejectionSampler
 from kvik.structured_output.bitmask import apply_token_bitmask
 from kvik.worker.nvtx import nvtx_range
+from kvik.worker.speculative_sampling import SpeculativeSampling
 from kvik.worker.step_buffers import BlockTable, StagedBuffer
+from kvik.worker.step_io import ModelRunnerOutput, PendingStep, StepInputs
 
 if TYPE_CHECKING:
     from kvik.config import EngineConfig
@@ -44,100 +45,6 @@ if TYPE_CHECKING:
     from kvik.scheduler.output import SchedulerOutput
     from kvik.structured_output.manager import GrammarBitmask
     from kvik.worker.step_runner import StepRunner
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Complete prompt logprobs of requests whose prompt finished computing in this step.
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Speculative decoding: the drafts proposed for each request's next step.
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
-
-
-@dataclass
-class StepInputs:
-    """One prepared step: views of the runner's persistent device buffers."""
-
-    input_ids: Tensor  # [T_pad]
-    positions: Tensor  # [T_pad]
-    attn_metadata: object  # the backend's metadata
-    logits_indices: Tensor  # [sum(k_i + 1)] rows of the hidden states that sample
-    #: T, the rows of the scheduled requests (``query_starts`` index them); rows T..T_pad are
-    #: padding. A request's rows are its scheduled tokens, then (in a uniform verification) rows
-    #: of padding up to ``uniform_query_len``.
-    num_tokens: int
-    num_padded: int  # T_pad
-    #: Every request has this many rows and samples, and none needs prompt logprobs: 1 for a
-    #: decode, 1 + k for a verification of up to k drafts a request; a step that a FULL CUDA graph
-    #: of the step runner replays (``StepRunner.uniform_batch_size``). 0: any other step.
-    uniform_query_len: int
-    query_starts: list[int]  # [R] first row of each scheduled request
-    sampling_requests: list[Request]  # the N requests that sample, in row order
-    #: Their settings, staged with the other inputs (None when nothing samples).
-    sampling: SamplingBatch | None = None
-    #: Speculative decoding: per sampling request, its draft tokens scored in this step (each
-    #: request's logits rows are its drafts' positions, then the position after them).
-    draft_token_ids: list[tuple[int, ...]] = field(default_factory=list)
-    #: The backend-neutral metadata the backend's was built from (a draft model builds its own).
-    common_metadata: AttentionMetadata | None = None
-
-    @property
-    def uniform_decode(self) -> bool:
-        return self.uniform_query_len == 1
-
-    @property
-    def num_draft_tokens(self) -> list[int]:
-        return [len(d) for d in self.draft_token_ids]
-
-    @property
-    def has_drafts(self) -> bool:
-        return any(self.draft_token_ids)
-
-    @property
-    def num_sampling(self) -> int:
-        return len(self.sampling_requests)
-
-
-class PendingStep:
-    """A launched step. ``collect()`` waits for its sampled tokens (the one host-device sync of a
-    step) and reads what the device computed into a ``ModelRunnerOutput``."""
-
-    def __init__(
-        self,
-        requests: list[Request] | None = None,
-        sampled_host: Tensor | None = None,
-        done: object | None = None,
-        finishers: list[Callable[[ModelRunnerOutput], None]] | None = None,
-        output: ModelRunnerOutput | None = None,
-    ) -> None:
-        """``output``: a step already read back (speculative decoding's, which proposes the
-        next step's drafts from the tokens it accepted)."""
-        self._requests = requests or []
-        self._sampled_host = sampled_host  # pinned [>= N] int64
-        self._done = done  # a device event recorded after the copy to sampled_host; None: ready
-        self._finishers = finishers or []
-        self._output: ModelRunnerOutput | None = output
-
-    def ready(self) -> bool:
-        """Whether ``collect()`` would return without waiting for the device."""
-        return self._output is not None or self._done is None or self._done.query()
-
-    def collect(self) -> ModelRunnerOutput:
-        if self._output is not None:
-            return self._output
-        if self._done is not None:
-            self._done.synchronize()
-        output = ModelRunnerOutput()
-        if self._requests:
-            tokens = self._sampled_host[: len(self._requests)].tolist()
-            for request, token in zip(self._requests, tokens):
-                output.sampled_token_ids[request.request_id] = [token]
-        for finish in self._finishers:  # logprobs, read now that the device is done
-            finish(output)
-        self._output = output
-        return output
 
 
 @dataclass
@@ -229,6 +136,7 @@ class ModelRunner:
         # The proposer of speculative decoding's drafts (None: off); a draft model or an EAGLE-3
         # head is loaded here, beside the target.
         self.proposer: Proposer | None = make_proposer(self) if speculative else None
+        self.speculative = SpeculativeSampling(self) if speculative else None
 
     def _allocate_buffers(self, separate: bool | None = None) -> None:
         """The persistent step buffers (``separate``: host and device copies even on the CPU, so
@@ -605,15 +513,16 @@ class ModelRunner:
         finishers: list[Callable[[ModelRunnerOutput], None]] = []
         if hidden is not None:
             self._prompt_logprobs(scheduler_output, inputs, hidden, finishers)
-        if self.proposer is not None:
-            return self._speculative_step(scheduler_output, inputs, logits, finishers)
+        if self.speculative is not None:
+            self._prev_sampled, self._prev_rows = None, {}  # no in-flight tokens: synchronous
+            return self.speculative.step(scheduler_output, inputs, logits, finishers)
         requests = inputs.sampling_requests
         if not requests:
             return PendingStep(finishers=finishers)
         if scheduler_output.grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, requests, scheduler_output.grammar_bitmask)
+            self.apply_grammar_bitmask(logits, requests, scheduler_output.grammar_bitmask)
         with nvtx_range("sample", self.nvtx):
-            sampled = self._sample(logits, requests, inputs.sampling, finishers)
+            sampled = self.sample(logits, requests, inputs.sampling, finishers)
         sampled_host = self._sampled_host[self._sampled_turn]
         self._sampled_turn ^= 1
         sampled_host[: len(requests)].copy_(sampled, non_blocking=True)
@@ -625,132 +534,7 @@ class ModelRunner:
         self._prev_rows = {r.request_id: row for row, r in enumerate(requests)}
         return PendingStep(requests, sampled_host, done, finishers)
 
-    def _speculative_step(
-        self,
-        scheduler_output: SchedulerOutput,
-        inputs: StepInputs,
-        logits: Tensor | None,
-        finishers: list[Callable[[ModelRunnerOutput], None]],
-    ) -> PendingStep:
-        """The step's tokens with speculative decoding (synchronous: the drafts of the next step
-        are proposed from the tokens accepted in this one). A step that verifies drafts goes
-        through the rejection sampler; one without drafts samples as usual."""
-        output = ModelRunnerOutput()
-        requests = inputs.sampling_requests
-        if requests:
-            first_rows = self._first_logits_rows(inputs)
-            if scheduler_output.grammar_bitmask is not None:
-                self._apply_grammar_bitmask(
-                    logits, requests, scheduler_output.grammar_bitmask, first_rows
-                )
-            with nvtx_range("sample", self.nvtx):
-                if inputs.has_drafts:
-                    tokens = self._verify(logits, requests, inputs, first_rows, finishers)
-                else:
-                    sampled = self._sample(logits, requests, inputs.sampling, finishers)
-                    tokens = [[t] for t in sampled.tolist()]
-            for request, new in zip(requests, tokens, strict=True):
-                output.sampled_token_ids[request.request_id] = new
-        for finish in finishers:
-            finish(output)
-        self._prev_sampled, self._prev_rows = None, {}
-        with nvtx_range("propose", self.nvtx):
-            output.spec_token_ids = self.proposer.propose(
-                scheduler_output,
-                inputs,
-                output.sampled_token_ids,
-                self._proposal_caps(inputs, output.sampled_token_ids),
-            )
-        return PendingStep(output=output)
-
-    @staticmethod
-    def _first_logits_rows(inputs: StepInputs) -> list[int]:
-        """Each sampling request's first row in the step's logits (its k_i + 1 rows follow)."""
-        rows, row = [], 0
-        for k in inputs.num_draft_tokens:
-            rows.append(row)
-            row += k + 1
-        return rows
-
-    def _verify(
-        self,
-        logits: Tensor,
-        requests: list[Request],
-        inputs: StepInputs,
-        first_rows: list[int],
-        finishers: list[Callable[[ModelRunnerOutput], None]],
-    ) -> list[list[int]]:
-        """Rejection-sample a step that scored drafts: per request, its accepted drafts and one
-        token more. Requests with logits processors or logprobs never get drafts (see
-        ``_proposal_caps``): their one row is processed and read here as a plain sample's."""
-        batch = inputs.sampling
-        wanted = [r.sampling_params.logprobs for r in requests]
-        logprob_rows = [i for i, w in enumerate(wanted) if w is not None]
-        raw_logprobs = None
-        if logprob_rows:
-            index = torch.tensor([first_rows[i] for i in logprob_rows], device=logits.device)
-            raw_logprobs = logits[index].log_softmax(-1)
-        for row, processors, output_ids in batch.processors:
-            if inputs.draft_token_ids[row]:
-                raise RuntimeError("a request with logits processors was given draft tokens")
-            at = first_rows[row]
-            for processor in processors:
-                logits[at] = processor(output_ids, logits[at])
-        drafts = [t for d in inputs.draft_token_ids for t in d]
-        result = self.rejection_sampler(
-            logits,
-            torch.tensor(drafts, dtype=torch.int64, device=logits.device),
-            inputs.num_draft_tokens,
-            dataclasses.replace(batch, processors=[]),
-        )
-        if raw_logprobs is not None:
-            rows = torch.tensor(logprob_rows, device=logits.device)
-            chosen = result.token_ids[rows, 0]
-            tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i in logprob_rows])
-            ids = [requests[i].request_id for i in logprob_rows]
-
-            def finish(output: ModelRunnerOutput) -> None:
-                for request_id, entry in zip(ids, tensors.to_lists()):
-                    output.logprobs[request_id] = [entry]
-
-            finishers.append(finish)
-        return result.to_lists()
-
-    def _proposal_caps(
-        self, inputs: StepInputs, new_tokens: dict[str, list[int]]
-    ) -> dict[str, int]:
-        """How many drafts each sampling request may get for its next step: up to
-        num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
-        tokens ``new_tokens``, not appended yet). None for a request whose sampling reads more than one row's
-        logits (logprobs, logits processors such as penalties, a grammar: those are computed for
-        the position after the known tokens only), and none for anyone when the batch is larger
-        than ``disable_by_batch_size``."""
-        limit = self.config.speculative.disable_by_batch_size
-        requests = inputs.sampling_requests
-        if limit is not None and len(inputs.query_starts) > limit:
-            return {}
-        caps = {}
-        for request in requests:
-            params = request.sampling_params
-            if (
-                params.logprobs is not None
-                or params.structured_outputs is not None
-                or self._state(request).processors
-            ):
-                continue
-            num_new = len(new_tokens[request.request_id])
-            num_tokens = request.num_tokens + num_new
-            num_output = request.num_output_tokens + num_new
-            cap = min(
-                self.num_speculative_tokens,
-                request.max_tokens - num_output - 1,
-                self.max_model_len - num_tokens - 1,
-            )
-            if cap > 0:
-                caps[request.request_id] = cap
-        return caps
-
-    def _apply_grammar_bitmask(
+    def apply_grammar_bitmask(
         self,
         logits: Tensor,
         requests: list[Request],
@@ -759,24 +543,29 @@ class ModelRunner:
     ) -> None:
         """Structured outputs: forbid, in the sampling rows' logits, what each request's grammar
         does not allow next. Before sampling and before logprobs, as vLLM does, so logprobs are
-        those of the constrained distribution. ``first_rows``: each request's logits row where
-        not its index (a speculative step; requests with a grammar get no drafts)."""
+        those of the constrained distribution. ``first_rows``: each request's first logits row
+        where not its index (a speculative step: a request that verifies k drafts has k + 1 rows,
+        and so many mask rows, one per scored position)."""
         at = first_rows if first_rows is not None else range(len(requests))
         row_of = {r.request_id: at[row] for row, r in enumerate(requests)}
-        rows = [row_of[request_id] for request_id in grammar.request_ids]
+        rows = [
+            row_of[request_id] + offset
+            for request_id, count in zip(grammar.request_ids, grammar.row_counts(), strict=True)
+            for offset in range(count)
+        ]
         bitmask = grammar.bitmask
         if rows != sorted(rows):
             order = sorted(range(len(rows)), key=rows.__getitem__)
             rows, bitmask = [rows[i] for i in order], bitmask[order]
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        whole = len(rows) == len(requests) == logits.shape[0]
+        whole = len(rows) == logits.shape[0]  # distinct rows, sorted: then 0 .. N - 1
         apply_token_bitmask(logits, bitmask, None if whole else rows)
 
     def _record_inputs_copied(self) -> None:
         if self._inputs_copied is not None:
             self._inputs_copied.record()
 
-    def _sample(
+    def sample(
         self,
         logits: Tensor,
         requests: list[Request],

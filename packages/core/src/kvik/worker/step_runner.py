@@ -23,7 +23,8 @@ from kvik.compilation.piecewise import CompiledModel
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
-    from kvik.worker.model_runner import ModelRunner, StepInputs
+    from kvik.worker.model_runner import ModelRunner
+    from kvik.worker.step_io import StepInputs
 
 
 class StepRunner:
@@ -68,6 +69,18 @@ class StepRunner:
         if self.compiled is not None and self.runner.max_num_seqs >= 2:
             with torch.inference_mode():  # as steps run: grad mode is part of dynamo's guards
                 self.forward_hidden(self.runner.dummy_decode_inputs(2))
+
+    def run_layers_in_python(self) -> None:
+        """From now on every step runs the model's decoder layers from Python (or replays a graph
+        captured from such a run), so that module hooks on them see each step: EAGLE-3 reads the
+        hidden states of three layers that way. A compiled model runs its layers inside compiled
+        code, where the hooks do not run: refused (the engine turns compilation off for EAGLE-3,
+        kvik.spec_decode.config.speculative_compilation)."""
+        if self.compiled is not None:
+            raise ValueError(
+                "module hooks on the model's layers (EAGLE-3's hidden states) need the layers run "
+                "from Python: use compilation mode 0 (FULL CUDA graphs are fine)"
+            )
 
     def forward_hidden(self, inputs: StepInputs) -> Tensor:
         """Hidden states [T, hidden] of the step's (padded) tokens: through the compiled model

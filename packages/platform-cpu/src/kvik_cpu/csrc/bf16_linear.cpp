@@ -1,7 +1,9 @@
 // bf16 matrix products in AVX512-BF16 over weights packed as for AMX (kvik_cpu::amx_pack), for
-// the few rows a mixture-of-experts layer gives each expert in a decode step.
+// the few rows a mixture-of-experts layer gives each expert in a decode step, and a decode step's
+// dense layers on CPUs without AMX.
 //
-// y[M, N] = x[M, K] W[N, K]^T (+ bias), x and y bf16, fp32 accumulation. amx_pack's layout holds
+// y[M, N] = x[M, K] W[N, K]^T (+ bias), x bf16, fp32 accumulation, y bf16 (or the fp32 sums
+// themselves: fp32_out, for the LM head's logits). amx_pack's layout holds
 // each block of 16 output columns as K/2 runs of 64 bytes: 16 column pairs [k, k+1], exactly the
 // operand of vdpbf16ps. So one instruction adds a row's pair x[k, k+1] times 16 columns' pair, and
 // a 32-column panel of W (two such blocks) is one contiguous run of memory, streamed once per call
@@ -25,6 +27,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -35,6 +38,12 @@ namespace {
 constexpr int64_t kPanel = 32;  // output columns per work item (two 16-column blocks)
 constexpr int64_t kKStep = 32;  // amx_pack pads K to a multiple of this
 constexpr int kRows = 8;        // rows per pass: 16 accumulators, 2 weight registers
+// How far ahead of its reads each of a panel's two weight streams is prefetched into L2, in bf16
+// values (4 KB). Streaming 96 MB of 1024 x 512 weights on one core of the 2-core EPYC of
+// docs/benchmarks.md (a shared machine: alternated runs, noisy), the hardware prefetchers alone
+// read 12-15 GB/s at 1 and 2 rows and 9-12 GB/s at 8; 4 KB ahead 17-18 and 14-15 GB/s; 1, 2, 6
+// and 8 KB ahead less than 4 KB.
+constexpr int64_t kPrefetchAhead = 2048;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -52,6 +61,9 @@ inline void panel_rows(const c10::BFloat16* x, int64_t K, const c10::BFloat16* b
   }
   const int64_t pairs = K / 2;  // K is even (the caller pads odd K)
   for (int64_t p = 0; p < pairs; ++p) {
+    // A prefetch never faults: past the weight's end it is only wasted.
+    _mm_prefetch(reinterpret_cast<const char*>(b0 + p * 32 + kPrefetchAhead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(b1 + p * 32 + kPrefetchAhead), _MM_HINT_T1);
     const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b0 + p * 32));
     const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(b1 + p * 32));
     for (int r = 0; r < R; ++r) {
@@ -85,8 +97,28 @@ inline void store_rows(const float* c, int64_t rows, int64_t cols, const float* 
   }
 }
 
+// The same in fp32, unrounded: the LM head's logits, where rounding to bf16 (a step of 0.125 at
+// 16 to 32) ties logits that differ by less, and greedy argmax then takes the lower token id.
+inline void store_rows(const float* c, int64_t rows, int64_t cols, const float* bias, float* out,
+                       int64_t ld_out) {
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 hi = cols >= 32 ? 0xFFFF
+                       : cols <= 16 ? 0
+                                    : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+  const __m512 bias0 = bias ? _mm512_maskz_loadu_ps(lo, bias) : _mm512_setzero_ps();
+  const __m512 bias1 = bias ? _mm512_maskz_loadu_ps(hi, bias + 16) : _mm512_setzero_ps();
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel), bias0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(c + m * kPanel + 16), bias1);
+    _mm512_mask_storeu_ps(out + m * ld_out, lo, v0);
+    _mm512_mask_storeu_ps(out + m * ld_out + 16, hi, v1);  // masked off: never touched
+  }
+}
+
+// Out: c10::BFloat16 (rounded once) or float (the sums as they are).
+template <typename Out>
 void bf16_linear_kernel(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* w,
-                        int64_t Kp, int64_t N, const float* bias, c10::BFloat16* out) {
+                        int64_t Kp, int64_t N, const float* bias, Out* out) {
   const int64_t panels = round_up(N, kPanel) / kPanel;
   const int64_t panel_elems = kPanel * Kp;
   const int64_t block_elems = 16 * Kp;
@@ -119,7 +151,7 @@ void bf16_linear_kernel(const c10::BFloat16* x, int64_t M, int64_t K, const c10:
 #endif  // __AVX512BF16__
 
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias, bool fp32_out) {
 #if !defined(__AVX512BF16__)
   TORCH_CHECK(false, "bf16_linear: this build of kvik_cpu's ops has no AVX512-BF16");
 #endif
@@ -142,13 +174,19 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   } else {
     input = x.contiguous();
   }
-  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor out = at::empty({M, N}, x.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
 #if defined(__AVX512BF16__)
-  bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
-                     packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N,
-                     bias.has_value() ? bias->data_ptr<float>() : nullptr,
-                     out.data_ptr<c10::BFloat16>());
+  const float* bias_ptr = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  if (fp32_out) {
+    bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
+                       packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N, bias_ptr,
+                       out.data_ptr<float>());
+  } else {
+    bf16_linear_kernel(input.data_ptr<c10::BFloat16>(), M, input.size(1),
+                       packed.data_ptr<c10::BFloat16>(), packed.size(1) * 2, N, bias_ptr,
+                       out.data_ptr<c10::BFloat16>());
+  }
 #endif
   return out;
 }
@@ -176,9 +214,9 @@ at::Tensor bf16_moe_experts(const at::Tensor& rows, at::IntArrayRef counts, at::
     if (count == 0) continue;
     TORCH_CHECK(count > 0 && start + count <= rows.size(0),
                 "bf16_moe_experts: the counts overrun the ", rows.size(0), " rows");
-    const at::Tensor act = kvik_cpu::ops::silu_and_mul(
-        bf16_linear(rows.narrow(0, start, count), gate_up[e], 2 * intermediate, std::nullopt));
-    out.narrow(0, start, count).copy_(bf16_linear(act, down[e], hidden, std::nullopt));
+    const at::Tensor act = kvik_cpu::ops::silu_and_mul(bf16_linear(
+        rows.narrow(0, start, count), gate_up[e], 2 * intermediate, std::nullopt, false));
+    out.narrow(0, start, count).copy_(bf16_linear(act, down[e], hidden, std::nullopt, false));
     start += count;
   }
   TORCH_CHECK(start == rows.size(0), "bf16_moe_experts: the counts cover ", start, " of ",
@@ -186,12 +224,91 @@ at::Tensor bf16_moe_experts(const at::Tensor& rows, at::IntArrayRef counts, at::
   return out;
 }
 
+#if defined(__AVX512BF16__)
+// acc[0:n] += float(r[0:n]) * w, the product rounded to fp32 before the add, as the reference's
+// separate multiply and index_add_ round it: the empty asm keeps the compiler from fusing the two
+// into one FMA (GCC contracts vector arithmetic by default), which would round once and differ.
+inline void add_weighted_row(float* acc, const c10::BFloat16* r, float w, int64_t n) {
+  const __m512 weight = _mm512_set1_ps(w);
+  for (int64_t h = 0; h < n; h += 16) {
+    const __mmask16 mask = n - h >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - h)) - 1);
+    const __m256i bits = _mm256_maskz_loadu_epi16(mask, r + h);
+    const __m512 value = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    __m512 product = _mm512_mul_ps(value, weight);
+    asm("" : "+v"(product));
+    _mm512_mask_storeu_ps(acc + h, mask,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(mask, acc + h), product));
+  }
+}
+#endif
+
+// A mixture-of-experts layer after its routing, in one call: hidden [T, H], the routing's
+// weights [T, k] fp32 and expert ids [T, k] (kvik.ops.moe_routing) -> [T, H]. The same work and
+// the same bits as kvik.ops.grouped_experts with bf16_moe_experts: the (token, k) pairs grouped
+// by expert in a stable counting sort (torch.argsort(stable=True)'s order), their rows gathered,
+// the experts' products, then each token's sum over its pairs in that order, in fp32, rounded
+// once to bf16. Without the dozen PyTorch ops around the experts that cost a decode step of a
+// small MoE about as much as one more layer's experts (docs/benchmarks.md).
+at::Tensor bf16_moe(const at::Tensor& hidden, const at::Tensor& weights, const at::Tensor& ids,
+                    at::TensorList gate_up, at::TensorList down, int64_t intermediate) {
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(false, "bf16_moe: this build of kvik_cpu's ops has no AVX512-BF16");
+#endif
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16,
+              "bf16_moe: expected 2-D bfloat16 hidden states, got ", hidden.sizes(), " ",
+              hidden.scalar_type());
+  const int64_t tokens = hidden.size(0), width = hidden.size(1);
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == tokens && ids.scalar_type() == at::kLong &&
+                  weights.sizes() == ids.sizes() && weights.scalar_type() == at::kFloat,
+              "bf16_moe: expected weights (float32) and ids (int64) of shape [", tokens,
+              ", top_k], got ", weights.sizes(), " ", weights.scalar_type(), " and ", ids.sizes(),
+              " ", ids.scalar_type());
+  const int64_t experts = static_cast<int64_t>(gate_up.size());
+  const int64_t pairs = ids.numel(), top_k = ids.size(1);
+  if (tokens == 0) return at::empty({0, width}, hidden.options());
+  const at::Tensor x = hidden.contiguous();
+  const at::Tensor id = ids.contiguous();
+  const at::Tensor w = weights.contiguous();
+  const int64_t* id_ptr = id.data_ptr<int64_t>();
+  std::vector<int64_t> counts(experts, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(id_ptr[p] >= 0 && id_ptr[p] < experts, "bf16_moe: expert id ", id_ptr[p],
+                " is not in [0, ", experts, ")");
+    ++counts[id_ptr[p]];
+  }
+  std::vector<int64_t> next(experts, 0), order(pairs);
+  for (int64_t e = 1; e < experts; ++e) next[e] = next[e - 1] + counts[e - 1];
+  for (int64_t p = 0; p < pairs; ++p) order[next[id_ptr[p]]++] = p;
+  at::Tensor rows = at::empty({pairs, width}, hidden.options());
+  const auto* src = x.data_ptr<c10::BFloat16>();
+  auto* dst = rows.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    std::memcpy(dst + i * width, src + (order[i] / top_k) * width, width * sizeof(c10::BFloat16));
+  }
+  const at::Tensor results = bf16_moe_experts(rows, counts, gate_up, down, intermediate);
+  at::Tensor acc = at::zeros({tokens, width}, hidden.options().dtype(at::kFloat));
+#if defined(__AVX512BF16__)
+  const auto* res = results.data_ptr<c10::BFloat16>();
+  const float* w_ptr = w.data_ptr<float>();
+  float* acc_ptr = acc.data_ptr<float>();
+  for (int64_t i = 0; i < pairs; ++i) {
+    add_weighted_row(acc_ptr + (order[i] / top_k) * width, res + i * width, w_ptr[order[i]],
+                     width);
+  }
+#endif
+  return acc.to(at::kBFloat16);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
-  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor",
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None, "
+        "bool fp32_out=False) -> Tensor",
         &bf16_linear);
   m.def("bf16_moe_experts(Tensor rows, int[] counts, Tensor[] gate_up, Tensor[] down, "
         "int intermediate) -> Tensor",
         &bf16_moe_experts);
+  m.def("bf16_moe(Tensor hidden, Tensor weights, Tensor ids, Tensor[] gate_up, Tensor[] down, "
+        "int intermediate) -> Tensor",
+        &bf16_moe);
 }

@@ -1,0 +1,64 @@
+"""AsyncLLM streams every token to a slow consumer: the request may finish in the engine while the
+consumer still holds an earlier output, and what is left must still come out."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from tiny_models import build_tiny_model
+
+from kvik import LLM, SamplingParams
+from kvik.engine.args import EngineArgs
+from kvik.engine.async_llm import AsyncLLM
+
+PROMPTS = [[5, 17, 33, 2, 9], [40, 41, 42], [7] * 11]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model("llama", tmp_path_factory.mktemp("stream-llama"))
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_slow_consumer_gets_every_token(model, kind):
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    offline = LLM(str(model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    expected = [
+        o.outputs[0].token_ids
+        for o in offline.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False
+        )
+    ]
+    offline.shutdown()
+
+    async def consume(engine: AsyncLLM, i: int) -> tuple[list[int], int, bool]:
+        tokens, outputs, finished = [], 0, False
+        stream = engine.generate(
+            {"prompt_token_ids": PROMPTS[i]}, params, f"r{i}", output_kind=kind
+        )
+        async for out in stream:
+            if kind == "delta":
+                tokens += out.outputs[0].token_ids
+            else:
+                tokens = list(out.outputs[0].token_ids)
+            outputs += 1
+            finished = out.finished
+            if outputs == 1:
+                # Long enough for the engine to finish the request meanwhile.
+                await asyncio.sleep(2.0)
+        return tokens, outputs, finished
+
+    async def run() -> list[tuple[list[int], int, bool]]:
+        args = EngineArgs(model=str(model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+        engine = await AsyncLLM.create(args)
+        try:
+            return await asyncio.gather(*(consume(engine, i) for i in range(len(PROMPTS))))
+        finally:
+            await engine.shutdown()
+
+    results = asyncio.run(run())
+    assert [tokens for tokens, _, _ in results] == expected
+    assert all(len(tokens) == 8 for tokens in expected)
+    # The first output came alone; the rest arrived while the consumer slept, in one more output.
+    assert [(outputs, finished) for _, outputs, finished in results] == [(2, True)] * len(PROMPTS)
