@@ -9,6 +9,8 @@ test_spec_decode_engine.py cannot show that."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -120,3 +122,26 @@ def test_stop_string_inside_an_accepted_run(method, plain, speculative):
     assert got.finish_reason == "stop" and got.stop_reason == STOP
     if method != "eagle3":  # a random head's proposals are rarely accepted
         assert llm.stats.spec_decoding.num_accepted_tokens > before
+
+
+def test_json_schema_reply_with_ngram(plain, speculative):
+    """A grammar under speculation on the model as users run it: drafts cut to what the JSON
+    schema allows, a mask at each scored position; the reply equals the plain engine's."""
+    from kvik.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string"}},
+        "required": ["text"],
+    }
+    prompt = f'Return JSON whose "text" field is this paragraph, copied exactly:\n\n{PARAGRAPH}\n'
+    params = SamplingParams(
+        temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)
+    )
+    llm = speculative("ngram")
+    expected = generate(plain, params, [prompt])[0]
+    before = llm.stats.spec_decoding.num_accepted_tokens
+    got = generate(llm, params, [prompt])[0]
+    assert got.token_ids == expected.token_ids
+    assert re.match(r'\{\s*"text"\s*:\s*"The river runs', got.text), got.text  # it copies
+    assert llm.stats.spec_decoding.num_accepted_tokens > before

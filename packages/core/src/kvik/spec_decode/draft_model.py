@@ -18,9 +18,10 @@ import torch
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata
+from kvik.attention.selector import attach_attention
 from kvik.layers.attention import Attention
 from kvik.model_loader.loader import load_model, load_model_config
-from kvik.spec_decode.proposer import Proposer, attach_attention
+from kvik.spec_decode.proposer import Proposer
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:

@@ -41,10 +41,11 @@ from torch import Tensor, nn
 
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata
+from kvik.attention.selector import attach_attention
 from kvik.layers.attention import Attention
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.spec_decode.eagle3 import default_aux_layer_ids, load_eagle3_head
-from kvik.spec_decode.proposer import Proposer, attach_attention
+from kvik.spec_decode.proposer import Proposer
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:

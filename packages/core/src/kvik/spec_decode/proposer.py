@@ -10,52 +10,17 @@ sizes it with the target's blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 from torch import Tensor
 
-from kvik.attention.backend import AttentionSpec
-from kvik.attention.selector import select_attention_backend
 from kvik.spec_decode.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
-    from kvik.layers.attention import Attention
     from kvik.scheduler.output import SchedulerOutput
     from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_io import StepInputs
-
-
-def attach_attention(runner: ModelRunner, layers: Iterable[Attention]) -> tuple[Any, Any]:
-    """Give a proposer's own attention layers the runner's platform backend, their KV cache in
-    the model's dtype (no FP8 scales of their own) laid out in the target's blocks: each layer's
-    impl, and one metadata builder for them all. Returns (backend, builder)."""
-    layers = list(layers)
-    first = layers[0]
-    backend = select_attention_backend(
-        runner.platform, runner.dtype, first.head_size, runner.block_size, runner.dtype
-    )
-    for layer in layers:
-        layer.impl = backend.impl_class()(
-            layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads, layer.sliding_window
-        )
-        layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
-    builder = backend.builder_class()(
-        backend,
-        AttentionSpec(
-            num_heads=first.num_heads,
-            num_kv_heads=first.num_kv_heads,
-            head_size=first.head_size,
-            dtype=runner.dtype,
-            block_size=runner.block_size,
-            max_num_seqs=runner.max_num_seqs,
-            max_num_tokens=runner.max_num_tokens,
-            max_model_len=runner.max_model_len,
-            device=runner.device,
-        ),
-    )
-    return backend, builder
 
 
 class Proposer:

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from kvik import ops
-from kvik.attention.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from kvik.attention.backend import AttentionBackend, AttentionMetadata
 from kvik.attention.kv_quant import is_fp8
-from kvik.attention.selector import select_attention_backend
+from kvik.attention.selector import attach_attention
 from kvik.config import kv_cache_torch_dtype
 from kvik.layers.attention import Attention
 from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
@@ -86,21 +86,6 @@ class ModelRunner:
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
-        first = next(iter(self.attention_layers.values()))
-        self.backend: type[AttentionBackend] = select_attention_backend(
-            platform, self.dtype, first.head_size, self.block_size, self.kv_cache_dtype
-        )
-        for layer in self.attention_layers.values():
-            layer.impl = self.backend.impl_class()(
-                layer.num_heads,
-                layer.head_size,
-                layer.scale,
-                layer.num_kv_heads,
-                layer.sliding_window,
-            )
-            # The layer's own scale tensors (read where the cache is FP8), set after construction
-            # so that an impl whose __init__ predates them still builds.
-            layer.impl.k_scale, layer.impl.v_scale = layer.k_scale, layer.v_scale
         scheduler = config.scheduler
         self.max_num_seqs = scheduler.max_num_seqs
         # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
@@ -108,19 +93,10 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         speculative = config.speculative
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
-        self.metadata_builder = self.backend.builder_class()(
-            self.backend,
-            AttentionSpec(
-                num_heads=first.num_heads,
-                num_kv_heads=first.num_kv_heads,
-                head_size=first.head_size,
-                dtype=self.dtype,
-                block_size=self.block_size,
-                max_num_seqs=self.max_num_seqs,
-                max_num_tokens=self.max_num_tokens,
-                max_model_len=self.max_model_len,
-                device=self.device,
-            ),
+        # The layers' own scale tensors are read where the cache is FP8.
+        self.backend: type[AttentionBackend]
+        self.backend, self.metadata_builder = attach_attention(
+            self, self.attention_layers.values(), self.kv_cache_dtype
         )
         self._allocate_buffers()
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
