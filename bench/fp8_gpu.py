@@ -27,6 +27,9 @@ Run from the repository root (kvik installed, or with PYTHONPATH naming the pack
     python3 bench/fp8_gpu.py --out f.json    # or to f.json; --sweep: other tilings at one row
     python3 bench/fp8_gpu.py --rows 1,16,64  # fewer row counts; --budget-s: when timing stops
 
+Block-FP8 launches for 1 to 16 rows (issue 14's batch-1 goal) are swept by
+``bench/fp8_few_rows_gpu.py``, which prints ``kvik_cuda.tuning.FP8_BLOCK_FEW_ROWS``'s table.
+
 A failed check is printed with FAIL on its line and again in a banner at the end, and the script
 exits 1 (the JSON is written first). Where the few-rows kernel fails, ``KVIK_FP8_SKINNY=0`` in the
 engine's environment sends those products back to the kernels used before it.

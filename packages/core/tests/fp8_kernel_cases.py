@@ -516,6 +516,49 @@ def test_skinny_block_linear_variants(config: Fp8SkinnyConfig, m: int) -> None:
     check(out, ref_block_linear(x, weight, weight_scale, bias), torch.bfloat16)
 
 
+if ON_GPU:
+    from kvik_cuda.tuning import fp8_block_few_rows_candidates
+
+    # Llama-3.1-8B's down (split K) and an edge size with a K tail and a partial tile, at every
+    # launch the few-rows sweep times.
+    FEW_ROWS_CASES = [
+        pytest.param(n, k, config, id=f"{n}x{k}-{name}")
+        for n, k in [(4096, 14336), (1000, 1500)]
+        for name, config in fp8_block_few_rows_candidates(n, k).items()
+    ]
+    FEW_ROWS_DTYPE = torch.bfloat16
+else:
+    # N and K no multiples of 128 or of the tiles (3 groups, the last cut short; 3 splits of one
+    # group each), the activations quantized inside and before, tiles narrower and wider than a
+    # weight-scale block.
+    FEW_ROWS_CASES = [
+        pytest.param(200, 300, config, id=str(config))
+        for config in [
+            Fp8SkinnyConfig(16, 1, 1, 1),
+            Fp8SkinnyConfig(32, 3, 1, 1, quantize=False),
+            Fp8SkinnyConfig(256, 3, 1, 1, quantize=False),
+        ]
+    ]
+    FEW_ROWS_DTYPE = torch.float32
+
+
+@pytest.mark.parametrize(("n", "k", "config"), FEW_ROWS_CASES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_skinny_block_linear_at_1_to_16_rows(m: int, n: int, k: int, config: Fp8SkinnyConfig):
+    """The launches for decode batches of 1 to 16 (one padded size): the reference's product,
+    and exact zeros for an all-zero row (its scales take the floor, its fp8 values are zero)."""
+    x, weight, weight_scale = (
+        activations(m, k, FEW_ROWS_DTYPE),
+        fp8_weight(n, k),
+        block_scales(n, k),
+    )
+    poison_allocator()
+    out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), None, config)
+    check(out, ref_block_linear(x, weight, weight_scale, None), FEW_ROWS_DTYPE)
+    if m > 2:
+        assert not x[1].any() and not out[1].any()
+
+
 @pytest.mark.parametrize(("m", "n", "k", "weight_scales", "static", "bias"), SKINNY_SCALED_CASES)
 def test_skinny_scaled_linear(m: int, n: int, k: int, weight_scales: str, static: bool, bias: bool):
     dtype = torch.bfloat16

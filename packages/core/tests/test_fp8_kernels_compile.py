@@ -229,6 +229,21 @@ def skinny_cases() -> list:
             cases.append(pytest.param(config, n, k, rows, True, id=f"{n}x{k}-m{rows}"))
         config = tuning.fp8_skinny_config("sm90", 1, n, k)
         cases.append(pytest.param(config, n, k, 1, False, id=f"{n}x{k}-m1-channel"))
+    return cases + few_rows_cases()
+
+
+def few_rows_cases() -> list:
+    """The launches ``bench/fp8_few_rows_gpu.py`` times at 1 to 16 rows (block scales), each
+    (launch, K, K steps a split) once: layers that share them share the compiled kernel."""
+    cases, seen = [], set()
+    for n, k in LLAMA_8B_LAYERS:
+        for name, config in tuning.fp8_block_few_rows_candidates(n, k).items():
+            groups = k // GROUP_SIZE
+            split_k = max(d for d in range(1, config.split_k + 1) if groups % d == 0)
+            key = (config.block_n, config.num_warps, config.num_stages, config.quantize, k, split_k)
+            if key not in seen:
+                seen.add(key)
+                cases.append(pytest.param(config, n, k, 1, True, id=f"{n}x{k}-m1-{name}"))
     return cases
 
 
@@ -248,6 +263,7 @@ def test_fp8_skinny(
             "K": k,
             "BLOCK_SCALES": block_scales,
             "QUANTIZE": quantize,
+            "ROUND_IN_SOFTWARE": False,  # what the launcher passes for CUDA tensors
             "HAS_BIAS": False,
             "M_PAD": padded_rows(rows),
             "BLOCK_N": config.block_n,
@@ -261,7 +277,11 @@ def test_fp8_skinny(
     )
     ptx = compiled.asm["ptx"]
     if quantize:
-        check_quantization(ptx)
+        # Rounded by the cast alone: IEEE division, the round-to-nearest-even conversion, and
+        # none of round_to_e4m3's work (its 1.5 * 2**23).
+        assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert "0fCB400000" not in ptx
     else:
         assert "div.rn.f32" not in ptx
     if arch == "sm90":
@@ -270,6 +290,8 @@ def test_fp8_skinny(
         assert "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx
         assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
         assert k_steps_start_from_zero(compiled.asm["ttgir"])
+        if block_scales:
+            assert scales_loaded_a_step_ahead(compiled.asm["ttgir"])
     # A split product's last split reads the others' sums past L1 and resets its counter.
     assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
     assert ("ld.global.cg" in ptx) == (split_k > 1)
@@ -286,8 +308,20 @@ def k_steps_start_from_zero(ttgir: str) -> bool:
     return bool(accumulators) and all(acc in zeros for acc in accumulators)
 
 
-def test_tuning_picks_by_rows() -> None:
-    # Block scales: the GEMV at one row, the tiled kernel to 16, the few-rows kernel 17 to 64.
+def scales_loaded_a_step_ahead(ttgir: str) -> bool:
+    """The K loop's block-scale loads (its only plain ``tt.load``s: the weight and activation
+    tiles are asynchronous copies) come before its wgmma: issued for the next step, they are in
+    flight while this step multiplies, instead of a memory latency waited for after the MMA."""
+    loop = ttgir[ttgir.index("scf.for") : ttgir.index("scf.yield")]
+    loads = [m.start() for m in re.finditer(r"= tt\.load ", loop)]
+    mma = loop.find("ttng.warp_group_dot ")
+    return bool(loads) and mma > 0 and max(loads) < mma
+
+
+def test_tuning_picks_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Block scales without FP8_BLOCK_FEW_ROWS's entries (its own test below): the GEMV at one
+    # row, the tiled kernel to 16, the few-rows kernel 17 to 64.
+    monkeypatch.setattr(tuning, "FP8_BLOCK_FEW_ROWS", {})
     assert tuning.fp8_block_config("sm90", 1, 4096, 4096) == tuning.fp8_gemv_config(
         "sm90", 4096, 4096
     )
@@ -335,6 +369,48 @@ def test_the_few_rows_kernel_switches_off(monkeypatch: pytest.MonkeyPatch) -> No
     for rows in (1, 64):
         config = tuning.fp8_scaled_config("sm90", rows, 6144, 4096)
         assert config == tuning.fp8_gemm_config("sm90", rows, 6144, 4096)
+
+
+def test_few_rows_table_routes_block_products_of_1_to_16_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``tuning.FP8_BLOCK_FEW_ROWS``: a listed layer's products take the entry of the fewest rows
+    at or above theirs (None: the GEMV or the tiled kernel); other layers, other architectures,
+    17 rows and more, and ``KVIK_FP8_SKINNY=0`` keep the routing without the table."""
+    launch = Fp8SkinnyConfig(128, 8, 4, 5, quantize=False)
+    table = {(4096, 4096): {1: launch, 4: None, 16: launch}}
+    monkeypatch.setattr(tuning, "FP8_BLOCK_FEW_ROWS", table)
+    for rows in (1, 5, 16):
+        assert tuning.fp8_block_config("sm90", rows, 4096, 4096) == launch
+    for rows in (2, 4):
+        config = tuning.fp8_block_config("sm90", rows, 4096, 4096)
+        assert config == tuning.fp8_gemm_config("sm90", rows, 4096, 4096)
+    assert tuning.fp8_block_config("sm90", 1, 6144, 4096) == tuning.fp8_gemv_config(
+        "sm90", 6144, 4096
+    )
+    assert tuning.fp8_block_config("sm100", 1, 4096, 4096) == tuning.fp8_gemv_config(
+        "sm100", 4096, 4096
+    )
+    assert tuning.fp8_block_config("sm90", 17, 4096, 4096) == tuning.fp8_skinny_config(
+        "sm90", 17, 4096, 4096
+    )
+    monkeypatch.setattr(tuning, "FP8_SKINNY", False)
+    assert tuning.fp8_block_config("sm90", 1, 4096, 4096) == tuning.fp8_gemv_config(
+        "sm90", 4096, 4096
+    )
+    assert tuning.fp8_block_config("sm90", 16, 4096, 4096) == tuning.fp8_gemm_config(
+        "sm90", 16, 4096, 4096
+    )
+
+
+def test_few_rows_candidates_split_narrow_layers_only() -> None:
+    """The sweep's launches: the tuning's own among them, split K as the tuning does (narrow
+    layers 8 ways, gate_up not) and twice that, quantizing inside or before."""
+    for (n, k), split in {(4096, 14336): 8, (6144, 4096): 8, (28672, 4096): 1}.items():
+        candidates = tuning.fp8_block_few_rows_candidates(n, k)
+        assert tuning.fp8_skinny_config("sm90", 1, n, k) in candidates.values()
+        assert {c.split_k for c in candidates.values()} == {split, min(16, 2 * split)}
+        assert {c.quantize for c in candidates.values()} == {True, False}
 
 
 def test_the_switch_reads_0_or_1(monkeypatch: pytest.MonkeyPatch) -> None:

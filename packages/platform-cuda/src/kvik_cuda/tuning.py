@@ -16,7 +16,12 @@ import triton
 
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig
 from kvik.triton_kernels.fp8_linear import CublasBlockwise
-from kvik.triton_kernels.fp8_skinny import SKINNY_MAX_ROWS, Fp8SkinnyConfig, padded_rows
+from kvik.triton_kernels.fp8_skinny import (
+    SKINNY_MAX_ROWS,
+    SKINNY_MIN_ROWS_PAD,
+    Fp8SkinnyConfig,
+    padded_rows,
+)
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
@@ -123,7 +128,8 @@ def fp8_block_config(
     arch: str, m: int, n: int, k: int
 ) -> Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise:
     """``kvik.triton_kernels.fp8_linear.fp8_block_linear``'s configuration for ``m`` rows: the
-    CUDA-core GEMV at one row, the Triton tiled kernel from 2 rows, the few-rows tensor-core kernel
+    CUDA-core GEMV at one row, the Triton tiled kernel from 2 rows (the few-rows kernel instead
+    where ``FP8_BLOCK_FEW_ROWS`` lists the layer), the few-rows tensor-core kernel
     from ``FP8_BLOCK_SKINNY_MIN_ROWS`` to ``SKINNY_MAX_ROWS`` (with ``FP8_SKINNY`` off: the GEMV up
     to ``FP8_GEMV_MAX_ROWS`` and the tiled kernel above, as before that kernel), the tiled kernel
     again up to ``FP8_CUBLAS_MIN_ROWS``, cuBLAS's blockwise scaling above (on Hopper). On the H200 with
@@ -133,6 +139,9 @@ def fp8_block_config(
     if FP8_SKINNY:
         if FP8_BLOCK_SKINNY_MIN_ROWS <= m <= SKINNY_MAX_ROWS:
             return fp8_skinny_config(arch, m, n, k)
+        few_rows = fp8_block_few_rows_config(arch, m, n, k)
+        if few_rows is not None:
+            return few_rows
         if m == 1:
             return fp8_gemv_config(arch, n, k)
     elif m <= FP8_GEMV_MAX_ROWS:
@@ -229,3 +238,52 @@ def fp8_skinny_config(arch: str, m: int, n: int, k: int) -> Fp8SkinnyConfig:
 
 #: From this many rows block-FP8 products go to cuBLAS's blockwise scaling (``fp8_block_config``).
 FP8_CUBLAS_MIN_ROWS = 128
+
+
+#: Block-FP8 products of 1 to ``FP8_BLOCK_SKINNY_MIN_ROWS - 1`` rows on the few-rows kernel (or,
+#: at one row, another GEMV tiling), where ``bench/fp8_few_rows_gpu.py`` measured it faster on
+#: Hopper (the H200) than the kernels those rows take otherwise (the GEMV's ``fp8_gemv_config`` at
+#: one row, the tiled kernel from 2): a layer's (N, K) -> {most rows: the launch, or None for those
+#: kernels}; a product of ``m`` rows takes the entry of the fewest rows at or above ``m``. Layers
+#: not listed keep the GEMV and the tiled kernel. The sweep prints this table's text from its
+#: measurements, to paste here; empty until then (no H200 figure of the candidates yet).
+FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | Fp8GemvConfig | None]] = {}
+
+
+def fp8_block_few_rows_config(
+    arch: str, m: int, n: int, k: int
+) -> Fp8SkinnyConfig | Fp8GemvConfig | None:
+    """The few-rows kernel's launch for a block-FP8 product of ``m`` rows below
+    ``FP8_BLOCK_SKINNY_MIN_ROWS``, where ``FP8_BLOCK_FEW_ROWS`` lists the layer and the rows on
+    Hopper; else None."""
+    if arch != "sm90" or not 1 <= m < FP8_BLOCK_SKINNY_MIN_ROWS:
+        return None
+    by_rows = FP8_BLOCK_FEW_ROWS.get((n, k), {})
+    at_or_above = [rows for rows in by_rows if rows >= m]
+    return by_rows[min(at_or_above)] if at_or_above else None
+
+
+def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
+    """The few-rows kernel's launches ``bench/fp8_gpu.py --few-rows-sweep`` times for a block-FP8
+    weight [n, k] at 1 to 16 rows (one padded size, 16: a launch compiles once for them all).
+    Around the tuning's own (``fp8_skinny_config``, activations quantized inside): the activations
+    quantized by a launch of their own first ("pre": no per-step quantization on the CUDA cores,
+    which every program redoes for all 16 padded rows), deeper pipelines (more weight tiles in
+    flight a program), programs of half and twice the width (twice and half the programs, and half
+    and twice the quantization a weight byte), 8 warps (half the quantization a thread) and twice
+    the K splits."""
+    split = skinny_split(n, k, SKINNY_MIN_ROWS_PAD)
+    more_split = min(SKINNY_MAX_SPLIT, split * 2)
+    return {
+        "n128 s3 quant (tuning)": Fp8SkinnyConfig(128, split, 4, 3),
+        "n128 s5 quant": Fp8SkinnyConfig(128, split, 4, 5),
+        "n64 s4 quant": Fp8SkinnyConfig(64, split, 4, 4),
+        "n128 w8 s4 quant": Fp8SkinnyConfig(128, split, 8, 4),
+        "n128 s3 pre": Fp8SkinnyConfig(128, split, 4, 3, quantize=False),
+        "n128 s5 pre": Fp8SkinnyConfig(128, split, 4, 5, quantize=False),
+        "n128 s7 pre": Fp8SkinnyConfig(128, split, 4, 7, quantize=False),
+        f"n128 s5 pre split {more_split}": Fp8SkinnyConfig(128, more_split, 4, 5, quantize=False),
+        "n64 s5 pre": Fp8SkinnyConfig(64, split, 4, 5, quantize=False),
+        "n256 w8 s3 quant": Fp8SkinnyConfig(256, split, 8, 3),
+        "n256 w8 s4 pre": Fp8SkinnyConfig(256, split, 8, 4, quantize=False),
+    }

@@ -48,6 +48,7 @@ from kvik.triton_kernels.fp8_quant import (
     per_token_group_quant_fp8,
     per_token_quant_fp8,
     quantize_to_grid,
+    scale_for_cast,
 )
 
 
@@ -110,6 +111,7 @@ def fp8_skinny_kernel(
     K: tl.constexpr,  # a layer's constant: the groups and whether K needs masks
     BLOCK_SCALES: tl.constexpr,
     QUANTIZE: tl.constexpr,  # block scales only: x unquantized, quantized per group here
+    ROUND_IN_SOFTWARE: tl.constexpr,  # QUANTIZE: round_to_e4m3 (the interpreter), else the cast
     HAS_BIAS: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -130,10 +132,32 @@ def fp8_skinny_kernel(
     x_ptrs = x_ptr + rows[:, None] * x_stride + within[None, :]  # [M_PAD, GROUP]
 
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
+    g_first = split * GROUPS_PER_SPLIT
+    if BLOCK_SCALES:
+        # A K step's scales are loaded one step ahead, carried in registers: loaded in the step
+        # that uses them, they came after the MMA's wait and each step waited a whole memory
+        # latency for them (the weight and activation tiles are pipelined by Triton, the scales
+        # are not). The last step loads its own group's again, which is in bounds and unused.
+        if GROUP % BLOCK_N == 0:
+            # The tile lies in one weight-scale block: one scale for the tile a step.
+            w_scale_row = w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride
+        else:
+            w_scale_row = w_scale_ptr + (n_load // GROUP) * w_scale_stride
+        w_scale_ahead = tl.load(w_scale_row + g_first)
+        if not QUANTIZE:
+            x_scale_row = x_scale_ptr + rows * x_scale_stride
+            x_scale_ahead = tl.load(x_scale_row + g_first, mask=row_valid, other=0.0)
     # The splits take equal runs of groups (split_k divides the groups): a constant trip count.
     for i in range(0, GROUPS_PER_SPLIT):
-        g = split * GROUPS_PER_SPLIT + i
+        g = g_first + i
         k0 = g * GROUP
+        if BLOCK_SCALES:
+            w_scale = w_scale_ahead
+            g_ahead = g_first + tl.minimum(i + 1, GROUPS_PER_SPLIT - 1)
+            w_scale_ahead = tl.load(w_scale_row + g_ahead)
+            if not QUANTIZE:
+                x_scale = x_scale_ahead
+                x_scale_ahead = tl.load(x_scale_row + g_ahead, mask=row_valid, other=0.0)
         if K % GROUP == 0:
             w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
@@ -144,21 +168,19 @@ def fp8_skinny_kernel(
         if QUANTIZE:
             xf = x.to(tl.float32)
             x_scale = dynamic_scale(tl.max(tl.abs(xf), axis=1))  # [M_PAD]
-            xq = quantize_to_grid(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
+            # Every program redoes this for all padded rows, so on the GPU the compiled cast
+            # rounds (the same values, fewer instructions on the CUDA cores a step).
+            if ROUND_IN_SOFTWARE:
+                xq = quantize_to_grid(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
+            else:
+                xq = scale_for_cast(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
         else:
             xq = x
         part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
         if BLOCK_SCALES:
-            if not QUANTIZE:
-                x_scale = tl.load(
-                    x_scale_ptr + rows * x_scale_stride + g, mask=row_valid, other=0.0
-                )
             if GROUP % BLOCK_N == 0:
-                # The tile lies in one weight-scale block: one scale for the tile.
-                w_scale = tl.load(w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride + g)
                 acc += part * (x_scale * w_scale)[None, :]
             else:
-                w_scale = tl.load(w_scale_ptr + (n_load // GROUP) * w_scale_stride + g)
                 acc += part * w_scale[:, None] * x_scale[None, :]
         else:
             acc += part
@@ -275,6 +297,7 @@ def launch(
         x, x_scale, weight, weight_scale, weight if bias is None else bias, out, partial,
         counters, m, n, x.stride(0), x_scale_stride, weight.stride(0), w_scale_stride,
         out.stride(0), K=k, BLOCK_SCALES=block_scales, QUANTIZE=quantize,
+        ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
         GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, num_warps=config.num_warps,
         num_stages=config.num_stages,
