@@ -125,7 +125,7 @@ def check_launches(
                 print(f"check {layer:8} m={m:<3} {name:34} skipped: past the time budget")
                 continue
             try:
-                result = check_product(product, x, w, s, ref)
+                result = check_product(product, x, w, s, ref, "block")
             except Exception as error:  # noqa: BLE001  (recorded; the run goes on)
                 result = {"ok": False, "why": f"{type(error).__name__}: {error}"[:300]}
             if not result["ok"]:
