@@ -246,8 +246,42 @@ FP8_CUBLAS_MIN_ROWS = 128
 #: one row, the tiled kernel from 2): a layer's (N, K) -> {most rows: the launch, or None for those
 #: kernels}; a product of ``m`` rows takes the entry of the fewest rows at or above ``m``. Layers
 #: not listed keep the GEMV and the tiled kernel. The sweep prints this table's text from its
-#: measurements, to paste here; empty until then (no H200 figure of the candidates yet).
-FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | Fp8GemvConfig | None]] = {}
+#: measurements, to paste here. Measured on the H200 at commit ae9bfe0 (2026-12-01 09:42Z,
+#: docs/benchmarks.md): every listed launch beat the kernels before it, by 4-46%.
+FP8_BLOCK_FEW_ROWS: dict[tuple[int, int], dict[int, Fp8SkinnyConfig | Fp8GemvConfig | None]] = {
+    (28672, 4096): {  # gate_up
+        1: Fp8GemvConfig(
+            block_n=16, groups=4, max_rows=4, num_warps=4, num_stages=3, prequantize=True
+        ),
+        2: Fp8SkinnyConfig(block_n=64, split_k=1, num_warps=4, num_stages=5, quantize=False),
+        4: Fp8SkinnyConfig(block_n=128, split_k=1, num_warps=4, num_stages=3, quantize=False),
+        8: Fp8SkinnyConfig(block_n=64, split_k=1, num_warps=4, num_stages=5, quantize=False),
+        16: Fp8SkinnyConfig(block_n=128, split_k=1, num_warps=4, num_stages=5, quantize=False),
+    },
+    (4096, 14336): {  # down
+        1: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        2: Fp8SkinnyConfig(block_n=64, split_k=8, num_warps=4, num_stages=5, quantize=False),
+        4: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        8: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        16: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+    },
+    (6144, 4096): {  # qkv
+        1: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        2: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        4: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        8: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        16: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+    },
+    (4096, 4096): {  # o
+        1: Fp8GemvConfig(
+            block_n=4, groups=8, max_rows=4, num_warps=4, num_stages=3, prequantize=True
+        ),
+        2: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        4: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        8: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+        16: Fp8SkinnyConfig(block_n=128, split_k=8, num_warps=4, num_stages=3, quantize=False),
+    },
+}
 
 
 def fp8_block_few_rows_config(
