@@ -659,6 +659,33 @@ def test_routing(dtype, tokens: int, experts: int, top_k: int, renormalize: bool
     assert torch.allclose(weights.cpu(), ref_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize: bool) -> None:
+    """A padded row of a CUDA graph routes whatever its buffer held: NaN and infinite logits give
+    ids among the experts, distinct per row, in both routing launches, and the alignment still
+    places every pair once (an id past the experts indexed the weights out of bounds)."""
+    experts, top_k = 6, 2
+    logits = router_logits(5, experts, 0, torch.float32)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3, 0] = float("nan")
+    logits[4, :2] = float("-inf")
+    weights, ids = route(logits, top_k, renormalize)
+    one_launch = route_and_align(logits, top_k, renormalize, experts, 16)
+    assert torch.equal(one_launch[1], ids)
+    for routed in (ids, one_launch[1]):
+        routed = routed.cpu()
+        assert ((routed >= 0) & (routed < experts)).all(), routed
+        assert all(len(set(row)) == top_k for row in routed.tolist())
+    # The finite rows keep their routing; the -inf experts of row 4 are never picked.
+    ref_weights, ref_ids = ops.moe_routing(logits[[0, 4]].cpu(), top_k, renormalize)
+    assert torch.equal(ids.cpu()[[0, 4]].long(), ref_ids)
+    assert torch.allclose(weights.cpu()[[0, 4]], ref_weights, rtol=1e-6, atol=1e-7)
+    sorted_pairs = one_launch[2][0].cpu()
+    real = sorted_pairs[sorted_pairs < ids.numel()].long()
+    assert torch.equal(real.sort().values, torch.arange(ids.numel()))
+
+
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block_m"), [(1, 8, 2, 16), (50, 16, 4, 16), (300, 128, 8, 64)]
 )

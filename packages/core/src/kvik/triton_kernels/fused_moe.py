@@ -129,6 +129,12 @@ def _route_rows(
     x = tl.where(row_ok[:, None], x, 0.0)  # rows past the tokens: finite, never stored
     p = tl.exp(x - tl.max(x, 1)[:, None])
     p = p / tl.sum(p, 1)[:, None]
+    # A NaN probability (NaN or infinite logits: a padded row of a CUDA graph holds whatever its
+    # buffer held) counts as 0, so every id stays a real expert: NaN equals no maximum, and the
+    # arg-max would give E_PAD, an expert past the weights that the alignment and the products
+    # then index out of bounds (an illegal address on the GPU). The row's weights become NaN
+    # (0 / 0 when renormalised, else 0) and its output is as undefined as its logits.
+    p = tl.where(p == p, p, 0.0)
     p = tl.where(col_ok[None, :], p, -1.0)  # below any probability: never picked
     ks = tl.arange(0, TOP_K_PAD)
     top_w = tl.zeros([rows.shape[0], TOP_K_PAD], dtype=tl.float32)
