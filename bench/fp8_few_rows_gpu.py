@@ -34,7 +34,6 @@ Exits 1 if a check failed (the JSON is written first).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -52,6 +51,7 @@ from fp8_gpu import (
     Product,
     activations,
     check_product,
+    finish,
     fp8_weight,
     graph_us,
     reference,
@@ -339,13 +339,7 @@ def main() -> int:
         "step": totals, "tuning_table": text, "failures": failures,
         "seconds": time.time() - started,
     }  # fmt: skip
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1, default=str)
-        print(f"JSON in {args.out}")
-    print(f"{len(failures)} failures; {time.time() - started:.0f} s")
-    return 1 if failures else 0
+    return finish(result, args.out, failures, started)
 
 
 if __name__ == "__main__":

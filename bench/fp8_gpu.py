@@ -481,11 +481,16 @@ def main() -> int:
         "checks": checks, "timings": records, "batch1_step": step, "large": large_records,
         "failures": failures, "seconds": time.time() - started,
     }  # fmt: skip
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    return finish(result, args.out, failures, started)
+
+
+def finish(result: dict[str, Any], out: str | None, failures: list, started: float) -> int:
+    """Write the run's JSON (if ``out``), print the failure count; the exit status (1: failures)."""
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             json.dump(result, f, indent=1, default=str)
-        print(f"JSON in {args.out}")
+        print(f"JSON in {out}")
     print(f"{len(failures)} failures; {time.time() - started:.0f} s")
     return 1 if failures else 0
 
