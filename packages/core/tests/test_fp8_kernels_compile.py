@@ -403,6 +403,27 @@ def test_few_rows_table_routes_block_products_of_1_to_16_rows(
     )
 
 
+def test_few_rows_table_lists_only_launches_the_sweep_checked() -> None:
+    """Every launch in ``tuning.FP8_BLOCK_FEW_ROWS`` is one the sweep checks and times (a few-rows
+    candidate of its layer, or a GEMV candidate at one row), so each is compiled by the cases
+    above; a hand edit of the table to an unswept launch fails here."""
+    assert tuning.FP8_BLOCK_FEW_ROWS, "the H200 sweep's table is empty"
+    gemvs = set(tuning.FP8_GEMV_CANDIDATES.values()) | {
+        tuning.fp8_gemv_config("sm90", n, k) for n, k in LLAMA_8B_LAYERS
+    }
+    for (n, k), by_rows in tuning.FP8_BLOCK_FEW_ROWS.items():
+        assert (n, k) in LLAMA_8B_LAYERS
+        candidates = set(tuning.fp8_block_few_rows_candidates(n, k).values())
+        for rows, launch in by_rows.items():
+            assert 1 <= rows < tuning.FP8_BLOCK_SKINNY_MIN_ROWS
+            if isinstance(launch, Fp8GemvConfig):
+                assert rows == 1 and launch in gemvs, (n, k, rows, launch)
+            else:
+                assert launch is None or launch in candidates, (n, k, rows, launch)
+        if by_rows[min(by_rows)] is not None:  # one row routes to the table's first entry
+            assert tuning.fp8_block_config("sm90", 1, n, k) == by_rows[min(by_rows)]
+
+
 def test_few_rows_candidates_split_narrow_layers_only() -> None:
     """The sweep's launches: the tuning's own among them, split K as the tuning does (narrow
     layers 8 ways, gate_up not) and twice that, quantizing inside or before."""
