@@ -1,17 +1,22 @@
 """Decode attention launch configurations on the GPU (run by hand there; not a test): for a few
 (batch, context) shapes of Llama-3.1-8B's attention (32 query heads over 8 KV heads of 128, bf16,
 16-token blocks in a permuted table), the time and bandwidth of each (tile_n, num_warps,
-num_stages) at the split count the backend would choose, against the configuration it uses now.
+num_stages) at the split count the backend would choose, against the configuration it uses now;
+then, with ``--splits``, the split-KV counts instead (1 to 16, the reduction included) at small
+batches, each timed as a CUDA graph of 32 launches (as a decode step replays them: without the
+host's launch time), against the count ``num_kv_splits`` picks for max_model_len 4096 and 131072.
 
-    python packages/platform-cuda/tests/sweep_decode_attention.py
+    python packages/platform-cuda/tests/sweep_decode_attention.py [--splits]
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
 
 import torch
 import triton
+from torch import Tensor
 
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.paged_attention import AttentionConfig, num_kv_splits, paged_attention
@@ -23,10 +28,56 @@ PEAK = 4.28e12
 MAX_MODEL_LEN = 131072
 
 
+#: (batch, context) of the split sweep: batch-1 and small decode batches.
+SPLIT_CASES = [(1, 640), (1, 4096), (4, 640), (16, 640), (64, 640)]
+
+
 def main() -> None:
     arch, num_sms = device_arch(torch.device("cuda"))
+    if "--splits" in sys.argv[1:]:
+        for batch, context in SPLIT_CASES:
+            split_sweep(batch, context, arch, num_sms)
+        return
     for batch, context in CASES:
         sweep(batch, context, arch, num_sms)
+
+
+def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
+    """µs a launch (with its reduction) at each split count, under a CUDA graph."""
+    dev = torch.device("cuda")
+    blocks_per_req = -(-context // BLOCK)
+    num_blocks = batch * blocks_per_req
+    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_req).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    config = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
+    nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
+    picks = {n: num_kv_splits(batch, KV_HEADS, n, num_sms) for n in (4096, MAX_MODEL_LEN)}
+    reference, line = None, []
+    for splits in (1, 2, 4, 8, 16):
+        out = torch.empty_like(q)
+
+        def run(splits: int = splits, out: Tensor = out) -> None:
+            paged_attention(
+                q, cache[0], cache[1], out, starts, seq_lens, table, HEAD_SIZE**-0.5, None,
+                config, splits,
+            )  # fmt: skip
+
+        run()  # compiles, and allocates nothing inside the capture below but the scratch
+        if reference is None:
+            reference = out.clone()
+        err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
+        assert err < 1e-2, (splits, err)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(32):
+                run()
+        ms = triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median") / 32
+        line.append(f"{splits}: {ms * 1e3:.1f} us ({nbytes / (ms * 1e-3) / PEAK:.0%})")
+    print(f"batch {batch}, context {context} (num_kv_splits picks {picks[4096]} at max_model_len "
+          f"4096, {picks[MAX_MODEL_LEN]} at {MAX_MODEL_LEN}): " + ", ".join(line))  # fmt: skip
 
 
 def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
