@@ -426,11 +426,12 @@ def test_few_rows_table_lists_only_launches_the_sweep_checked() -> None:
 
 def test_few_rows_candidates_split_narrow_layers_only() -> None:
     """The sweep's launches: the tuning's own among them, split K as the tuning does (narrow
-    layers 8 ways, gate_up not) and twice that, quantizing inside or before."""
+    layers 8 ways, gate_up not), half and twice that, quantizing inside or before."""
     for (n, k), split in {(4096, 14336): 8, (6144, 4096): 8, (28672, 4096): 1}.items():
         candidates = tuning.fp8_block_few_rows_candidates(n, k)
         assert tuning.fp8_skinny_config("sm90", 1, n, k) in candidates.values()
-        assert {c.split_k for c in candidates.values()} == {split, min(16, 2 * split)}
+        splits = {max(1, split // 2), split, min(16, 2 * split)}
+        assert {c.split_k for c in candidates.values()} == splits
         assert {c.quantize for c in candidates.values()} == {True, False}
 
 
