@@ -13,7 +13,10 @@ import pytest
 from server_process import ServerProcess
 from tiny_models import build_tiny_model, save_tiny_tokenizer
 
-ENGINE = ["--num-kv-blocks", "64", "--max-model-len", "256"]
+ENGINE = ["--num-kv-blocks", "80", "--max-model-len", "512"]
+#: Long enough that the streams are still generating when the test acts (a stream that had ended
+#: before the engine was killed made the death test fail on a loaded machine).
+STREAM_TOKENS = 480
 
 
 @pytest.fixture(scope="module")
@@ -22,18 +25,20 @@ def model(tmp_path_factory):
 
 
 def start_streams(server: ServerProcess, model, count: int) -> tuple[list, list[threading.Thread]]:
-    """Long streaming requests in threads; each result is ("ok", text) or ("error", exception)."""
+    """Long streaming requests in threads, returned once each has received its first chunks (the
+    threads keep reading: a reader held back would let the engine finish its request meanwhile);
+    each result is ("ok", text) or ("error", exception)."""
     results: list = [None] * count
-    started = threading.Barrier(count + 1)
+    started = threading.Semaphore(0)
 
     def one(i: int) -> None:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-        text = ""
+        text, signalled = "", False
         try:
             stream = client.completions.create(
                 model=str(model),
                 prompt=f"Story {i}",
-                max_tokens=240,
+                max_tokens=STREAM_TOKENS,
                 temperature=0,
                 stream=True,
                 extra_body={"ignore_eos": True},
@@ -41,18 +46,20 @@ def start_streams(server: ServerProcess, model, count: int) -> tuple[list, list[
             for n, chunk in enumerate(stream):
                 text += chunk.choices[0].text if chunk.choices else ""
                 if n == 1:
-                    started.wait(30)
+                    started.release()
+                    signalled = True
             results[i] = ("ok", text)
         except Exception as e:
             results[i] = ("error", e)
         finally:
-            if started.n_waiting and not started.broken:
-                started.abort()
+            if not signalled:
+                started.release()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
-    started.wait(60)
+    for _ in threads:
+        assert started.acquire(timeout=60), "a stream did not start"
     return results, threads
 
 
