@@ -17,16 +17,24 @@ import pytest
 import torch
 from torch import Tensor
 
+from kvik.triton_kernels.activation import silu_and_mul, silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_gemm import Fp8GemmConfig, Fp8GemvConfig, fp8_gemm
 from kvik.triton_kernels.fp8_linear import (
     CublasBlockwise,
     cublas_blockwise_takes,
     fp8_block_linear,
+    fp8_block_linear_quantized,
     fp8_scaled_linear,
 )
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 from kvik.triton_kernels.fp8_skinny import SPLIT_COUNTERS, Fp8SkinnyConfig, split_counters
+from kvik.triton_kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_fp8_group_quant,
+    rms_norm,
+    rms_norm_fp8_group_quant,
+)
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
 ON_GPU = DEVICE.type == "cuda"
@@ -195,6 +203,74 @@ def test_per_token_group_quant_matches_torch_bit_for_bit(
     if m > 2:  # the zero row: the floor scale and zeros, never NaN
         assert torch.equal(q[1].cpu().float(), torch.zeros(k))
         assert torch.equal(scales[1].cpu(), torch.full((scales.shape[1],), 1e-10))
+
+
+# --- producers that write a projection's quantized input (kvik.quantization.activation) ----------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "k"), QUANT_SHAPES + [(2, 64)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_writes_what_the_group_quantization_of_its_result_gives(
+    dtype: torch.dtype, m: int, k: int, residual: bool
+) -> None:
+    """The norm that quantizes its result gives, bit for bit, the values and scales of the plain
+    norm's result quantized by ``per_token_group_quant_fp8`` (a hidden size below one group
+    included), and the same residual sum."""
+    x, w = activations(m, k, dtype), randn(k, dtype=dtype)
+    r = randn(m, k, dtype=dtype) if residual else None
+    poison_allocator()
+    if r is None:
+        values, scales = rms_norm_fp8_group_quant(x, w, 1e-6)
+        plain = rms_norm(x, w, 1e-6)
+    else:
+        values, scales, summed = fused_add_rms_norm_fp8_group_quant(x, r, w, 1e-6)
+        plain, plain_summed = fused_add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(summed.cpu(), plain_summed.cpu())
+    ref_values, ref_scales = per_token_group_quant_fp8(plain)
+    assert values.dtype == FP8 and scales.shape == (m, -(-k // 128))
+    assert torch.equal(scales.cpu(), ref_scales.cpu())
+    assert same_bits(values, ref_values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("m", "inter"), [(1, 4096), (3, 1500), (2, 100)] if ON_GPU else [(3, 1500), (2, 100)]
+)
+def test_silu_and_mul_writes_what_the_group_quantization_of_its_result_gives(
+    dtype: torch.dtype, m: int, inter: int
+) -> None:
+    x = activations(m, 2 * inter, dtype)
+    poison_allocator()
+    values, scales = silu_and_mul_fp8_group_quant(x)
+    ref_values, ref_scales = per_token_group_quant_fp8(silu_and_mul(x))
+    assert values.shape == (m, inter) and scales.shape == (m, -(-inter // 128))
+    assert torch.equal(scales.cpu(), ref_scales.cpu())
+    assert same_bits(values, ref_values)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_block_linear_on_quantized_input(m: int, n: int, k: int, bias: bool) -> None:
+    """Each kernel the configuration names, given the activations quantized already, equals the
+    reference's product, and the plain path's bits where that path quantizes by its own launch."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x = activations(m, k, dtype)
+    weight, weight_scale = fp8_weight(n, k), block_scales(n, k).to(DEVICE)
+    b = randn(n, dtype=dtype) if bias else None
+    q, scales = per_token_group_quant_fp8(x)
+    config = block_config(m, n, k)
+    poison_allocator()
+    out = fp8_block_linear_quantized(q, scales, weight, weight_scale, b, dtype, config)
+    assert out.dtype == dtype
+    check(out, ref_block_linear(x, weight, weight_scale.cpu(), b), dtype)
+    prequantizing = (
+        isinstance(config, Fp8GemmConfig)
+        or (isinstance(config, Fp8GemvConfig) and config.prequantize)
+        or (isinstance(config, Fp8SkinnyConfig) and not config.quantize)
+    )
+    if prequantizing:
+        assert torch.equal(out.cpu(), fp8_block_linear(x, weight, weight_scale, b, config).cpu())
 
 
 def test_group_quant_keeps_leading_dims_and_writes_column_major_scales() -> None:

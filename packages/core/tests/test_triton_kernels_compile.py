@@ -94,29 +94,41 @@ def compiled_ok(kernel, arch: str, **kwargs):
     return compiled
 
 
+#: The quantizing variants write e4m3 values and fp32 scales (kvik.quantization.activation).
+QUANTIZED_OUT = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("hidden", [2048, 8192])
 @pytest.mark.parametrize("residual", [False, True])
-def test_rms_norm(arch: str, hidden: int, residual: bool) -> None:
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16-out", "fp8-out"])
+def test_rms_norm(arch: str, hidden: int, residual: bool, quantize: bool) -> None:
     block, num_warps = rms_norm_config(hidden)
-    compiled_ok(
+    overrides = QUANTIZED_OUT if quantize else {}
+    compiled = compiled_ok(
         rms_norm_kernel,
         arch,
-        types=types(rms_norm_kernel, torch.bfloat16, eps="fp32"),
-        constexprs={"HAS_RESIDUAL": residual, "BLOCK": block},
+        types=types(rms_norm_kernel, torch.bfloat16, eps="fp32", **overrides),
+        constexprs={"HAS_RESIDUAL": residual, "QUANTIZE": quantize, "BLOCK": block, "GROUP": 128},
         num_warps=num_warps,
     )
+    # Quantized: IEEE division for the scales and the values (as per_token_group_quant_kernel).
+    if "ptx" in compiled.asm:
+        assert ("div.rn.f32" in compiled.asm["ptx"]) == quantize
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_silu_and_mul(arch: str) -> None:
-    compiled_ok(
+@pytest.mark.parametrize("quantize", [False, True], ids=["bf16-out", "fp8-out"])
+def test_silu_and_mul(arch: str, quantize: bool) -> None:
+    compiled = compiled_ok(
         silu_and_mul_kernel,
         arch,
-        types=types(silu_and_mul_kernel, torch.bfloat16),
-        constexprs={"BLOCK": SILU_BLOCK},
+        types=types(silu_and_mul_kernel, torch.bfloat16, **(QUANTIZED_OUT if quantize else {})),
+        constexprs={"QUANTIZE": quantize, "BLOCK": SILU_BLOCK, "GROUP": 128},
         num_warps=SILU_WARPS,
     )
+    if "ptx" in compiled.asm:
+        assert ("div.rn.f32" in compiled.asm["ptx"]) == quantize
 
 
 @pytest.mark.parametrize("arch", ARCHS)

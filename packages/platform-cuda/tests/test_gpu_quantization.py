@@ -96,3 +96,38 @@ def test_hopper_unquantized_layers_take_the_platform_gemv(llama):
     # K <= 8192 everywhere in this model: every projection on Hopper, none elsewhere.
     assert on_gemv == (set(kernels) if arch == "sm90" else set())
     assert type(model.lm_head.quant_method.kernel).__name__ == "TorchLinearKernel"
+
+
+@pytest.mark.parametrize("mode", ["eager", "full"])
+def test_fused_activation_quantization_computes_what_the_projections_did(
+    tmp_path, monkeypatch, mode
+):
+    """A block-FP8 checkpoint with the Triton RMSNorm and SiLU-and-mul writing the projections'
+    quantized input (KVIK_FUSED_ACTIVATION_QUANT) against the projections quantizing it: the
+    same greedy tokens and teacher-forced logprobs to rounding (fp32 activations), eagerly and
+    in FULL CUDA graphs."""
+    import sys
+
+    import kvik_cuda.tuning
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "quantization"))
+    from fp8_checkpoints import build_original, make_hf_block_fp8
+
+    folder = make_hf_block_fp8(build_original("llama", tmp_path / "orig"), tmp_path / "fp8")
+    options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+    options |= dict(enforce_eager=True) if mode == "eager" else dict(cudagraph_mode="full")
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for fused in (False, True):
+        monkeypatch.setattr(kvik_cuda.tuning, "FUSED_ACTIVATION_QUANT", fused)
+        llm = LLM(str(folder), device="cuda", **options)
+        assert (llm.engine.runner.quantizing_producers > 0) == fused
+        (out,) = llm.generate([{"prompt_token_ids": PROMPT[:9]}], greedy, use_tqdm=False)
+        results[fused] = (logprobs(llm), list(out.outputs[0].token_ids))
+        del llm
+        gc.collect()
+    assert results[True][1] == results[False][1]
+    fused_logprobs, plain_logprobs = results[True][0], results[False][0]
+    finite = plain_logprobs.isfinite()
+    assert torch.equal(finite, fused_logprobs.isfinite())
+    assert (fused_logprobs[finite] - plain_logprobs[finite]).abs().max() < 1e-3

@@ -121,6 +121,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
 
+    def activation_links(self) -> list[tuple[nn.Module, nn.Module]]:
+        """SiLU-and-mul may write down's quantized input (kvik.quantization.activation)."""
+        return [(self.act_fn, self.down_proj)]
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
@@ -151,6 +155,16 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def activation_links(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The norms may write the quantized input of the projection each feeds
+        (kvik.quantization.activation): q/k/v's, and gate/up's where the MLP is dense (a MoE
+        block reads the norm's output twice, in its router and its experts)."""
+        links = [(self.input_layernorm, self.self_attn.qkv_proj)]
+        gate_up = getattr(self.mlp, "gate_up_proj", None)  # a dense MLP's
+        if gate_up is not None:
+            links.append((self.post_attention_layernorm, gate_up))
+        return links
 
 
 class LlamaModel(nn.Module):

@@ -67,6 +67,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
 
+    def activation_links(self) -> list[tuple[nn.Module, nn.Module]]:
+        """SiLU-and-mul may write down's quantized input (kvik.quantization.activation)."""
+        return [(self.act_fn, self.down_proj)]
+
 
 class SparseMoeBlock(nn.Module):
     """A router (``gate``: hidden -> one logit per expert) and the experts; Qwen2-MoE's shared

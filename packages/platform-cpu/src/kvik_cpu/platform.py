@@ -125,6 +125,15 @@ class CpuPlatform(Platform):
         return super().linear_kernel(scheme, layer)
 
     @classmethod
+    def fuses_activation_quantization(cls, kind: str) -> bool:
+        """Yes for block FP8's per-token-group activations: core's PyTorch producers compute
+        the same values as the products' own quantization (no faster, but the fused path then runs
+        in CI on the CPU, where the FP8 products are core's references anyway)."""
+        from kvik.quantization.activation import FP8_PER_TOKEN_GROUP
+
+        return kind == FP8_PER_TOKEN_GROUP
+
+    @classmethod
     def step_runner_class(cls, config: EngineConfig) -> type:
         from kvik_cpu.decode_layers import CpuStepRunner
 

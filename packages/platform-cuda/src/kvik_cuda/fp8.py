@@ -29,6 +29,23 @@ def fp8_block_linear(
     return fp8_linear.fp8_block_linear(x, weight, weight_scale, bias, config)
 
 
+def fp8_block_linear_quantized(
+    values: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """values e4m3 [..., K] with scales [..., ceil(K/128)] (quantized by their producer) ->
+    [..., N]: the launch ``fp8_block_linear`` takes for these rows, on the quantized input."""
+    n, k = weight.shape
+    config = fp8_block_config(arch_of(values.device), values.numel() // max(k, 1), n, k)
+    return fp8_linear.fp8_block_linear_quantized(
+        values, scales, weight, weight_scale, bias, out_dtype, config
+    )
+
+
 def fp8_scaled_linear(
     x: Tensor,
     weight: Tensor,

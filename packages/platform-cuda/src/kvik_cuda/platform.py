@@ -211,6 +211,15 @@ class CudaPlatform(Platform):
         return super().linear_kernel(scheme, layer)
 
     @classmethod
+    def fuses_activation_quantization(cls, kind: str) -> bool:
+        """Block FP8's per-token-group input, written by the Triton RMSNorm and SiLU-and-mul,
+        where ``KVIK_FUSED_ACTIVATION_QUANT=1`` (kvik_cuda.tuning: off until measured)."""
+        from kvik.quantization.activation import FP8_PER_TOKEN_GROUP
+        from kvik_cuda.tuning import FUSED_ACTIVATION_QUANT
+
+        return FUSED_ACTIVATION_QUANT and kind == FP8_PER_TOKEN_GROUP
+
+    @classmethod
     def check_and_update_config(cls, config: EngineConfig) -> None:
         import torch
 

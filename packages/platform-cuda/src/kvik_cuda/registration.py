@@ -12,11 +12,16 @@ import torch
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
-from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.activation import silu_and_mul, silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.attention import register_attention_configs
 from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
-from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rms_norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_fp8_group_quant,
+    rms_norm,
+    rms_norm_fp8_group_quant,
+)
 from kvik.triton_kernels.rotary import rotary_embedding
 from kvik_cuda import fp8
 from kvik_cuda.moe_tuning import fused_moe_config
@@ -31,6 +36,11 @@ KERNELS = {
     "kvik::fused_moe": fused_moe,
     # Through custom ops so that torch.compile does not trace into the Triton launchers.
     "kvik::fp8_block_linear": fp8.fp8_block_linear,
+    "kvik::fp8_block_linear_quantized": fp8.fp8_block_linear_quantized,
+    # The producers of a block-FP8 projection's quantized input (kvik.quantization.activation).
+    "kvik::rms_norm_fp8_group_quant": rms_norm_fp8_group_quant,
+    "kvik::fused_add_rms_norm_fp8_group_quant": fused_add_rms_norm_fp8_group_quant,
+    "kvik::silu_and_mul_fp8_group_quant": silu_and_mul_fp8_group_quant,
     "kvik::fp8_scaled_linear": fp8.fp8_scaled_linear,
     "kvik::fused_moe_fp8_block": fused_moe_fp8_block,
 }

@@ -179,6 +179,12 @@ def env_switch(name: str, default: bool) -> bool:
 #: switch for a GPU where ``bench/fp8_gpu.py`` reports it wrong; read when kvik_cuda.tuning is
 #: imported (a process sets it before starting the engine).
 FP8_SKINNY = env_switch("KVIK_FP8_SKINNY", default=True)
+
+#: ``KVIK_FUSED_ACTIVATION_QUANT=1`` lets RMSNorm and SiLU-and-mul write the quantized input of
+#: the block-FP8 projection they feed (kvik.quantization.activation: one launch fewer for each of
+#: q/k/v, gate/up and down). Off until the H200 has measured it and run its GPU tests with it.
+FUSED_ACTIVATION_QUANT = env_switch("KVIK_FUSED_ACTIVATION_QUANT", default=False)
+
 #: Where the few-rows kernel is faster, from ``bench/fp8_gpu.py`` on the H200 (2026-12-01,
 #: docs/benchmarks.md; CUDA-graph timed, Llama-3.1-8B's projections). Block scales: slower than
 #: the GEMV and the tiled kernel up to 16 rows (gate_up at one row 132 µs against the GEMV's 47,

@@ -145,6 +145,14 @@ class Platform:
         return reference_kernel(scheme)
 
     @classmethod
+    def fuses_activation_quantization(cls, kind: str) -> bool:
+        """Whether norms and activations on this platform write the quantized input (``kind``:
+        kvik.quantization.activation) of the linear layer they feed, instead of the layer
+        quantizing it (one launch fewer a layer on a GPU). Off by default: the producers' ops
+        (``torch.ops.kvik.*_fp8_group_quant``) then need this platform's kernels."""
+        return False
+
+    @classmethod
     def prepare_model(cls, model: nn.Module, config: EngineConfig) -> None:
         """After loading, once the layers' quantization methods have processed their weights
         (``linear_kernel``): anything else this platform does to a loaded model."""

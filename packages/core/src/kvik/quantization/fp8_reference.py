@@ -62,11 +62,7 @@ def expand_block_scales(scale: Tensor, rows: int, cols: int, block: int = BLOCK)
     return scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
 
 
-def fp8_block_linear(
-    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None = None
-) -> Tensor:
-    """x [..., K] @ (e4m3 weight [N, K] with tile scales [ceil(N/128), ceil(K/128)])^T (+ bias),
-    the activations quantized per token in groups of 128 first. Returns [..., N] in x's dtype."""
+def check_block_scales(weight: Tensor, weight_scale: Tensor) -> None:
     n, k = weight.shape
     tiles = (-(-n // BLOCK), -(-k // BLOCK))
     if tuple(weight_scale.shape) != tiles:
@@ -74,14 +70,45 @@ def fp8_block_linear(
             f"block scales {tuple(weight_scale.shape)} do not tile a [{n}, {k}] weight in "
             f"{BLOCK}x{BLOCK} blocks (expected {tiles})"
         )
-    rows = x.reshape(-1, k)
-    q, scale = quantize_per_token_group(rows)
-    a = q.float() * scale.repeat_interleave(BLOCK, 1)[:, :k]
+
+
+def fp8_block_linear(
+    x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """x [..., K] @ (e4m3 weight [N, K] with tile scales [ceil(N/128), ceil(K/128)])^T (+ bias),
+    the activations quantized per token in groups of 128 first. Returns [..., N] in x's dtype."""
+    n, k = weight.shape
+    check_block_scales(weight, weight_scale)
+    q, scale = quantize_per_token_group(x.reshape(-1, k))
+    out = fp8_block_linear_quantized(q, scale, weight, weight_scale, bias, x.dtype)
+    return out.view(*x.shape[:-1], n)
+
+
+def fp8_block_linear_quantized(
+    q: Tensor,
+    scale: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``fp8_block_linear`` on activations already quantized per token group: e4m3 ``q`` [..., K]
+    and fp32 ``scale`` [..., ceil(K/128)] -> [..., N] in ``out_dtype``."""
+    n, k = weight.shape
+    check_block_scales(weight, weight_scale)
+    groups = -(-k // BLOCK)
+    if q.shape[-1] != k or tuple(scale.shape) != (*q.shape[:-1], groups):
+        raise ValueError(
+            f"quantized activations {tuple(q.shape)} with scales {tuple(scale.shape)} do not fit "
+            f"a [{n}, {k}] weight: expected [..., {k}] and [..., {groups}]"
+        )
+    rows, scales = q.reshape(-1, k), scale.reshape(-1, groups)
+    a = rows.float() * scales.repeat_interleave(BLOCK, 1)[:, :k]
     w = weight.float() * expand_block_scales(weight_scale.float(), n, k)
     y = a @ w.T
     if bias is not None:
         y += bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    return y.to(out_dtype).view(*q.shape[:-1], n)
 
 
 def fp8_scaled_linear(

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
+from kvik.quantization.activation import FP8_PER_TOKEN_GROUP, QuantizedActivation
 
 UNQUANTIZED = "unquantized"
 FP8_BLOCK = "fp8_block"
@@ -46,6 +47,9 @@ class LinearKernel:
     the method has put the layer's tensors in the scheme's layout; ``apply`` runs every step."""
 
     scheme: str = ""
+    #: The quantized input ``apply`` also takes, as a ``QuantizedActivation`` its producer wrote
+    #: (kvik.quantization.activation: FP8_PER_TOKEN_GROUP), or None: activations only.
+    quantized_input: str | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Adapt the layer's tensors to this kernel (repack them); by default read as they are."""
@@ -78,16 +82,29 @@ class _FunctionKernel(LinearKernel):
 
 
 class Fp8BlockKernel(_FunctionKernel):
-    """fp8_block: ``function(x, weight, weight_scale, bias)``."""
+    """fp8_block: ``function(x, weight, weight_scale, bias)``; activations its producer quantized
+    per token group go to ``quantized_function(values, scales, weight, weight_scale, bias,
+    out_dtype)`` (by default ``torch.ops.kvik.fp8_block_linear_quantized``)."""
 
     scheme = FP8_BLOCK
+    quantized_input = FP8_PER_TOKEN_GROUP
 
-    def __init__(self, function: Callable[..., Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        function: Callable[..., Tensor] | None = None,
+        quantized_function: Callable[..., Tensor] | None = None,
+    ) -> None:
         function = function or torch.ops.kvik.fp8_block_linear
         super().__init__(function)
+        self.quantized_function = quantized_function or torch.ops.kvik.fp8_block_linear_quantized
 
-    def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
-        return self.function(x, layer.weight, layer.weight_scale, getattr(layer, "bias", None))
+    def apply(self, layer: nn.Module, x: Tensor | QuantizedActivation) -> Tensor:
+        bias = getattr(layer, "bias", None)
+        if isinstance(x, QuantizedActivation):
+            return self.quantized_function(
+                x.values, x.scales, layer.weight, layer.weight_scale, bias, x.dtype
+            )
+        return self.function(x, layer.weight, layer.weight_scale, bias)
 
 
 class Fp8ScaledKernel(_FunctionKernel):

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import kvik.ops  # noqa: F401  (defines torch.ops.kvik.rms_norm and the others the producers use)
 from kvik.quantization import fp8_reference
 
 
@@ -34,6 +35,81 @@ def fp8_block_linear(
 @fp8_block_linear.register_fake
 def _(x, weight, weight_scale, bias):
     return _out(x, weight)
+
+
+@torch.library.custom_op("kvik::fp8_block_linear_quantized", mutates_args=())
+def fp8_block_linear_quantized(
+    values: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Optional[Tensor],  # noqa: UP045
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``fp8_block_linear`` on activations its producer quantized (kvik.quantization.activation):
+    e4m3 values [..., K], fp32 scales [..., ceil(K/128)] -> [..., N] in ``out_dtype``."""
+    return fp8_reference.fp8_block_linear_quantized(
+        values, scales, weight, weight_scale, bias, out_dtype
+    )
+
+
+@fp8_block_linear_quantized.register_fake
+def _(values, scales, weight, weight_scale, bias, out_dtype):
+    return values.new_empty(*values.shape[:-1], weight.shape[0], dtype=out_dtype)
+
+
+# The producers' side (kvik.quantization.activation): each computes its result with the op
+# without quantization (the kernel the device has registered for it, so that the values are
+# those the projection would have quantized) and quantizes it per token group of 128. A platform
+# registers one kernel that does both (kvik_cuda: the Triton RMSNorm and SiLU-and-mul).
+
+
+def _group_quantized(y: Tensor) -> tuple[Tensor, Tensor]:
+    q, scales = fp8_reference.quantize_per_token_group(y.reshape(-1, y.shape[-1]))
+    return q.view(y.shape), scales.view(*y.shape[:-1], scales.shape[-1])
+
+
+def _group_quantized_fake(like: Tensor) -> tuple[Tensor, Tensor]:
+    groups = -(-like.shape[-1] // fp8_reference.BLOCK)
+    values = like.new_empty(like.shape, dtype=fp8_reference.FP8_DTYPE)
+    return values, like.new_empty(*like.shape[:-1], groups, dtype=torch.float32)
+
+
+@torch.library.custom_op("kvik::rms_norm_fp8_group_quant", mutates_args=())
+def rms_norm_fp8_group_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``kvik::rms_norm`` quantized per token group: (e4m3 values, fp32 scales)."""
+    return _group_quantized(torch.ops.kvik.rms_norm(x, weight, eps))
+
+
+@rms_norm_fp8_group_quant.register_fake
+def _(x, weight, eps):
+    return _group_quantized_fake(x)
+
+
+@torch.library.custom_op("kvik::fused_add_rms_norm_fp8_group_quant", mutates_args=())
+def fused_add_rms_norm_fp8_group_quant(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``kvik::fused_add_rms_norm`` with the normed rows quantized per token group: (e4m3 values,
+    fp32 scales, x + residual)."""
+    normed, summed = torch.ops.kvik.fused_add_rms_norm(x, residual, weight, eps)
+    return (*_group_quantized(normed), summed)
+
+
+@fused_add_rms_norm_fp8_group_quant.register_fake
+def _(x, residual, weight, eps):
+    return (*_group_quantized_fake(x), torch.empty_like(x))
+
+
+@torch.library.custom_op("kvik::silu_and_mul_fp8_group_quant", mutates_args=())
+def silu_and_mul_fp8_group_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``kvik::silu_and_mul`` quantized per token group: (e4m3 values, fp32 scales)."""
+    return _group_quantized(torch.ops.kvik.silu_and_mul(x))
+
+
+@silu_and_mul_fp8_group_quant.register_fake
+def _(x):
+    return _group_quantized_fake(x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
 
 
 @torch.library.custom_op("kvik::fp8_scaled_linear", mutates_args=())

@@ -1,5 +1,8 @@
-"""SiLU-and-mul: silu(gate) * up for x [T, 2*I] holding gate then up. Reference:
-``kvik.ops.silu_and_mul``."""
+"""SiLU-and-mul: silu(gate) * up for x [T, 2*I] holding gate then up; optionally written quantized
+per token group of 128 (e4m3 and fp32 scales) for a block-FP8 down projection
+(kvik.quantization.activation), the result rounded to x's dtype first so that the values are those
+``per_token_group_quant_fp8`` gives for the unquantized result. References:
+``kvik.ops.silu_and_mul``, ``kvik.quantization.ops.silu_and_mul_fp8_group_quant``."""
 
 from __future__ import annotations
 
@@ -8,29 +11,70 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, store_group_quantized
+
 
 @triton.jit
-def silu_and_mul_kernel(x_ptr, out_ptr, x_stride, inter, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(
+    x_ptr,
+    out_ptr,  # [T, I]: the result, or with QUANTIZE its e4m3 values
+    scale_ptr,  # QUANTIZE: [T, ceil(I / GROUP)] fp32
+    x_stride,
+    inter,
+    QUANTIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        # A block holds whole groups (BLOCK is a multiple of GROUP): the unquantized result in
+        # x's dtype, quantized.
+        y = out.to(x_ptr.dtype.element_ty).to(tl.float32)
+        groups = (inter + GROUP - 1) // GROUP
+        store_group_quantized(
+            y, out_ptr + row * inter, scale_ptr + row * groups, tl.program_id(1) * (BLOCK // GROUP),
+            inter, BLOCK // GROUP, GROUP,
+        )  # fmt: skip
+    else:
+        tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 SILU_BLOCK = 1024
 SILU_WARPS = 4
 
 
-def silu_and_mul(x: Tensor) -> Tensor:
+def _launch(x: Tensor, quantize: bool) -> tuple[Tensor, Tensor | None]:
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * inter)
-    out = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
-    if x2.shape[0] > 0:
-        grid = (x2.shape[0], triton.cdiv(inter, SILU_BLOCK))
+    rows = x2.shape[0]
+    scales = None
+    if quantize:
+        out = torch.empty(rows, inter, dtype=FP8_DTYPE, device=x.device)
+        groups = triton.cdiv(inter, GROUP_SIZE)
+        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    if rows > 0:
+        grid = (rows, triton.cdiv(inter, SILU_BLOCK))
         silu_and_mul_kernel[grid](
-            x2, out, x2.stride(0), inter, BLOCK=SILU_BLOCK, num_warps=SILU_WARPS
-        )
-    return out.view(*x.shape[:-1], inter)
+            x2, out, out if scales is None else scales, x2.stride(0), inter, QUANTIZE=quantize,
+            BLOCK=SILU_BLOCK, GROUP=GROUP_SIZE, num_warps=SILU_WARPS,
+        )  # fmt: skip
+    if scales is not None:
+        scales = scales.view(*x.shape[:-1], scales.shape[-1])
+    return out.view(*x.shape[:-1], inter), scales
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return _launch(x, quantize=False)[0]
+
+
+def silu_and_mul_fp8_group_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """silu(gate) * up quantized per token group of 128: (e4m3 values, fp32 scales)."""
+    out, scales = _launch(x, quantize=True)
+    return out, scales

@@ -23,7 +23,7 @@ Two kernels:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -321,15 +321,57 @@ def fp8_block_gemv(
     per token group of 128 (by ``per_token_group_quant_fp8`` where ``config.prequantize``, else
     by the same arithmetic inside the kernel)."""
     m, k = x.shape
+    n = _check_gemv(m, k, weight, weight_scale, bias, config)
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
+    inputs, scales = per_token_group_quant_fp8(x) if config.prequantize else (x, weight_scale)
+    return _launch_gemv(inputs, scales, weight, weight_scale, bias, x.dtype, config)
+
+
+def fp8_block_gemv_quantized(
+    q: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8GemvConfig,
+) -> Tensor:
+    """``fp8_block_gemv`` on activations already quantized per token group (e4m3 ``q`` [M, K],
+    fp32 ``scales`` [M, ceil(K/128)], rows contiguous): the prequantized launch of ``config``'s
+    tiling, whatever its ``prequantize``."""
+    m, k = q.shape
+    n = _check_gemv(m, k, weight, weight_scale, bias, config)
+    if m == 0 or n == 0:
+        return torch.empty(m, n, dtype=out_dtype, device=q.device)
+    return _launch_gemv(
+        q, scales, weight, weight_scale, bias, out_dtype, replace(config, prequantize=True)
+    )
+
+
+def _check_gemv(
+    m: int, k: int, weight: Tensor, weight_scale: Tensor, bias: Tensor | None, config: Fp8GemvConfig
+) -> int:
+    """The GEMV's operands checked (a clear error, not a fault); returns N."""
     if m > config.max_rows:
         raise ValueError(f"the fp8 GEMV takes at most {config.max_rows} rows, not {m}")
     n = check_weight(weight, k)
     check_block_weight_scale(weight_scale, n, k)
     check_bias(bias, n)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
-    inputs, scales = per_token_group_quant_fp8(x) if config.prequantize else (x, weight_scale)
+    return n
+
+
+def _launch_gemv(
+    inputs: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8GemvConfig,
+) -> Tensor:
+    (m, k), n = inputs.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=inputs.device)
     fp8_block_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         inputs, scales, weight, weight_scale, weight if bias is None else bias, out, m, n,
         inputs.stride(0), scales.stride(0), weight.stride(0), weight_scale.stride(0),

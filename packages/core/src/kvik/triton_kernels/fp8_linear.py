@@ -23,13 +23,20 @@ from kvik.triton_kernels.fp8_gemm import (
     check_bias,
     check_block_weight_scale,
     check_weight,
+    fp8_block_gemv_quantized,
     fp8_block_matmul,
     fp8_gemm,
 )
-from kvik.triton_kernels.fp8_quant import as_rows, per_token_group_quant_fp8, per_token_quant_fp8
+from kvik.triton_kernels.fp8_quant import (
+    SCALE_FLOOR,
+    as_rows,
+    per_token_group_quant_fp8,
+    per_token_quant_fp8,
+)
 from kvik.triton_kernels.fp8_skinny import (
     Fp8SkinnyConfig,
     fp8_skinny_block_matmul,
+    fp8_skinny_block_matmul_quantized,
     fp8_skinny_scaled_matmul,
 )
 
@@ -111,6 +118,93 @@ def fp8_block_linear(
         config = config.fallback
     out = fp8_block_matmul(rows, weight, weight_scale, bias, config)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def fp8_block_linear_quantized(
+    q: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8GemmConfig | Fp8GemvConfig | Fp8SkinnyConfig | CublasBlockwise,
+) -> Tensor:
+    """``fp8_block_linear`` on activations their producer quantized per token group
+    (kvik.quantization.activation): e4m3 ``q`` [..., K] and fp32 ``scales`` [..., ceil(K/128)]
+    -> [..., N] in ``out_dtype``, by the kernel ``config`` names, reading the activations as they
+    are (a configuration that quantizes inside takes its prequantized launch)."""
+    k = q.shape[-1]
+    rows = q.reshape(-1, k)
+    row_scales = scales.reshape(rows.shape[0], -1)
+    if rows.stride(-1) != 1 or row_scales.stride(-1) != 1:
+        rows, row_scales = rows.contiguous(), row_scales.contiguous()
+    if isinstance(config, Fp8SkinnyConfig):
+        out = fp8_skinny_block_matmul_quantized(
+            rows, row_scales, weight, weight_scale, bias, out_dtype, config
+        )
+    elif isinstance(config, Fp8GemvConfig):
+        out = fp8_block_gemv_quantized(
+            rows, row_scales, weight, weight_scale, bias, out_dtype, config
+        )
+    else:
+        if isinstance(config, CublasBlockwise):
+            n = check_weight(weight, k)
+            check_block_weight_scale(weight_scale, n, k)
+            check_bias(bias, n)
+            if cublas_blockwise_takes_quantized(rows, weight, weight_scale, out_dtype):
+                out = cublas_block_matmul_quantized(
+                    rows, row_scales, weight, weight_scale, bias, out_dtype
+                )
+                return out.view(*q.shape[:-1], n)
+            config = config.fallback
+        out = fp8_gemm(
+            rows, weight, row_scales, weight_scale, bias, out_dtype, config, block_scales=True
+        )
+    return out.view(*q.shape[:-1], out.shape[-1])
+
+
+def cublas_blockwise_takes_quantized(
+    q: Tensor, weight: Tensor, weight_scale: Tensor, out_dtype: torch.dtype
+) -> bool:
+    """``cublas_blockwise_takes`` for activations already quantized (a bf16 output)."""
+    n, k = weight.shape
+    return (
+        hasattr(F, "scaled_mm")
+        and hasattr(F, "ScalingType")
+        and q.is_cuda
+        and out_dtype == torch.bfloat16
+        and q.shape[0] > 0
+        and n % 128 == 0
+        and k % 512 == 0
+        and weight_scale.is_contiguous()
+    )
+
+
+def cublas_block_matmul_quantized(
+    q: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """``cublas_block_matmul`` on quantized rows: the rows padded to a multiple of 4 with zeros
+    (their scales the floor, as zeros quantize) and the scales copied column-major, the layout
+    cuBLAS takes."""
+    m = q.shape[0]
+    padded = -(-m // CUBLAS_BLOCKWISE_ROW_MULTIPLE) * CUBLAS_BLOCKWISE_ROW_MULTIPLE
+    if padded != m:
+        q = torch.cat([q, q.new_zeros(padded - m, q.shape[1])])
+    columns = torch.full(
+        (scales.shape[1], padded), SCALE_FLOOR, dtype=torch.float32, device=scales.device
+    )
+    columns[:, :m] = scales.t()
+    out = F.scaled_mm(
+        q, weight.t(), columns.t(), F.ScalingType.BlockWise1x128, weight_scale.t(),
+        F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
+    )  # fmt: skip
+    out = out if padded == m else out[:m]
+    return out if bias is None else out.add_(bias)
 
 
 def fp8_scaled_linear(

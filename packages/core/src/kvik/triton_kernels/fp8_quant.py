@@ -77,6 +77,23 @@ def dynamic_scale(amax):
 
 
 @triton.jit
+def store_group_quantized(
+    y, q_row_ptr, scale_row_ptr, first_group, K, GROUPS: tl.constexpr, GROUP: tl.constexpr
+):
+    """One token's features ``y`` (fp32 [GROUPS * GROUP], from column ``first_group * GROUP``,
+    zeros past K) quantized per group as ``per_token_group_quant_kernel`` does: the e4m3 values
+    stored at ``q_row_ptr`` + column, the scales at ``scale_row_ptr`` + group. For kernels that
+    produce a linear layer's input and quantize it as they write it (kvik.quantization.activation)."""
+    groups = tl.reshape(y, [GROUPS, GROUP])
+    scale = dynamic_scale(tl.max(tl.abs(groups), axis=1))
+    q = quantize_to_grid(groups, scale[:, None])
+    group = first_group + tl.arange(0, GROUPS)
+    col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    tl.store(q_row_ptr + col, q.to(q_row_ptr.dtype.element_ty), mask=col < K)
+    tl.store(scale_row_ptr + group, scale, mask=group * GROUP < K)
+
+
+@triton.jit
 def per_token_group_quant_kernel(
     x_ptr,  # [M, K], K contiguous
     q_ptr,  # [M, K] e4m3, K contiguous

@@ -43,6 +43,7 @@ from kvik.triton_kernels.fp8_gemm import (
 )
 from kvik.triton_kernels.fp8_quant import (
     ACTIVATION_DTYPES,
+    FP8_DTYPE,
     GROUP_SIZE,
     dynamic_scale,
     per_token_group_quant_fp8,
@@ -322,6 +323,32 @@ def fp8_skinny_block_matmul(
     return launch(
         inputs, scales, scales.stride(0), weight, weight_scale, weight_scale.stride(0), bias,
         x.dtype, config, block_scales=True, quantize=config.quantize,
+    )  # fmt: skip
+
+
+def fp8_skinny_block_matmul_quantized(
+    q: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    config: Fp8SkinnyConfig,
+) -> Tensor:
+    """``fp8_skinny_block_matmul`` on activations already quantized per token group (e4m3 ``q``
+    [M, K], fp32 ``scales`` [M, ceil(K/128)], rows contiguous): ``config``'s tiling with the
+    activations read as they are, whatever its ``quantize``."""
+    if q.dtype != FP8_DTYPE or q.dim() != 2 or q.stride(1) != 1:
+        raise ValueError(f"activations must be float8_e4m3fn [M, K] rows, not {q.dtype} {q.shape}")
+    m, k = q.shape
+    if m > SKINNY_MAX_ROWS:
+        raise ValueError(f"the fp8 few-rows kernel takes at most {SKINNY_MAX_ROWS} rows, not {m}")
+    n = check_weight(weight, k)
+    check_block_weight_scale(weight_scale, n, k)
+    check_bias(bias, n)
+    return launch(
+        q, scales, scales.stride(0), weight, weight_scale, weight_scale.stride(0), bias,
+        out_dtype, config, block_scales=True, quantize=False,
     )  # fmt: skip
 
 

@@ -1,7 +1,11 @@
-"""RMSNorm and fused residual-add + RMSNorm, one program per token row.
+"""RMSNorm and fused residual-add + RMSNorm, one program per token row; optionally writing the
+result quantized per token group of 128 (e4m3 and fp32 scales) for a block-FP8 linear layer
+(kvik.quantization.activation): the result is rounded to its dtype first, so the values are those
+``per_token_group_quant_fp8`` gives for the unquantized result.
 
 References: ``kvik.ops.rms_norm`` and ``kvik.ops.fused_add_rms_norm`` (normalise in fp32, round to
-the input dtype, then scale by the weight).
+the input dtype, then scale by the weight), ``kvik.quantization.ops.rms_norm_fp8_group_quant``
+and ``fused_add_rms_norm_fp8_group_quant``.
 """
 
 from __future__ import annotations
@@ -11,20 +15,30 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.fp8_quant import (
+    FP8_DTYPE,
+    GROUP_SIZE,
+    per_token_group_quant_fp8,
+    store_group_quantized,
+)
+
 
 @triton.jit
 def rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
-    out_ptr,
+    out_ptr,  # [T, hidden]: the result, or with QUANTIZE its e4m3 values
     summed_ptr,
+    scale_ptr,  # QUANTIZE: [T, ceil(hidden / GROUP)] fp32
     x_stride,
     residual_stride,
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -39,7 +53,16 @@ def rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        y = (w * normed).to(x.dtype).to(tl.float32)  # the unquantized result, then quantized
+        groups = (hidden + GROUP - 1) // GROUP
+        store_group_quantized(
+            y, out_ptr + row * hidden, scale_ptr + row * groups, 0, hidden, BLOCK // GROUP, GROUP
+        )
+    else:
+        tl.store(
+            out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
+        )
 
 
 def rms_norm_config(hidden: int) -> tuple[int, int]:
@@ -49,20 +72,32 @@ def rms_norm_config(hidden: int) -> tuple[int, int]:
 
 
 def _launch(
-    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
-) -> tuple[Tensor, Tensor]:
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, quantize: bool = False
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """(result or its e4m3 values, x + residual (or the result), the scales where quantized)."""
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
-    out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
+    block, num_warps = rms_norm_config(hidden)
+    scales = None
+    if quantize:
+        block = max(block, GROUP_SIZE)
+        out = torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device)
+        scales = torch.empty(
+            x2.shape[0], triton.cdiv(hidden, GROUP_SIZE), dtype=torch.float32, device=x.device
+        )
+    else:
+        out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out
     res2 = residual.reshape(-1, hidden) if residual is not None else x2
-    block, num_warps = rms_norm_config(hidden)
     if x2.shape[0] > 0:
         rms_norm_kernel[(x2.shape[0],)](
-            x2, res2, weight, out, summed, x2.stride(0), res2.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            x2, res2, weight, out, summed, out if scales is None else scales, x2.stride(0),
+            res2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
+            BLOCK=block, GROUP=GROUP_SIZE, num_warps=num_warps,
         )  # fmt: skip
-    return out.view(x.shape), summed.view(x.shape)
+    if scales is not None:
+        scales = scales.view(*x.shape[:-1], scales.shape[-1])
+    return out.view(x.shape), summed.view(x.shape), scales
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -74,4 +109,31 @@ def fused_add_rms_norm(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor]:
     """Returns (rms_norm(x + residual) * weight, x + residual)."""
-    return _launch(x, residual, weight, eps)
+    out, summed, _ = _launch(x, residual, weight, eps)
+    return out, summed
+
+
+def _quantizes_in_kernel(x: Tensor, weight: Tensor) -> bool:
+    # The kernel rounds to x's dtype before quantizing; a weight of another dtype makes the
+    # result another dtype (torch's promotion), so that rare case takes the two launches.
+    return weight.dtype == x.dtype
+
+
+def rms_norm_fp8_group_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """rms_norm(x) * weight quantized per token group of 128: (e4m3 values, fp32 scales)."""
+    if not _quantizes_in_kernel(x, weight):
+        return per_token_group_quant_fp8(rms_norm(x, weight, eps))
+    out, _, scales = _launch(x, None, weight, eps, quantize=True)
+    return out, scales
+
+
+def fused_add_rms_norm_fp8_group_quant(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, scales) of rms_norm(x + residual) * weight quantized per token group, and
+    x + residual."""
+    if not _quantizes_in_kernel(x, weight):
+        out, summed = fused_add_rms_norm(x, residual, weight, eps)
+        return (*per_token_group_quant_fp8(out), summed)
+    out, summed, scales = _launch(x, residual, weight, eps, quantize=True)
+    return out, scales, summed

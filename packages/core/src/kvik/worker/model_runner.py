@@ -29,6 +29,7 @@ from kvik.layers.attention import Attention
 from kvik.layers.logits_processors import LogitsProcessor, build_logits_processors
 from kvik.layers.sampler import LogprobTensors, Sampler, SamplingBatch, logprob_tensors
 from kvik.model_loader.loader import load_model
+from kvik.quantization.activation import link_quantized_activations
 from kvik.scheduler.output import TokenLogprobs
 from kvik.spec_decode.proposer import Proposer, make_proposer
 from kvik.spec_decode.rejection_sampler import RejectionSampler
@@ -83,6 +84,9 @@ class ModelRunner:
                 kv_cache_fp8=is_fp8(self.kv_cache_dtype),
             )
         platform.prepare_model(self.model, config)
+        # Norms and activations write the quantized input of the linear layer they feed, where
+        # its kernel takes that and the platform fuses it (kvik.quantization.activation).
+        self.quantizing_producers = link_quantized_activations(self.model, platform)
         self.attention_layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
