@@ -13,7 +13,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-import kvik.ops  # noqa: F401  (defines torch.ops.kvik.rms_norm and the others the producers use)
 from kvik.quantization import fp8_reference
 
 
@@ -64,6 +63,14 @@ def _(values, scales, weight, weight_scale, bias, out_dtype):
 # registers one kernel that does both (kvik_cuda: the Triton RMSNorm and SiLU-and-mul).
 
 
+def _unquantized_op(name: str):
+    """``torch.ops.kvik.<name>``, imported here rather than with this module: ``kvik env`` reads
+    the quantization registry without loading any kernel module (test_cli_env)."""
+    import kvik.ops  # noqa: F401  (defines torch.ops.kvik.rms_norm and the others)
+
+    return getattr(torch.ops.kvik, name)
+
+
 def _group_quantized(y: Tensor) -> tuple[Tensor, Tensor]:
     q, scales = fp8_reference.quantize_per_token_group(y.reshape(-1, y.shape[-1]))
     return q.view(y.shape), scales.view(*y.shape[:-1], scales.shape[-1])
@@ -78,7 +85,7 @@ def _group_quantized_fake(like: Tensor) -> tuple[Tensor, Tensor]:
 @torch.library.custom_op("kvik::rms_norm_fp8_group_quant", mutates_args=())
 def rms_norm_fp8_group_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``kvik::rms_norm`` quantized per token group: (e4m3 values, fp32 scales)."""
-    return _group_quantized(torch.ops.kvik.rms_norm(x, weight, eps))
+    return _group_quantized(_unquantized_op("rms_norm")(x, weight, eps))
 
 
 @rms_norm_fp8_group_quant.register_fake
@@ -92,7 +99,7 @@ def fused_add_rms_norm_fp8_group_quant(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``kvik::fused_add_rms_norm`` with the normed rows quantized per token group: (e4m3 values,
     fp32 scales, x + residual)."""
-    normed, summed = torch.ops.kvik.fused_add_rms_norm(x, residual, weight, eps)
+    normed, summed = _unquantized_op("fused_add_rms_norm")(x, residual, weight, eps)
     return (*_group_quantized(normed), summed)
 
 
@@ -104,7 +111,7 @@ def _(x, residual, weight, eps):
 @torch.library.custom_op("kvik::silu_and_mul_fp8_group_quant", mutates_args=())
 def silu_and_mul_fp8_group_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """``kvik::silu_and_mul`` quantized per token group: (e4m3 values, fp32 scales)."""
-    return _group_quantized(torch.ops.kvik.silu_and_mul(x))
+    return _group_quantized(_unquantized_op("silu_and_mul")(x))
 
 
 @silu_and_mul_fp8_group_quant.register_fake
