@@ -95,9 +95,14 @@ def test_linked_producers_change_no_bit(kind, fp8_originals, tmp_path, unfused) 
     assert fused_greedy == plain_greedy
 
 
-def test_compiled_forward_takes_the_quantized_activations(fp8_originals, tmp_path, unfused):
+def test_compiled_forward_takes_the_quantized_activations(
+    fp8_originals, tmp_path, unfused, monkeypatch: pytest.MonkeyPatch
+):
     """torch.compile (mode 3, split at attention) traces the producers' ops and the quantized
     activations they hand on, and computes the eager engine's bits."""
+    # Inductor's caches in this test's folder, and the variable put back after it: the engine sets
+    # it for the process on its first compile, where later tests choose their own.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     folder = make_hf_block_fp8(fp8_originals["llama"], tmp_path / "llama")
     compiled = llm_on(folder, enforce_eager=False, compilation_config='{"mode": 3}')
     assert compiled.engine.runner.quantizing_producers > 0
