@@ -42,8 +42,9 @@ def main() -> None:
         sweep(batch, context, arch, num_sms)
 
 
-def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
-    """µs a launch (with its reduction) at each split count, under a CUDA graph."""
+def decode_inputs(batch: int, context: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A decode step's attention inputs: queries, a K/V cache of ``context`` tokens a request in a
+    permuted block table, sequence lengths and query starts."""
     dev = torch.device("cuda")
     blocks_per_req = -(-context // BLOCK)
     num_blocks = batch * blocks_per_req
@@ -52,6 +53,12 @@ def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
     q = torch.randn(batch, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    return q, cache, table, seq_lens, starts
+
+
+def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
+    """µs a launch (with its reduction) at each split count, under a CUDA graph."""
+    q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     config = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
     nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
     picks = {n: num_kv_splits(batch, KV_HEADS, n, num_sms) for n in (4096, MAX_MODEL_LEN)}
@@ -81,14 +88,7 @@ def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
 
 
 def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
-    dev = torch.device("cuda")
-    blocks_per_req = -(-context // BLOCK)
-    num_blocks = batch * blocks_per_req
-    cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
-    table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_req).int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     out = torch.empty_like(q)
     nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
     splits = num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
