@@ -60,5 +60,6 @@ def test_slow_consumer_gets_every_token(model, kind):
     results = asyncio.run(run())
     assert [tokens for tokens, _, _ in results] == expected
     assert all(len(tokens) == 8 for tokens in expected)
-    # The first output came alone; the rest arrived while the consumer slept, in one more output.
-    assert [(outputs, finished) for _, outputs, finished in results] == [(2, True)] * len(PROMPTS)
+    # The rest arrived while the consumer slept, in one more output at most (none where the engine
+    # had finished before the first was handed out: CI saw that once), and the last says finished.
+    assert all(outputs <= 2 and finished for _, outputs, finished in results), results
