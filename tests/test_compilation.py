@@ -119,6 +119,45 @@ def test_compiled_fp8_model_calls_the_fp8_op_and_gives_the_eager_tokens(
     assert llm.engine.runner.step_runner.compiled.backend.num_graphs_traced == 1
 
 
+def test_a_backend_that_fuses_rotary_gets_the_rotation_inside_the_attention_op(
+    tiny_model, cache_dir, monkeypatch
+):
+    """With ``AttentionImpl.fuses_rotary`` (the Triton backend's: rotation and cache write in one
+    launch), compiled code calls ``kvik::unified_attention_with_rotary`` instead of rotating in
+    the graph: still one split per attention, and the eager tokens. Here the CPU backend takes
+    the base class's ``forward_with_rotary`` (rotate, then attend) through the new op."""
+    import kvik.compilation.piecewise as piecewise
+    from kvik.attention.backend import AttentionImpl
+
+    folder = str(tiny_model("qwen3"))
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(4, seed=9)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    common = dict(dtype="float32", device="cpu", max_num_batched_tokens=48, num_kv_blocks=64)
+    eager = LLM(folder, enforce_eager=True, **common)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+
+    targets = []
+    split = piecewise.split_at_attention
+
+    def recording_split(gm):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return split(gm)
+
+    monkeypatch.setattr(piecewise, "split_at_attention", recording_split)
+    monkeypatch.setattr(AttentionImpl, "fuses_rotary", True)
+    torch._dynamo.reset()  # a trace of this model class made without the fused op must not serve
+    config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    llm = LLM(folder, compilation_config=config, **common)
+    fused = torch.ops.kvik.unified_attention_with_rotary
+    layers = llm.config.model.hf_config.num_hidden_layers
+    assert sum(t in (fused, fused.default) for t in targets) == layers
+    assert not any("rotary_embedding" in str(t) for t in targets)
+    assert llm.engine.runner.step_runner.compiled.backend.num_pieces == layers + 1
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
 def test_a_compiled_engine_is_freed_when_dropped(tiny_model, cache_dir):
     """Dynamo's cache outlives the engine (it keeps the compiled pieces and their backend); it must
     not keep the engine, its model or its KV cache alive."""

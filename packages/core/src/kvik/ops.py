@@ -302,6 +302,38 @@ def _(query, key, value, output, layer_name) -> None:
     return None
 
 
+@torch.library.custom_op("kvik::unified_attention_with_rotary", mutates_args=("output",))
+def unified_attention_with_rotary(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    positions: Tensor,
+    cos_sin_cache: Tensor,
+    head_size: int,
+    is_neox: bool,
+    output: Tensor,
+    layer_name: str,
+) -> None:
+    """``unified_attention`` of query and key rotated at ``positions`` (the rotary's arguments as
+    ``rotary_embedding`` takes them), for backends that rotate while they write the KV cache
+    (``AttentionImpl.fuses_rotary``): compiled code then launches one kernel where it would launch
+    the rotation and the cache write apart."""
+    from kvik.layers.rotary import Rotation
+    from kvik.worker.forward_context import get_forward_context
+
+    context = get_forward_context()
+    layer = context.attention_layers[layer_name]
+    rotation = Rotation(head_size, cos_sin_cache, is_neox)
+    layer.impl.forward_with_rotary(
+        positions, rotation, query, key, value, layer.kv_cache, context.attn_metadata, output
+    )
+
+
+@unified_attention_with_rotary.register_fake
+def _(query, key, value, positions, cos_sin_cache, head_size, is_neox, output, layer_name) -> None:
+    return None
+
+
 #: Each small op's reference, for ``small_op`` under the "direct" dispatch.
 _REFERENCES: dict[str, Callable] = {
     "rms_norm": _rms_norm,

@@ -96,6 +96,10 @@ class AttentionImpl(ABC):
         self.k_scale = k_scale
         self.v_scale = v_scale
 
+    #: Whether ``forward_with_rotary`` rotates while it writes the cache (one launch where the
+    #: default makes two): compiled models then hand it the rotation instead of rotating first.
+    fuses_rotary: ClassVar[bool] = False
+
     @abstractmethod
     def forward(
         self,
@@ -120,7 +124,7 @@ class AttentionImpl(ABC):
         output: Tensor,
     ) -> None:
         """``forward`` after rotating query and key with ``rotary_emb`` (a
-        ``kvik.layers.rotary.RotaryEmbedding``) at ``positions [T]``. A backend that can rotate
+        ``kvik.layers.rotary.RotaryEmbedding`` or ``Rotation``) at ``positions [T]``. A backend that can rotate
         while it writes the cache overrides this to save a pass over the keys and a launch."""
         query, key = rotary_emb(positions, query, key)
         self.forward(query, key, value, kv_cache, metadata, output)

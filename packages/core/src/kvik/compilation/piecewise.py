@@ -1,7 +1,7 @@
 """Piecewise compilation: the model's forward under ``torch.compile``, split at attention.
 
 Dynamo traces the model once with a dynamic token dimension. This backend cuts the traced graph at
-every ``kvik::unified_attention`` call, so the graph becomes pieces (embedding to the first
+every ``kvik::unified_attention`` (or ``unified_attention_with_rotary``) call, so the graph becomes pieces (embedding to the first
 attention's inputs, then everything between two attentions, then the last attention to the final
 norm) with the attention calls left between them as they are. Each piece is compiled by inductor
 for the dynamic token count (so it fuses the elementwise work around the matrix products), and
@@ -42,8 +42,8 @@ def _is_attention(node: fx.Node) -> bool:
     if _ATTENTION_TARGETS is None:
         import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 
-        op = torch.ops.kvik.unified_attention
-        _ATTENTION_TARGETS = (op, op.default)
+        ops = (torch.ops.kvik.unified_attention, torch.ops.kvik.unified_attention_with_rotary)
+        _ATTENTION_TARGETS = (*ops, *(op.default for op in ops))
     return node.op == "call_function" and node.target in _ATTENTION_TARGETS
 
 

@@ -57,7 +57,15 @@ class Attention(nn.Module):
         first: the backend may fuse the rotation into its cache write (one launch instead of two)."""
         out = torch.empty_like(q)
         if torch.compiler.is_compiling():
-            # Compiled code sees attention as one opaque op, the graph's split point.
+            # Compiled code sees attention as one opaque op, the graph's split point. A backend
+            # that rotates while it writes the cache gets the rotation inside that op; otherwise
+            # the rotation stays in the compiled graph, where inductor may fuse it.
+            if rotary_emb is not None and self.impl.fuses_rotary:
+                torch.ops.kvik.unified_attention_with_rotary(
+                    q, k, v, positions, rotary_emb.cos_sin_cache, rotary_emb.head_size,
+                    rotary_emb.is_neox, out, self.layer_name,
+                )  # fmt: skip
+                return out
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k)
             torch.ops.kvik.unified_attention(q, k, v, out, self.layer_name)

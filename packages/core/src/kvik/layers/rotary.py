@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -48,6 +48,20 @@ def inv_freq(
     if rope_type == "llama3":
         return _llama3_inv_freq(freq, scaling, max_position)
     raise ValueError(f"rope_type {rope_type!r} is not supported (default, linear, llama3 are)")
+
+
+class Rotation(NamedTuple):
+    """A rotary embedding's arguments outside its module (what ``kvik::unified_attention_with_rotary``
+    receives), callable like the module."""
+
+    head_size: int
+    cos_sin_cache: Tensor
+    is_neox: bool
+
+    def __call__(self, positions: Tensor, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.small_op("rotary_embedding")(
+            positions, q, k, self.head_size, self.cos_sin_cache, self.is_neox
+        )
 
 
 class RotaryEmbedding(nn.Module):

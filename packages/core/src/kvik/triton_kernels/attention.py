@@ -133,6 +133,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 
 class TritonAttentionImpl(AttentionImpl):
+    fuses_rotary = True
+
     def forward(
         self,
         query: Tensor,
