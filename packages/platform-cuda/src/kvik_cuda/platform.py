@@ -213,7 +213,7 @@ class CudaPlatform(Platform):
     @classmethod
     def fuses_activation_quantization(cls, kind: str) -> bool:
         """Block FP8's per-token-group input, written by the Triton RMSNorm and SiLU-and-mul,
-        where ``KVIK_FUSED_ACTIVATION_QUANT=1`` (kvik_cuda.tuning: off until measured)."""
+        unless ``KVIK_FUSED_ACTIVATION_QUANT=0`` (kvik_cuda.tuning)."""
         from kvik.quantization.activation import FP8_PER_TOKEN_GROUP
         from kvik_cuda.tuning import FUSED_ACTIVATION_QUANT
 
