@@ -74,9 +74,10 @@ def test_online_fp8_on_the_gpu_computes_what_the_cpu_does(llama):
     assert all(m.weight.dtype == torch.float8_e4m3fn and m.weight.is_cuda for m in layers)
     gpu = logprobs(gpu_llm)
     # The GPU and the CPU compute the unquantized model to the last printed digit; with FP8, Hopper's
-    # tensor cores add products with fewer bits than fp32 (within a tile: fp8_gemm promotes to
-    # fp32 between tiles), which flips some roundings of the next layer's quantization: far less
-    # than what FP8 itself changes. (Before the per-tile promotion: 0.41 of it.)
+    # tensor cores add products with fewer bits than fp32 (within a group of 128: the few-rows
+    # kernel and fp8_gemm promote to fp32 between them), which flips some roundings of the next
+    # layer's quantization: far less than what FP8 itself changes. (Without the promotion in the
+    # few-rows kernel, which this prompt's 61 rows take: 0.41 of it.)
     fp8_effect = (cpu - plain).abs().mean()
     assert (gpu - cpu).abs().mean() < 0.4 * fp8_effect
     # Decode steps replay FULL CUDA graphs with the FP8 layers inside.
