@@ -263,12 +263,15 @@ MAX_KV_SPLITS = 16
 
 def num_kv_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Segments per (request, KV head) for a decode-only batch: enough programs for two waves,
-    each segment at least 512 keys of ``max_seq_len``, a power of two up to 16. The engine passes
-    max_model_len as ``max_seq_len``, so the choice depends on the batch size alone."""
+    each segment at least 128 keys of ``max_seq_len``, a power of two up to 16. The engine passes
+    max_model_len as ``max_seq_len``, so the choice depends on the batch size alone. (On the H200,
+    Llama-8B heads at batch 1, 16 splits beat 8 at contexts 640 and 4096 alike, 6.8 against 7.9
+    and 11.8 against 17.1 µs, where segments of at least 512 keys had capped max_model_len 4096
+    at 8: docs/benchmarks.md.)"""
     programs = num_reqs * num_kv_heads
     splits = 1
     while (
-        splits < MAX_KV_SPLITS and programs * splits < 2 * num_sms and max_seq_len >= 1024 * splits
+        splits < MAX_KV_SPLITS and programs * splits < 2 * num_sms and max_seq_len >= 256 * splits
     ):
         splits *= 2
     return splits
