@@ -119,13 +119,16 @@ def test_compiled_fp8_model_calls_the_fp8_op_and_gives_the_eager_tokens(
     assert llm.engine.runner.step_runner.compiled.backend.num_graphs_traced == 1
 
 
+@pytest.mark.parametrize("head_norms", [False, True], ids=["rotary", "rotary+head-norms"])
 def test_a_backend_that_fuses_rotary_gets_the_rotation_inside_the_attention_op(
-    tiny_model, cache_dir, monkeypatch
+    tiny_model, cache_dir, monkeypatch, head_norms
 ):
     """With ``AttentionImpl.fuses_rotary`` (the Triton backend's: rotation and cache write in one
     launch), compiled code calls ``kvik::unified_attention_with_rotary`` instead of rotating in
     the graph: still one split per attention, and the eager tokens. Here the CPU backend takes
-    the base class's ``forward_with_rotary`` (rotate, then attend) through the new op."""
+    the base class's ``forward_with_rotary`` (rotate, then attend) through the new op. With
+    ``fuses_head_norms`` too, Qwen3's q/k norms go into the op (no RMSNorm over heads left in the
+    graph), eagerly and compiled, and the tokens stay the eager unfused model's."""
     import kvik.compilation.piecewise as piecewise
     from kvik.attention.backend import AttentionImpl
 
@@ -146,6 +149,7 @@ def test_a_backend_that_fuses_rotary_gets_the_rotation_inside_the_attention_op(
 
     monkeypatch.setattr(piecewise, "split_at_attention", recording_split)
     monkeypatch.setattr(AttentionImpl, "fuses_rotary", True)
+    monkeypatch.setattr(AttentionImpl, "fuses_head_norms", head_norms)
     torch._dynamo.reset()  # a trace of this model class made without the fused op must not serve
     config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
     llm = LLM(folder, compilation_config=config, **common)
@@ -153,9 +157,17 @@ def test_a_backend_that_fuses_rotary_gets_the_rotation_inside_the_attention_op(
     layers = llm.config.model.hf_config.num_hidden_layers
     assert sum(t in (fused, fused.default) for t in targets) == layers
     assert not any("rotary_embedding" in str(t) for t in targets)
+    # RMSNorms in the graph: two a layer and the final one, plus q and k's where not fused.
+    norms = sum("rms_norm" in str(t) for t in targets)
+    assert norms == (2 * layers + 1 if head_norms else 4 * layers + 1)
     assert llm.engine.runner.step_runner.compiled.backend.num_pieces == layers + 1
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == expected
+    if head_norms:
+        del llm
+        eager_fused = LLM(folder, enforce_eager=True, **common)
+        outputs = eager_fused.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
 def test_a_compiled_engine_is_freed_when_dropped(tiny_model, cache_dir):

@@ -328,6 +328,66 @@ def test_rotary_and_cache(dtype: torch.dtype, is_neox: bool, rot_fraction: float
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
+def test_rotary_and_cache_with_head_norms(dtype, is_neox: bool, rot_fraction: float) -> None:
+    """With Qwen3's per-head q/k RMSNorms in the launch: what rms_norm over each head, then
+    rotary_embedding, then reshape_and_cache give; a head's scale matters (large heads and a
+    zero head), and the tail past rot_dim is normalised too."""
+    from kvik.layers.rotary import HeadNorms
+
+    tokens, heads, kv_heads, head_size, num_blocks = (
+        (300, 32, 8, 128, 40) if ON_GPU else (6, 3, 2, 32, 2)
+    )
+    rot_dim = int(head_size * rot_fraction)
+    cos_sin = random_cos_sin(64, rot_dim)
+    positions = torch.randint(0, 64, (tokens,))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_size, dtype=torch.float32)
+    qkv[:, :head_size] *= 40  # one query head far larger than the others
+    qkv[1, :head_size] = 0  # and a zero head: eps keeps it finite
+    qkv = qkv.to(dtype)
+    q, k, v = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+    q_weight = (torch.rand(head_size) + 0.5).to(dtype)
+    k_weight = (torch.rand(head_size) + 0.5).to(dtype)
+    eps = 1e-6
+    cache = randn(2, num_blocks, BLOCK_SIZE, kv_heads, head_size, dtype=dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE)[:tokens]
+    slots[::3] = -1
+
+    def normed(x: Tensor, weight: Tensor) -> Tensor:
+        heads_view = cpu64(x).view(tokens, -1, head_size)
+        return ops.rms_norm(heads_view, cpu64(weight), eps).view(tokens, -1)
+
+    ref_q, ref_k = ops.rotary_embedding(
+        positions, normed(q, q_weight), normed(k, k_weight), head_size, cos_sin.double(), is_neox
+    )
+    expected = cache.cpu().double()
+    ops.reshape_and_cache(
+        ref_k.view(tokens, kv_heads, head_size), cpu64(v).view(tokens, kv_heads, head_size),
+        expected, slots,
+    )  # fmt: skip
+    poison_allocator()
+    norms = HeadNorms(q_weight.to(DEVICE), k_weight.to(DEVICE), eps)
+    q_out = rotary_and_cache(
+        positions.to(DEVICE), q, k, v, cache, slots.to(DEVICE), head_size, cos_sin.to(DEVICE),
+        is_neox, head_norms=norms,
+    )  # fmt: skip
+    assert not q_out.isnan().any()
+    check(q_out, ref_q, dtype)
+    check(cache, expected, dtype)
+    kept = cache.cpu().view(2, -1, kv_heads, head_size)
+    unwritten = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
+    unwritten[slots[slots >= 0]] = False
+    before = expected.view(2, -1, kv_heads, head_size)
+    assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
+    with pytest.raises(ValueError, match="head norm weights"):
+        rotary_and_cache(
+            positions.to(DEVICE), q, k, v, cache, slots.to(DEVICE), head_size,
+            cos_sin.to(DEVICE), is_neox, head_norms=HeadNorms(q_weight[:-1], k_weight, eps),
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
 @pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
 def test_rotary_and_cache_into_an_fp8_cache(dtype: torch.dtype, rot_fraction: float) -> None:
     """Into an e4m3 cache the fused launch stores what rotary_embedding (keys rounded to their

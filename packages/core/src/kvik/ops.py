@@ -313,24 +313,35 @@ def unified_attention_with_rotary(
     is_neox: bool,
     output: Tensor,
     layer_name: str,
+    q_norm_weight: Tensor | None = None,
+    k_norm_weight: Tensor | None = None,
+    norm_eps: float = 0.0,
 ) -> None:
     """``unified_attention`` of query and key rotated at ``positions`` (the rotary's arguments as
     ``rotary_embedding`` takes them), for backends that rotate while they write the KV cache
     (``AttentionImpl.fuses_rotary``): compiled code then launches one kernel where it would launch
-    the rotation and the cache write apart."""
-    from kvik.layers.rotary import Rotation
+    the rotation and the cache write apart. With ``q_norm_weight`` and ``k_norm_weight`` (for
+    backends with ``fuses_head_norms``), each head is RMS-normalised first."""
+    from kvik.layers.rotary import HeadNorms, Rotation
     from kvik.worker.forward_context import get_forward_context
 
     context = get_forward_context()
     layer = context.attention_layers[layer_name]
     rotation = Rotation(head_size, cos_sin_cache, is_neox)
+    head_norms = None
+    if q_norm_weight is not None and k_norm_weight is not None:
+        head_norms = HeadNorms(q_norm_weight, k_norm_weight, norm_eps)
     layer.impl.forward_with_rotary(
-        positions, rotation, query, key, value, layer.kv_cache, context.attn_metadata, output
-    )
+        positions, rotation, query, key, value, layer.kv_cache, context.attn_metadata, output,
+        head_norms,
+    )  # fmt: skip
 
 
 @unified_attention_with_rotary.register_fake
-def _(query, key, value, positions, cos_sin_cache, head_size, is_neox, output, layer_name) -> None:
+def _(
+    query, key, value, positions, cos_sin_cache, head_size, is_neox, output, layer_name,
+    q_norm_weight=None, k_norm_weight=None, norm_eps=0.0,
+) -> None:  # fmt: skip
     return None
 
 

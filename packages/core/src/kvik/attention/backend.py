@@ -99,6 +99,9 @@ class AttentionImpl(ABC):
     #: Whether ``forward_with_rotary`` rotates while it writes the cache (one launch where the
     #: default makes two): compiled models then hand it the rotation instead of rotating first.
     fuses_rotary: ClassVar[bool] = False
+    #: Whether ``forward_with_rotary`` applies per-head RMSNorms (``head_norms``, Qwen3's q/k
+    #: norms) in the same pass: models then hand them over instead of normalising first.
+    fuses_head_norms: ClassVar[bool] = False
 
     @abstractmethod
     def forward(
@@ -122,10 +125,15 @@ class AttentionImpl(ABC):
         kv_cache: Tensor,
         metadata: Any,
         output: Tensor,
+        head_norms: Any = None,
     ) -> None:
         """``forward`` after rotating query and key with ``rotary_emb`` (a
-        ``kvik.layers.rotary.RotaryEmbedding`` or ``Rotation``) at ``positions [T]``. A backend that can rotate
-        while it writes the cache overrides this to save a pass over the keys and a launch."""
+        ``kvik.layers.rotary.RotaryEmbedding`` or ``Rotation``) at ``positions [T]``, each head
+        RMS-normalised first where ``head_norms`` (a ``kvik.layers.rotary.HeadNorms``) is given.
+        A backend that can rotate while it writes the cache overrides this to save a pass over
+        the keys and a launch."""
+        if head_norms is not None:
+            query, key = head_norms(query, key, self.head_size)
         query, key = rotary_emb(positions, query, key)
         self.forward(query, key, value, kv_cache, metadata, output)
 

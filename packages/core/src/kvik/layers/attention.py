@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.attention.backend import AttentionImpl
-from kvik.layers.rotary import RotaryEmbedding
+from kvik.layers.rotary import HeadNorms, RotaryEmbedding
 from kvik.worker.forward_context import get_forward_context
 
 
@@ -52,20 +52,28 @@ class Attention(nn.Module):
         v: Tensor,
         positions: Tensor | None = None,
         rotary_emb: RotaryEmbedding | None = None,
+        head_norms: HeadNorms | None = None,
     ) -> Tensor:
         """q: [T, H*D]; k, v: [T, Hk*D]. With ``rotary_emb``, q and k are rotated at ``positions``
-        first: the backend may fuse the rotation into its cache write (one launch instead of two)."""
+        first: the backend may fuse the rotation into its cache write (one launch instead of two).
+        ``head_norms`` (with ``rotary_emb`` only; models pass them where ``takes_head_norms``)
+        RMS-normalises each q and k head before the rotation."""
         out = torch.empty_like(q)
+        if head_norms is not None and rotary_emb is None:
+            raise ValueError("head_norms are applied where the rotation is: pass rotary_emb too")
         if torch.compiler.is_compiling():
             # Compiled code sees attention as one opaque op, the graph's split point. A backend
             # that rotates while it writes the cache gets the rotation inside that op; otherwise
             # the rotation stays in the compiled graph, where inductor may fuse it.
             if rotary_emb is not None and self.impl.fuses_rotary:
+                norms = () if head_norms is None else tuple(head_norms)
                 torch.ops.kvik.unified_attention_with_rotary(
                     q, k, v, positions, rotary_emb.cos_sin_cache, rotary_emb.head_size,
-                    rotary_emb.is_neox, out, self.layer_name,
+                    rotary_emb.is_neox, out, self.layer_name, *norms,
                 )  # fmt: skip
                 return out
+            if head_norms is not None:
+                q, k = head_norms(q, k, rotary_emb.head_size)
             if rotary_emb is not None:
                 q, k = rotary_emb(positions, q, k)
             torch.ops.kvik.unified_attention(q, k, v, out, self.layer_name)
@@ -77,6 +85,12 @@ class Attention(nn.Module):
             self.impl.forward(q, k, v, self.kv_cache, metadata, out)
         else:
             self.impl.forward_with_rotary(
-                positions, rotary_emb, q, k, v, self.kv_cache, metadata, out
+                positions, rotary_emb, q, k, v, self.kv_cache, metadata, out, head_norms
             )
         return out
+
+    @property
+    def takes_head_norms(self) -> bool:
+        """Whether a model should hand its per-head q/k RMSNorms to ``forward`` (the backend
+        applies them in its rotary launch) rather than normalise q and k itself."""
+        return self.impl is not None and self.impl.fuses_head_norms

@@ -64,6 +64,22 @@ class Rotation(NamedTuple):
         )
 
 
+class HeadNorms(NamedTuple):
+    """RMSNorm weights over each query and key head (Qwen3's ``q_norm`` and ``k_norm``), for a
+    backend that applies them where it rotates (``AttentionImpl.fuses_head_norms``)."""
+
+    q_weight: Tensor  # [head_size]
+    k_weight: Tensor  # [head_size]
+    eps: float
+
+    def __call__(self, q: Tensor, k: Tensor, head_size: int) -> tuple[Tensor, Tensor]:
+        """q [T, H*D], k [T, Hk*D] with each head normalised, as the models' RMSNorm modules."""
+        rms_norm = ops.small_op("rms_norm")
+        q = rms_norm(q.unflatten(-1, (-1, head_size)), self.q_weight, self.eps).flatten(-2)
+        k = rms_norm(k.unflatten(-1, (-1, head_size)), self.k_weight, self.eps).flatten(-2)
+        return q, k
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> None:
         super().__init__()

@@ -13,6 +13,7 @@ architecture name at each launch.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -134,6 +135,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     fuses_rotary = True
+    #: Qwen3's q/k norms inside the rotary launch (two launches fewer a layer); off until a GPU
+    #: has measured it: ``KVIK_FUSED_HEAD_NORMS=1`` turns it on (read at import).
+    fuses_head_norms = os.environ.get("KVIK_FUSED_HEAD_NORMS", "0") == "1"
 
     def forward(
         self,
@@ -162,13 +166,15 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: Tensor,
         metadata: TritonMetadata,
         output: Tensor,
+        head_norms=None,
     ) -> None:
-        # One launch rotates the queries and writes the rotated keys and the values to the cache.
+        # One launch rotates the queries and writes the rotated keys and the values to the cache
+        # (normalising each head first, with head_norms).
         t = metadata.common.num_actual_tokens
         rotated = rotary_and_cache(
             positions[:t], query[:t], key[:t], value[:t], kv_cache,
             metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
-            rotary_emb.is_neox, self.k_scale, self.v_scale,
+            rotary_emb.is_neox, self.k_scale, self.v_scale, head_norms,
         )  # fmt: skip
         self._attend(rotated, kv_cache, metadata, output)
 
