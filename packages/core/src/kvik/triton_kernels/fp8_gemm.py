@@ -133,11 +133,7 @@ def fp8_gemm_kernel(
                 w_scale = tl.load(w_scale_ptrs + k0 // BLOCK_K)
                 acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
         else:
-            # Hopper's fp8 tensor cores add products with fewer bits than fp32, and Triton lets
-            # them (max_num_imprecise_acc defaults to "all" on sm90) over the whole K once it
-            # folds this add into the dot's accumulator: promoting to fp32 every tile bounds the
-            # error by one tile's sum, as the block-scaled path's per-tile scaling does.
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
+            acc += tl.dot(a, w)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if not BLOCK_SCALES:

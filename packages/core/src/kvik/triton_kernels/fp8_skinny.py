@@ -177,17 +177,14 @@ def fp8_skinny_kernel(
                 xq = scale_for_cast(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
         else:
             xq = x
+        part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
         if BLOCK_SCALES:
-            part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
             if GROUP % BLOCK_N == 0:
                 acc += part * (x_scale * w_scale)[None, :]
             else:
                 acc += part * w_scale[:, None] * x_scale[None, :]
         else:
-            # Into the accumulator, promoted to fp32 every group: Triton would fold a separate
-            # add into the dot and let Hopper's fp8 tensor cores add the whole K with fewer bits
-            # than fp32 (max_num_imprecise_acc defaults to "all" on sm90), as fp8_gemm says.
-            acc = tl.dot(w, tl.trans(xq), acc, max_num_imprecise_acc=GROUP)
+            acc += part
     if not BLOCK_SCALES:
         # Per-channel scales factor out of the sum: applied once, to this split's part.
         w_scale = tl.load(w_scale_ptr + n_load * w_scale_stride)
