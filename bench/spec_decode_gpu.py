@@ -55,6 +55,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=256, help="prompt tokens in the cache")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also print the kernels of the EAGLE-3 proposals (graphed, after a decode step) "
+        "under torch.profiler, per proposal, and the wall time they leave to the host",
+    )
     return parser.parse_args()
 
 
@@ -122,8 +128,10 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
     proposer = runner.proposer
     propose_ms: list[float] = []
     propose = proposer.propose
+    last_call: list[tuple] = []  # the arguments of the latest proposal (for --profile)
 
     def timed_propose(*given):
+        last_call[:] = [given]
         synchronize()
         start = time.perf_counter()
         drafts = propose(*given)
@@ -170,10 +178,36 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
             figures[f"{prefix}_engine_{name}_target_ms"] = round(step_ms - propose_median, 3)
         if draft_graphs is not None:
             figures["eagle3_head_graph_replays"] = draft_graphs.num_replays
+            if args.profile:
+                runner.execute_model(decode)  # the proposal after a decode step, replayed below
+                profile_proposals(propose, last_call[0], args.steps)
     figures["eagle3_timed_full_graph_replays"] = getattr(step_runner, "num_replays", 0) - replays
     figures["eagle3_engine_start_s"] = round(start_s, 1)
     llm.shutdown()
     return figures
+
+
+def profile_proposals(propose, given: tuple, steps: int, top: int = 20) -> None:
+    """The kernels of ``steps`` repeats of one proposal (the same rows and slots each time: the
+    head's cache writes land where they did), per proposal, and its wall time beside them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wall_ms = median_ms(lambda: propose(*given), steps)
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            propose(*given)
+        synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    print(
+        f"EAGLE-3 proposal (graphed, after a decode step): {wall_ms:.3f} ms wall (median of "
+        f"{steps}), GPU kernels {gpu_us / 1e3:.3f} ms a proposal"
+    )
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    print(f"{'kernel':<90} {'us/call':>9} {'launches/call':>13}")
+    for e in kernels[:top]:
+        print(f"{e.key[:90]:<90} {e.self_device_time_total / steps:9.1f} {e.count / steps:13.1f}")
 
 
 def engine(args: argparse.Namespace, speculative: dict, **kwargs) -> LLM:
