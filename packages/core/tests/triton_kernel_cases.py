@@ -287,6 +287,17 @@ def random_cos_sin(max_pos: int, rot_dim: int) -> Tensor:
     return torch.cat((angles.cos(), angles.sin()), dim=-1).float()
 
 
+def assert_unwritten_slots_kept(cache: Tensor, expected: Tensor, slots: Tensor) -> None:
+    """The slots a launch did not write (not in ``slots``, or negative there) hold what they held
+    (``expected`` is the reference cache, written only at the slots)."""
+    kv_heads, head_size = cache.shape[-2:]
+    kept = cache.cpu().view(2, -1, kv_heads, head_size)
+    unwritten = torch.ones(kept.shape[1], dtype=torch.bool)
+    unwritten[slots[slots >= 0]] = False
+    before = expected.view(2, -1, kv_heads, head_size)
+    assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
+
+
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("rot_fraction", [1.0, 0.5])
@@ -320,11 +331,7 @@ def test_rotary_and_cache(dtype: torch.dtype, is_neox: bool, rot_fraction: float
     )  # fmt: skip
     check(q_out, ref_q, dtype)
     check(cache, expected, dtype)
-    kept = cache.cpu().view(2, -1, kv_heads, head_size)
-    unwritten = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
-    unwritten[slots[slots >= 0]] = False
-    before = expected.view(2, -1, kv_heads, head_size)
-    assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
+    assert_unwritten_slots_kept(cache, expected, slots)
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
@@ -375,11 +382,7 @@ def test_rotary_and_cache_with_head_norms(dtype, is_neox: bool, rot_fraction: fl
     assert not q_out.isnan().any()
     check(q_out, ref_q, dtype)
     check(cache, expected, dtype)
-    kept = cache.cpu().view(2, -1, kv_heads, head_size)
-    unwritten = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
-    unwritten[slots[slots >= 0]] = False
-    before = expected.view(2, -1, kv_heads, head_size)
-    assert torch.equal(kept[:, unwritten].double(), before[:, unwritten])
+    assert_unwritten_slots_kept(cache, expected, slots)
     with pytest.raises(ValueError, match="head norm weights"):
         rotary_and_cache(
             positions.to(DEVICE), q, k, v, cache, slots.to(DEVICE), head_size,
