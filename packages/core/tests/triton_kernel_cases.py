@@ -760,6 +760,14 @@ def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize:
     sorted_pairs = one_launch[2][0].cpu()
     real = sorted_pairs[sorted_pairs < ids.numel()].long()
     assert torch.equal(real.sort().values, torch.arange(ids.numel()))
+    # One token (its own launch, moe_route_one_kernel): a NaN row too.
+    for row in (1, 3):
+        _, one_ids, (one_sorted, one_experts, _) = route_and_align(
+            logits[row : row + 1], top_k, renormalize, experts, 16
+        )
+        assert torch.equal(one_ids, ids[row : row + 1])
+        assert ((one_experts[:top_k] >= 0) & (one_experts[:top_k] < experts)).all()
+        assert sorted(one_sorted[one_sorted < top_k].tolist()) == list(range(top_k))
 
 
 @pytest.mark.parametrize(
@@ -793,7 +801,8 @@ def test_align_groups_every_pair_once(tokens: int, experts: int, top_k: int, blo
 )  # fmt: skip
 def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormalize) -> None:
     """The decode steps' single launch gives route()'s weights and ids bit for bit, and the
-    alignment align_to_blocks gives (the same runs; the order inside a run is free)."""
+    alignment align_to_blocks gives: the same runs (the order inside a run is free; one token's
+    runs, one pair each, come in the order of its k rather than of the experts' ids)."""
     logits = router_logits(tokens, experts, experts // 4, torch.float32)
     weights, ids, (sorted_pairs, block_expert, total) = route_and_align(
         logits, top_k, renormalize, experts, block_m
@@ -801,11 +810,20 @@ def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormal
     ref_weights, ref_ids = route(logits, top_k, renormalize)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
     ref_sorted, ref_block_expert, ref_total = align_to_blocks(ref_ids, experts, block_m)
-    assert torch.equal(total, ref_total) and torch.equal(block_expert, ref_block_expert)
-    assert sorted_pairs.shape == ref_sorted.shape
-    for b in range(block_expert.numel()):
-        rows = slice(b * block_m, (b + 1) * block_m)
-        assert sorted(sorted_pairs[rows].tolist()) == sorted(ref_sorted[rows].tolist())
+    assert torch.equal(total, ref_total) and sorted_pairs.shape == ref_sorted.shape
+    assert block_expert.shape == ref_block_expert.shape
+
+    def runs(sorted_pairs: Tensor, block_expert: Tensor) -> dict[int, list[int]]:
+        """Each expert's rows (sorted; padding included), from the blocks in use."""
+        rows: dict[int, list[int]] = {}
+        for b in range(int(total) // block_m):
+            block = sorted_pairs[b * block_m : (b + 1) * block_m].tolist()
+            rows.setdefault(int(block_expert[b]), []).extend(block)
+        return {expert: sorted(pairs) for expert, pairs in rows.items()}
+
+    assert runs(sorted_pairs, block_expert) == runs(ref_sorted, ref_block_expert)
+    unused = block_expert[int(total) // block_m :]
+    assert torch.equal(unused, ref_block_expert[int(total) // block_m :])
     with pytest.raises(ValueError, match="tokens"):
         route_and_align(
             router_logits(ROUTE_ALIGN_MAX_TOKENS + 1, 8, 0, torch.float32), 2, True, 8, 16

@@ -23,7 +23,9 @@ program past the device-side total returns at once.
 A decode step of up to ``ROUTE_ALIGN_MAX_TOKENS`` tokens does steps 1-3 in one launch instead
 (``moe_route_align_kernel``, one program: the tokens' routing as a [tokens, experts] tile, then the
 histogram, the runs and the scatter over the pairs it just wrote): at one token the experts' bytes
-take ~18 µs and every launch around them a few more (docs/benchmarks.md).
+take ~18 µs and every launch around them a few more (docs/benchmarks.md). One token takes a
+simpler launch still (``moe_route_one_kernel``): its top k experts are distinct, so each pair is a
+row block of its own, with no histogram, atomics or barrier.
 
 Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
 two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
@@ -118,7 +120,8 @@ def _route_rows(
 ):
     """Route the tokens ``rows`` (those below num_tokens): per token, softmax over the router
     logits in fp32, the top k by repeated arg-max (the lowest expert among equals), renormalised
-    where the model says; weights and expert ids stored at [token, k]."""
+    where the model says; weights and expert ids stored at [token, k]. Returns the ids as
+    [rows, TOP_K_PAD] (zeros past TOP_K)."""
     cols = tl.arange(0, E_PAD)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
@@ -152,6 +155,7 @@ def _route_rows(
     out_ok = row_ok[:, None] & (ks[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=out_ok)
     tl.store(ids_ptr + out, top_i, mask=out_ok)
+    return top_i
 
 
 @triton.jit
@@ -273,6 +277,44 @@ def moe_route_align_kernel(
     tl.debug_barrier()  # the cursors and the padding are in place before the scatter
     slot = tl.atomic_add(cursor_ptr + expert, 1, mask=pair_ok)
     tl.store(sorted_ptr + slot, pairs, mask=pair_ok)
+
+
+@triton.jit
+def moe_route_one_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    total_ptr,
+    num_experts,
+    max_blocks,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCKS_PAD: tl.constexpr,
+):
+    """``moe_route_align_kernel`` for one token: its top k experts are distinct, so pair k is
+    alone in row block k, whose expert is its own; no histogram, no cursors, no atomics and no
+    barrier between the routing and the rest (the ids stay in registers)."""
+    top_i = _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K, TOP_K_PAD,
+        E_PAD, RENORMALIZE,
+    )  # fmt: skip
+    ks = tl.arange(0, TOP_K_PAD)
+    ids = tl.sum(top_i, 0)  # [TOP_K_PAD]: the one row
+    tl.store(block_expert_ptr + ks, ids, mask=ks < TOP_K)
+    blocks = tl.arange(0, BLOCKS_PAD)
+    past = (blocks >= TOP_K) & (blocks < max_blocks)
+    tl.store(block_expert_ptr + blocks, tl.full([BLOCKS_PAD], -1, tl.int32), mask=past)
+    # Block k's first row holds pair k; every other row is padding (the pair count, TOP_K).
+    within = tl.arange(0, BLOCK_M)[None, :]
+    rows = blocks[:, None] * BLOCK_M + within
+    pair = tl.where(within == 0, blocks[:, None], TOP_K)
+    tl.store(sorted_ptr + rows, pair, mask=(blocks < TOP_K)[:, None])
+    tl.store(total_ptr, TOP_K * BLOCK_M)
 
 
 @triton.jit
@@ -493,6 +535,14 @@ def route_and_align(
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    if tokens == 1:
+        moe_route_one_kernel[(1,)](
+            router_logits, weights, ids, sorted_pairs, block_expert, total, num_experts, blocks,
+            TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+            E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, BLOCK_M=block_m,
+            BLOCKS_PAD=triton.next_power_of_2(blocks), num_warps=ROUTE_ALIGN_WARPS,
+        )  # fmt: skip
+        return weights, ids, (sorted_pairs, block_expert, total)
     tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)
     moe_route_align_kernel[(1,)](
         router_logits, weights, ids, sorted_pairs, block_expert, total, cursor, tokens,
