@@ -189,7 +189,7 @@ def test_fused_moe_fp8_block(dtype, tokens, experts, hidden, inter, top_k, renor
     x[0, :BLOCK] *= 30.0  # one group far larger than its row's others: per-group scales matter
     # Distinct within a row in bf16 too (a random order of a grid over [-2, 2)): random bf16
     # logits can tie at the top-k boundary, where the kernel and the reference's torch.topk may
-    # pick different experts (both right): one run in a few failed so.
+    # pick different experts (both right): likely what failed one local run of a few.
     ranks = torch.stack([torch.randperm(experts) for _ in range(tokens)]).double()
     logits = (ranks * (4.0 / experts) - 2.0).to(dtype=dtype, device=DEVICE)
     w13, s13, w2, s2 = random_experts(experts, hidden, inter)
