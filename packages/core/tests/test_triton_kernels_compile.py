@@ -27,12 +27,17 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     ROUTING_WARPS,
     SCATTER_BLOCK,
     SCATTER_WARPS,
+    SUM_BLOCK_N,
+    SUM_WARPS,
     align_constexprs,
+    max_row_blocks,
     moe_align_kernel,
     moe_gemm_kernel,
     moe_route_align_kernel,
+    moe_route_one_kernel,
     moe_routing_kernel,
     moe_scatter_kernel,
+    moe_sum_kernel,
 )
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
@@ -190,22 +195,23 @@ def test_rotary(arch: str, is_neox: bool) -> None:
     ("heads", "kv_heads", "head_size", "rot_dim"), [(9, 3, 64, 64), (32, 8, 128, 64)]
 )
 @pytest.mark.parametrize("kv_fp8", [False, True], ids=["bf16-cache", "fp8-cache"])
+@pytest.mark.parametrize("head_norm", [False, True], ids=["", "head-norms"])
 def test_rotary_and_cache(
-    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int, kv_fp8: bool
-) -> None:
+    arch: str, heads: int, kv_heads: int, head_size: int, rot_dim: int, kv_fp8: bool,
+    head_norm: bool,
+) -> None:  # fmt: skip
     signature = types(
         rotary_and_cache_kernel, torch.bfloat16, positions_ptr="*i64", slot_ptr="*i64",
-        cos_sin_ptr="*fp32", half_cache="i64", **KV_SCALES,
+        cos_sin_ptr="*fp32", half_cache="i64", norm_eps="fp32", **KV_SCALES,
         kv_cache_ptr="*fp8e4nv" if kv_fp8 else "*bf16",
     )  # fmt: skip
-    constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim)
+    constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim) | {
+        "HEAD_PAD": head_size, "IS_NEOX": True, "KV_FP8": kv_fp8, "HEAD_NORM": head_norm,
+    }  # fmt: skip
     compiled_ok(
-        rotary_and_cache_kernel,
-        arch,
-        types=signature,
-        constexprs=constexprs | {"HEAD_PAD": head_size, "IS_NEOX": True, "KV_FP8": kv_fp8},
+        rotary_and_cache_kernel, arch, types=signature, constexprs=constexprs,
         num_warps=ROTARY_WARPS,
-    )
+    )  # fmt: skip
 
 
 def attention_types(
@@ -367,6 +373,32 @@ def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, bl
             "BLOCK_M": block_m, "BLOCKS_CHUNK": ALIGN_BLOCKS_CHUNK,
         },
         num_warps=ROUTE_ALIGN_WARPS,
+    )  # fmt: skip
+    int_types = {n: "*i32" for n in moe_route_one_kernel.arg_names if n.endswith("_ptr")}
+    blocks = max_row_blocks(top_k, experts, block_m)
+    compiled_ok(
+        moe_route_one_kernel,
+        arch,
+        types=types(
+            moe_route_one_kernel, torch.bfloat16,
+            **int_types | {"logits_ptr": "*bf16", "weights_ptr": "*fp32"},
+        ),
+        constexprs={
+            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+            "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": True, "BLOCK_M": block_m,
+            "BLOCKS_PAD": triton.next_power_of_2(blocks),
+        },
+        num_warps=ROUTE_ALIGN_WARPS,
+    )  # fmt: skip
+    compiled_ok(
+        moe_sum_kernel,
+        arch,
+        types=types(moe_sum_kernel, torch.bfloat16),
+        constexprs={
+            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+            "BLOCK_N": SUM_BLOCK_N,
+        },
+        num_warps=SUM_WARPS,
     )  # fmt: skip
     int_types = {n: "*i32" for n in moe_align_kernel.arg_names if n.endswith("_ptr")}
     compiled_ok(
