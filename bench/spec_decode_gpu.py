@@ -178,36 +178,47 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
             figures[f"{prefix}_engine_{name}_target_ms"] = round(step_ms - propose_median, 3)
         if draft_graphs is not None:
             figures["eagle3_head_graph_replays"] = draft_graphs.num_replays
-            if args.profile:
-                runner.execute_model(decode)  # the proposal after a decode step, replayed below
-                profile_proposals(propose, last_call[0], args.steps)
+    if args.profile:  # the last way timed: graphed where the platform has graphs
+        runner.execute_model(decode)  # the proposal after a decode step, repeated below
+        how = "graphed" if proposer.graphs is not None else "eager"
+        profile_proposals(propose, last_call[0], args.steps, how)
     figures["eagle3_timed_full_graph_replays"] = getattr(step_runner, "num_replays", 0) - replays
     figures["eagle3_engine_start_s"] = round(start_s, 1)
     llm.shutdown()
     return figures
 
 
-def profile_proposals(propose, given: tuple, steps: int, top: int = 20) -> None:
+def profile_proposals(propose, given: tuple, steps: int, how: str, top: int = 20) -> None:
     """The kernels of ``steps`` repeats of one proposal (the same rows and slots each time: the
-    head's cache writes land where they did), per proposal, and its wall time beside them."""
+    head's cache writes land where they did), per proposal, and its wall time beside them. On a
+    CPU (a smoke run) the table lists the CPU's operators instead."""
     from torch.profiler import ProfilerActivity, profile
 
+    propose = torch.inference_mode()(propose)  # as the runner calls it (execute_model's mode)
     wall_ms = median_ms(lambda: propose(*given), steps)
+    on_gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             propose(*given)
         synchronize()
-    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+    device = torch.autograd.DeviceType.CUDA if on_gpu else torch.autograd.DeviceType.CPU
+    kernels = [e for e in prof.key_averages() if e.device_type == device]
+
+    def self_us(e) -> float:
+        return e.self_device_time_total if on_gpu else e.self_cpu_time_total
+
+    busy_us = sum(self_us(e) for e in kernels) / steps
     print(
-        f"EAGLE-3 proposal (graphed, after a decode step): {wall_ms:.3f} ms wall (median of "
-        f"{steps}), GPU kernels {gpu_us / 1e3:.3f} ms a proposal"
+        f"EAGLE-3 proposal ({how}, after a decode step): {wall_ms:.3f} ms wall (median of "
+        f"{steps}), {'GPU kernels' if on_gpu else 'CPU operators'} {busy_us / 1e3:.3f} ms a "
+        f"proposal"
     )
-    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    print(f"{'kernel':<90} {'us/call':>9} {'launches/call':>13}")
+    kernels.sort(key=self_us, reverse=True)
+    print(f"{'kernel' if on_gpu else 'operator':<90} {'us/call':>9} {'calls/proposal':>14}")
     for e in kernels[:top]:
-        print(f"{e.key[:90]:<90} {e.self_device_time_total / steps:9.1f} {e.count / steps:13.1f}")
+        print(f"{e.key[:90]:<90} {self_us(e) / steps:9.1f} {e.count / steps:14.1f}")
 
 
 def engine(args: argparse.Namespace, speculative: dict, **kwargs) -> LLM:
