@@ -534,7 +534,6 @@ def route_and_align(
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     if tokens == 1:
         moe_route_one_kernel[(1,)](
             router_logits, weights, ids, sorted_pairs, block_expert, total, num_experts, blocks,
@@ -543,6 +542,7 @@ def route_and_align(
             BLOCKS_PAD=triton.next_power_of_2(blocks), num_warps=ROUTE_ALIGN_WARPS,
         )  # fmt: skip
         return weights, ids, (sorted_pairs, block_expert, total)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)  # the scatter's
     tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)
     moe_route_align_kernel[(1,)](
         router_logits, weights, ids, sorted_pairs, block_expert, total, cursor, tokens,

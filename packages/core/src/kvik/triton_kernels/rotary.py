@@ -10,13 +10,17 @@ them, and then quantized as ``kv_cache.reshape_and_cache`` does.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvik.layers.rotary import HeadNorms
 from kvik.triton_kernels.kv_cache import kv_scale_pointers, quantize_e4m3
+
+if TYPE_CHECKING:
+    from kvik.layers.rotary import HeadNorms
 
 
 @triton.jit
