@@ -800,15 +800,17 @@ def test_align_groups_every_pair_once(tokens: int, experts: int, top_k: int, blo
      (ROUTE_ALIGN_MAX_TOKENS, 6, 1, 64, False)],
 )  # fmt: skip
 def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormalize) -> None:
-    """The decode steps' single launch gives route()'s weights and ids bit for bit, and the
-    alignment align_to_blocks gives: the same runs (the order inside a run is free; one token's
+    """The decode steps' single launch gives route()'s ids, its weights to fp32's rounding (on
+    the H200 a [16, 128] tile's sums may add in another order than route()'s rows, one ulp
+    apart), and the alignment align_to_blocks gives: the same runs (the order inside a run is free; one token's
     runs, one pair each, come in the order of its k rather than of the experts' ids)."""
     logits = router_logits(tokens, experts, experts // 4, torch.float32)
     weights, ids, (sorted_pairs, block_expert, total) = route_and_align(
         logits, top_k, renormalize, experts, block_m
     )
     ref_weights, ref_ids = route(logits, top_k, renormalize)
-    assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-7)
     ref_sorted, ref_block_expert, ref_total = align_to_blocks(ref_ids, experts, block_m)
     assert torch.equal(total, ref_total) and sorted_pairs.shape == ref_sorted.shape
     assert block_expert.shape == ref_block_expert.shape
