@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -143,6 +144,13 @@ def test_n_and_stop(client, offline):
     assert got == {o.index: o.text for o in expected.outputs}
 
 
+def post_json(server, path: str, body: dict) -> httpx.Response:
+    """POST ``body`` as ASCII JSON (``json.dumps``' escapes, lone surrogates included: httpx's own
+    encoder cannot write those)."""
+    headers = server.headers | {"Content-Type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), headers=headers)
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -156,15 +164,59 @@ def test_n_and_stop(client, offline):
         ({"prompt": "x" * 300, "max_tokens": 2}, None),
         ({"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
         ({"max_tokens": 2}, "prompt"),
+        # Past the int64 seeds the engine's messages carry (was a 500).
+        ({"prompt": "hi", "seed": 2**70, "max_tokens": 2}, None),
+        # JSON can carry a lone UTF-16 surrogate; the tokenizer cannot (was a 500).
+        ({"prompt": "hi \ud800", "max_tokens": 2}, None),
     ],
 )
 def test_bad_completion_requests_get_400(server, body, param):
-    response = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
+    response = post_json(server, "/v1/completions", body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["message"] and error["type"] == "BadRequestError" and error["code"] == 400
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"chat_template": "{{ raise_exception('no system messages') }}"}, "no system messages"),
+        ({"chat_template": "{% for %}"}, "TemplateSyntaxError"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "may not set"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a string"),
+        ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "name must be a string"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
+    ],
+)
+def test_bad_chat_requests_get_400(server, body, message):
+    """Templates that fail, template arguments kvik sets itself, malformed parts and text: the
+    request's fault, each a 400 naming it (each was a 500)."""
+    body = {"messages": MESSAGES, "max_tokens": 2} | body
+    response = post_json(server, "/v1/chat/completions", body)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_text_parts_are_joined_as_vllm_joins_them(client):
+    """Content as a list of text parts (the openai client's typed form) reaches the template as
+    one string, the parts joined by newlines: the same answer as that string (it was a 500 with
+    every string-content template)."""
+    model = client.models.list().data[0].id
+    parts = [
+        {"type": "text", "text": "What is the capital"},
+        {"type": "text", "text": "of France?"},
+    ]
+    answers = [
+        client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
+            temperature=0,
+        ).choices[0].message.content
+        for content in (parts, "What is the capital\nof France?")
+    ]  # fmt: skip
+    assert answers[0] == answers[1] and answers[0]
 
 
 def test_error_statuses(server):

@@ -59,6 +59,8 @@ def test_greedy_below_vllms_temperature_threshold() -> None:
         ({"stop": ["a", 3]}, "stop must be"),
         ({"stop_token_ids": [1, "2"]}, "stop_token_ids must be"),
         ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"seed": 2**63}, r"seed must be an int in \[-2\*\*63, 2\*\*63\)"),
+        ({"seed": -(2**63) - 1}, "seed must be an int in"),
         ({"allowed_token_ids": [True]}, "allowed_token_ids must be"),
         ({"bad_words": "word"}, "bad_words must be"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
@@ -83,6 +85,8 @@ def test_invalid(kwargs: dict, message: str) -> None:
         {"logprobs": -1, "prompt_logprobs": 0},
         {"logit_bias": {5: -100, 6: 100.0}},
         {"allowed_token_ids": [1, 2], "bad_words": ["x"]},
+        {"seed": -(2**63)},
+        {"seed": 2**63 - 1},
     ],
 )
 def test_valid_edges(kwargs: dict) -> None:

@@ -157,8 +157,9 @@ class SamplingParams:
             )
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(2**63) <= self.seed < 2**63):
+            # A 64-bit signed integer, as vLLM's API takes it (and as it crosses to the engine).
+            raise ValueError(f"seed must be an int in [-2**63, 2**63) or None, got {self.seed!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be an int >= 1 or None, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:

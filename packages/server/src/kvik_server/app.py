@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import kvik
 from kvik.engine.args import EngineArgs
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
+from kvik.engine.input_processor import encode_text
 from kvik_server.errors import APIError, error_body
 from kvik_server.metrics import PrometheusStatLogger
 from kvik_server.protocol import (
@@ -191,8 +192,8 @@ def _add_routes(app: FastAPI) -> None:
         if body.messages is not None:
             tokens = request.app.state.chat.prompt(body)["prompt_token_ids"]
         else:
-            tokens = engine.tokenizer.encode(
-                body.prompt, add_special_tokens=body.add_special_tokens
+            tokens = encode_text(
+                engine.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
             )
         return {
             "count": len(tokens),

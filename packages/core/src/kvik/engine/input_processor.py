@@ -36,6 +36,20 @@ def load_tokenizer(name_or_path: str | Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
+def encode_text(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+    """``tokenizer.encode(text, **kwargs)`` for text that is valid Unicode. JSON can carry lone
+    UTF-16 surrogates ("\\ud800"), which Python keeps in a str and the tokenizers library
+    refuses with a TypeError: that is the request's fault, so it is refused as a ValueError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"text must be valid Unicode: it holds a lone surrogate {text[e.start]!r} at "
+            f"character {e.start}"
+        ) from None
+    return list(tokenizer.encode(text, **kwargs))
+
+
 class InputProcessor:
     def __init__(self, model_config: ModelConfig) -> None:
         self.model_config = model_config
@@ -114,7 +128,7 @@ class InputProcessor:
                     f"text prompts need a tokenizer, and {self.model_config.path} has none: pass "
                     "token ids, or tokenizer=<folder>"
                 )
-            return prompt, list(self.tokenizer.encode(prompt))
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, Sequence):
             return None, list(prompt)
         raise ValueError(
@@ -139,18 +153,34 @@ class InputProcessor:
             raise ValueError(f"chat needs a tokenizer, and {self.model_config.path} has none")
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the model has no chat template: pass chat_template=")
-        text = self.tokenizer.apply_chat_template(
-            conversation,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **(chat_template_kwargs or {}),
-        )
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or ()))
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: kvik sets them (a "
+                "request has add_generation_prompt, continue_final_message and chat_template "
+                "fields of its own)"
+            )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                flatten_text_parts(conversation),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
+        except Exception as e:
+            # jinja2's TemplateError (and its syntax error): a template that does not parse, or
+            # one that refuses the conversation (raise_exception), so the request's template or
+            # messages are at fault. Matched by module: jinja2 is transformers' optional import.
+            if not type(e).__module__.startswith("jinja2"):
+                raise
+            what = "the chat template" if chat_template is None else "the given chat_template"
+            raise ValueError(f"{what} failed: {type(e).__name__}: {e}") from None
         # The template writes any BOS itself, so no special tokens are added here.
         return {
             "prompt": text,
-            "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False),
+            "prompt_token_ids": encode_text(self.tokenizer, text, add_special_tokens=False),
         }
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
@@ -158,7 +188,7 @@ class InputProcessor:
         sequences: list[list[int]] = []
         for word in params.bad_words or ():
             for text in (word.lstrip(), " " + word.lstrip()):
-                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                ids = encode_text(self.tokenizer, text, add_special_tokens=False)
                 if ids and ids not in sequences:
                     sequences.append(ids)
         return sequences
@@ -198,8 +228,34 @@ def validate_conversation(conversation: Any) -> None:
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise ValueError(f"message {i}: only text content parts are supported")
+            for j, part in enumerate(content):
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"message {i} content part {j} needs a string 'text'")
         elif not isinstance(content, str) and not (content is None and role == "assistant"):
             raise ValueError(f"message {i} content must be a string or a list of text parts")
+        if "name" in message and not isinstance(message["name"], str):
+            raise ValueError(f"message {i} name must be a string")
+
+
+def flatten_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each message whose content is a list of text parts with its texts joined by newlines, as
+    vLLM hands them to string-content templates: templates of text models (SmolLM2's, Llama's,
+    Qwen's) concatenate ``message['content']`` as a string and fail on a list."""
+    return [
+        {**m, "content": "\n".join(p["text"] for p in m["content"])}
+        if isinstance(m.get("content"), list)
+        else m
+        for m in conversation
+    ]
+
+
+#: Arguments of ``apply_chat_template`` that kvik sets itself (or that would change what it
+#: returns): a request's chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 def child_requests(parent_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
