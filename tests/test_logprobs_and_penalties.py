@@ -125,3 +125,16 @@ def test_bad_token_ids_out_of_vocab_are_refused(llm_and_hf):
     ):
         with pytest.raises(ValueError, match="1000|vocab"):
             llm.generate([[5, 6, 7]], params, use_tqdm=False)
+
+
+def test_priorities_and_seeds_at_the_int64_edges(llm_and_hf):
+    """Priorities and seeds cross to the engine core as 64-bit signed integers: one past them is
+    refused before any prompt is added, and the edges work (child seeds of n > 1 wrap)."""
+    llm, _ = llm_and_hf
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="priority must be in"):
+        llm.generate([[5, 6], [7, 8]], params, priority=[0, 2**63], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    edge = SamplingParams(max_tokens=2, temperature=1.0, seed=2**63 - 1, n=2)
+    (out,) = llm.generate([[5, 6]], edge, priority=[-(2**63)], use_tqdm=False)
+    assert [len(o.token_ids) for o in out.outputs] == [2, 2]

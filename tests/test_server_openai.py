@@ -166,6 +166,7 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"max_tokens": 2}, "prompt"),
         # Past the int64 seeds the engine's messages carry (was a 500).
         ({"prompt": "hi", "seed": 2**70, "max_tokens": 2}, None),
+        ({"prompt": "hi", "priority": 10**30, "max_tokens": 2}, None),
         # JSON can carry a lone UTF-16 surrogate; the tokenizer cannot (was a 500).
         ({"prompt": "hi \ud800", "max_tokens": 2}, None),
     ],

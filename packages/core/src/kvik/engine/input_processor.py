@@ -201,6 +201,7 @@ class InputProcessor:
         priority: int,
         arrival_time: float,
     ) -> Request:
+        check_priority(priority)
         room = self.model_config.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         return Request(
@@ -213,6 +214,14 @@ class InputProcessor:
             priority=priority,
             bad_words_token_ids=self.bad_words_token_ids(params) if params.bad_words else [],
         )
+
+
+def check_priority(priority: Any) -> None:
+    """A request's priority: an int that the engine core's messages carry (64-bit signed)."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an int, got {priority!r}")
+    if not -(2**63) <= priority < 2**63:
+        raise ValueError(f"priority must be in [-2**63, 2**63), got {priority}")
 
 
 def validate_conversation(conversation: Any) -> None:
@@ -265,7 +274,12 @@ def child_requests(parent_id: str, params: SamplingParams) -> list[tuple[str, Sa
     return [
         (
             f"{index}_{parent_id}",
-            replace(params, n=1, seed=None if params.seed is None else params.seed + index),
+            # Child i's seed is the parent's plus i, wrapped within the 64-bit signed range.
+            replace(
+                params,
+                n=1,
+                seed=None if params.seed is None else (params.seed + index + 2**63) % 2**64 - 2**63,
+            ),
         )
         for index in range(params.n)
     ]

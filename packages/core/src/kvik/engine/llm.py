@@ -13,7 +13,12 @@ from tqdm.auto import tqdm
 
 from kvik.engine.args import EngineArgs
 from kvik.engine.core import EngineCore
-from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
+from kvik.engine.input_processor import (
+    InputProcessor,
+    PromptType,
+    check_priority,
+    child_requests,
+)
 from kvik.engine.options import option_specs
 from kvik.engine.output_processor import OutputProcessor
 from kvik.outputs import RequestOutput
@@ -81,6 +86,8 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
+        for prio in priorities:
+            check_priority(prio)
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
         processed = [
             self.input_processor.process(prompt, params)
