@@ -303,3 +303,21 @@ def test_gguf_refuses_tensor_parallelism(as_second_of_two, tmp_path):
     config = SimpleNamespace(load_format="gguf", path=tmp_path / "m.gguf", dtype=torch.float32)
     with pytest.raises(ValueError, match="GGUF checkpoints do not load under tensor parallelism"):
         iterate_weights(config)
+
+
+@pytest.mark.parametrize("kind", ["indivisible", "mixtral"])
+def test_refusals_come_before_any_rank_starts(tmp_path, kind):
+    """What a rank would refuse while building its model (heads that do not split, a mixture of
+    experts) is refused by the engine's configuration, in this process: one ValueError, not a
+    traceback from every rank."""
+    from kvik.engine.args import EngineArgs
+
+    if kind == "mixtral":
+        from tiny_moe_models import build_tiny_moe
+
+        folder, message = build_tiny_moe("mixtral", tmp_path / kind), "a mixture of experts"
+    else:
+        folder, message = _build_indivisible_model(tmp_path / kind), "3 attention heads do not"
+    args = EngineArgs(model=str(folder), tensor_parallel_size=2, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        args.create_engine_config()

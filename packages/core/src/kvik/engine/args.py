@@ -210,7 +210,7 @@ class EngineArgs:
             )
 
     def create_engine_config(self) -> EngineConfig:
-        from kvik.model_loader.loader import load_model_config
+        from kvik.model_loader.loader import check_tensor_parallel, load_model_config
         from kvik.platforms.selection import select_platform
         from kvik.quantization.resolve import check_platform_supports
         from kvik.scheduler.scheduler import SchedulerConfig
@@ -236,6 +236,7 @@ class EngineArgs:
             quantization=self.quantization,
         )
         check_platform_supports(platform, model_config.quantization)
+        check_tensor_parallel(model_config, parallel.tensor_parallel_size)
         structured_outputs = StructuredOutputsConfig(
             backend=self.structured_outputs_backend, reasoning_parser=self.reasoning_parser
         )

@@ -10,6 +10,7 @@ from torch import nn
 
 from kvik.config import LOAD_FORMATS, ModelConfig, parse_dtype, read_generation_config
 from kvik.distributed.parallel_state import get_tp_group
+from kvik.layers.linear import heads_per_rank
 from kvik.model_loader.dummy import load_dummy_weights
 from kvik.model_loader.generation_config import sampling_defaults
 from kvik.model_loader.gguf_loader import (
@@ -107,6 +108,33 @@ def _architecture(hf_config, path) -> str:
     return archs[0]
 
 
+def check_tensor_parallel(model_config: ModelConfig, tp_size: int) -> None:
+    """What the ranks would refuse while building the model, refused before they start (a user's
+    error then reads as one message, not as every rank's traceback): a GGUF checkpoint, a mixture
+    of experts, attention heads that do not split between the ranks."""
+    if tp_size == 1:
+        return
+    if model_config.load_format == "gguf":
+        raise ValueError(gguf_tensor_parallel_message(tp_size))
+    hf = model_config.hf_config
+    if getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None):
+        raise ValueError(
+            f"{model_config.architecture} (a mixture of experts) does not run under tensor "
+            f"parallelism yet (asked for {tp_size} ranks); use --tensor-parallel-size 1"
+        )
+    heads = getattr(hf, "num_attention_heads", None)
+    if heads:
+        heads_per_rank(heads, getattr(hf, "num_key_value_heads", None) or heads, tp_size)
+
+
+def gguf_tensor_parallel_message(tp_size: int) -> str:
+    return (
+        f"GGUF checkpoints do not load under tensor parallelism (asked for {tp_size} ranks): "
+        "their quantized blocks are dequantized whole; use a safetensors checkpoint or "
+        "--tensor-parallel-size 1"
+    )
+
+
 def iterate_weights(
     model_config: ModelConfig,
 ) -> Iterable[tuple[str, torch.Tensor | CheckpointSlice]]:
@@ -115,11 +143,7 @@ def iterate_weights(
     tp_size = get_tp_group().world_size
     if model_config.load_format == "gguf":
         if tp_size > 1:
-            raise ValueError(
-                f"GGUF checkpoints do not load under tensor parallelism (asked for {tp_size} "
-                "ranks): their quantized blocks are dequantized whole; use a safetensors "
-                "checkpoint or --tensor-parallel-size 1"
-            )
+            raise ValueError(gguf_tensor_parallel_message(tp_size))
         return iter_gguf_weights(model_config.path, model_config.dtype)
     if tp_size > 1:
         return iterate_safetensors_slices(model_config.path)

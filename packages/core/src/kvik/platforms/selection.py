@@ -9,8 +9,10 @@ from kvik.platforms.base import Platform
 from kvik.plugins.manager import KvikPluginManager, get_plugin_manager
 
 
-class PlatformError(RuntimeError):
-    """No platform can be chosen; the message says why and what was found."""
+class PlatformError(RuntimeError, ValueError):
+    """No platform can be chosen; the message says why and what was found. A ValueError too: it
+    is the user's choice of device (or install) at fault, which the CLI and server report as
+    such."""
 
 
 @dataclass(frozen=True)
