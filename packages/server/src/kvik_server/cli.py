@@ -37,7 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM",
     )
-    server.add_argument("--log-level", default="info")
+    server.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug",
+                                                "trace"]
+    )  # fmt: skip
     server.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
@@ -67,16 +70,15 @@ def run(args: argparse.Namespace) -> int:
     from kvik_server.app import ServerSettings, create_app
     from kvik_server.tools.choice import ToolOptions
 
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # uvicorn's "trace" is below logging's levels: DEBUG for kvik's own loggers.
+    level = "DEBUG" if args.log_level == "trace" else args.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_keys = args.api_key or (
         [os.environ["KVIK_API_KEY"]] if os.environ.get("KVIK_API_KEY") else []
     )
-    chat_template = args.chat_template
-    if chat_template is not None and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
     try:
+        check_server_options(args, api_keys)
+        chat_template = load_chat_template(args.chat_template)
         options = engine_args(args)
         tool_options = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser)
         if args.reasoning_parser is not None and args.reasoning_parser not in REASONING_PARSERS:
@@ -108,6 +110,51 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
     return 0
+
+
+def check_server_options(args: argparse.Namespace, api_keys: list[str]) -> None:
+    """The server's own options, checked before the engine loads (minutes on a GPU)."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if any(not key for key in api_keys):
+        raise ValueError("--api-key must not be empty (leave it out for no authentication)")
+    if any(not name.strip() for name in args.served_model_name or ()):
+        raise ValueError("--served-model-name must not be empty")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file holding a Jinja template, or the template itself. Text with no
+    Jinja in it is most likely a mistyped file name (used as a template, it would be every chat
+    prompt), so it is refused; a template that does not parse is refused here rather than at
+    every chat request."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        template = path.read_text()
+    elif "{{" not in value and "{%" not in value:
+        raise ValueError(
+            f"--chat-template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% "
+            "in it)"
+        )
+    else:
+        template = value
+    try:
+        # transformers' own environment: its extensions ({% generation %}, loop controls) are
+        # what templates may use. A private helper: where it is gone, requests report errors.
+        from jinja2 import TemplateSyntaxError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return template
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not parse: {e} (line {e.lineno})") from None
+    return template
 
 
 def main(argv: Sequence[str] | None = None) -> int:
