@@ -138,3 +138,15 @@ def test_priorities_and_seeds_at_the_int64_edges(llm_and_hf):
     edge = SamplingParams(max_tokens=2, temperature=1.0, seed=2**63 - 1, n=2)
     (out,) = llm.generate([[5, 6]], edge, priority=[-(2**63)], use_tqdm=False)
     assert [len(o.token_ids) for o in out.outputs] == [2, 2]
+
+
+def test_the_offline_api_names_what_it_was_given(llm_and_hf):
+    llm, _ = llm_and_hf
+    params = SamplingParams(max_tokens=2)
+    with pytest.raises(ValueError, match="or a list of them, got NoneType"):
+        llm.generate(None, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams .* got dict"):
+        llm.generate([[5, 6]], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
+        llm.generate([[5, 6], [7]], [params], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()

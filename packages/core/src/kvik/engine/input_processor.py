@@ -60,6 +60,11 @@ class InputProcessor:
     def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str | dict):
             return [prompts]
+        if not isinstance(prompts, Sequence):
+            raise ValueError(
+                "prompts must be a prompt (text, token ids or a dict) or a list of them, got "
+                f"{type(prompts).__name__}"
+            )
         prompts = list(prompts)
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [prompts]  # one prompt of token ids

@@ -77,6 +77,11 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
+        elif not isinstance(sampling_params, Sequence):
+            raise ValueError(
+                "sampling_params must be SamplingParams or a list of them, one a prompt, got "
+                f"{type(sampling_params).__name__}"
+            )
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
