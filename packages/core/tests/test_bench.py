@@ -246,6 +246,20 @@ def test_bench_serve_reports_every_metric(fake_server, tmp_path) -> None:
     assert all(r["temperature"] == 0.0 and r["max_tokens"] == 5 for r in sent)
 
 
+def test_bench_serve_refuses_bad_options_and_a_missing_server(capsys) -> None:
+    """A clear line and status 2, not a traceback: no server at --base-url (port 1 is never
+    served), a rate or a concurrency that cannot be."""
+    base = ["bench", "serve", "--vocab-size", "300", "--num-prompts", "2"]
+    cases = [
+        (["--base-url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1"),
+        (["--request-rate", "0"], "--request-rate must be > 0"),
+        (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    ]
+    for flags, message in cases:
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_bench_serve_fails_requests_that_come_back_short(fake_server, tmp_path) -> None:
     FakeCompletions.short_by = 1
     out = tmp_path / "serve.json"

@@ -90,12 +90,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import httpx  # noqa: F401
+        import httpx  # noqa: F401  (imported again below, once it is known to be there)
     except ImportError:
         print("kvik bench serve needs httpx: pip install 'kvik[bench]'", file=sys.stderr)
         return 2
+    import httpx
+
     try:
+        if not args.request_rate > 0:
+            raise ValueError(f"--request-rate must be > 0 (or inf), got {args.request_rate}")
+        if args.max_concurrency is not None and args.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         result = asyncio.run(benchmark(args))
+    except httpx.TransportError as e:
+        # No server at --base-url (or it went away): say where it was looked for.
+        print(f"kvik bench serve: cannot reach {args.base_url}: {e}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         print(f"kvik bench serve: {e}", file=sys.stderr)
         return 2
