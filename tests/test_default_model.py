@@ -309,14 +309,16 @@ def test_kvik_chat_command():
     kvik = [sys.executable, "-m", "kvik"]
     chat = subprocess.run(
         [*kvik, "chat", "--max-model-len", "512", "--max-tokens", "24", "--enforce-eager"],
-        input="What is the capital of France?\n",
+        # A line that is not UTF-8 first: refused alone, and the chat goes on.
+        input=b"\xff\xfe\nWhat is the capital of France?\n",
         capture_output=True,
-        text=True,
         timeout=300,
         env=env,
     )
-    assert chat.returncode == 0, chat.stderr
-    assert "Paris" in chat.stdout
+    stdout, stderr = chat.stdout.decode(), chat.stderr.decode()
+    assert chat.returncode == 0, stderr
+    assert "kvik chat: text must be valid Unicode" in stderr
+    assert "Paris" in stdout
 
 
 def test_stop_string_spanning_two_tokens(llm_fp32):

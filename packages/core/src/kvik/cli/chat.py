@@ -38,17 +38,28 @@ def run(args: argparse.Namespace) -> int:
     while True:
         if interactive:
             print(">>> ", end="", flush=True)
-        line = sys.stdin.readline()
+        # Bytes, decoded here: bytes that are not UTF-8 become lone surrogates, which the chat
+        # template's tokenization then refuses for that line alone (sys.stdin's own decoding
+        # may be strict, and would end the chat with a traceback).
+        line = sys.stdin.buffer.readline().decode("utf-8", "surrogateescape")
         if not line or not line.strip():
             return 0
         if line.strip() == "/reset":
             conversation = list(start)
             continue
         conversation.append({"role": "user", "content": line.rstrip("\n")})
-        prompt = llm.input_processor.apply_chat_template(conversation)
         reply = []
-        for chunk in llm.stream(prompt, params):
-            reply.append(chunk)
-            print(chunk, end="", flush=True)
+        try:
+            prompt = llm.input_processor.apply_chat_template(conversation)
+            for chunk in llm.stream(prompt, params):
+                reply.append(chunk)
+                print(chunk, end="", flush=True)
+        except ValueError as e:
+            # This line cannot be a message (bytes that are not UTF-8, a conversation grown past
+            # the model's length; both are refused before a token is made): say so, drop it,
+            # and go on with the conversation.
+            print(f"kvik chat: {e}", file=sys.stderr)
+            conversation.pop()
+            continue
         print(flush=True)
         conversation.append({"role": "assistant", "content": "".join(reply)})
