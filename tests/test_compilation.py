@@ -58,6 +58,26 @@ def test_compiled_model_gives_the_eager_tokens(kind, tiny_model, cache_dir):
     assert any(p.is_file() for p in cache_dir.rglob("*"))  # inductor's caches went there
 
 
+def test_compiled_bf16_model_on_the_cpus_packed_kernels(tiny_model, cache_dir):
+    """bf16 on a CPU with native bf16 runs kvik_cpu's packed-weight C++ products; dynamo traces
+    them through their fake implementations (kvik_cpu.extension), which they lacked: the
+    compiled default model failed at its first linear layer. Same greedy tokens as eager."""
+    folder = tiny_model("llama")
+    prompts = [{"prompt_token_ids": p} for p in ragged_prompts(5, seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    common = dict(
+        dtype="bfloat16", device="cpu", max_num_batched_tokens=48, max_num_seqs=4, num_kv_blocks=64
+    )
+    eager = LLM(str(folder), enforce_eager=True, **common)
+    expected = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+    del eager
+    config = json.dumps({"mode": 3, "cache_dir": str(cache_dir)})
+    llm = LLM(str(folder), compilation_config=config, **common)
+    assert llm.engine.runner.step_runner.compiled is not None
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == expected
+
+
 def test_split_at_attention_cuts_around_each_attention_call():
     import torch.fx as fx
 

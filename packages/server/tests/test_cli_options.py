@@ -42,3 +42,9 @@ def test_a_template_file_with_transformers_extensions_loads(tmp_path):
     assert load_chat_template(str(path)) == template
     assert load_chat_template(template) == template
     assert load_chat_template(None) is None
+
+
+def test_an_engine_configuration_error_is_one_line(capsys):
+    """A mistyped model is found before the app starts (in its lifespan it was a traceback)."""
+    assert main(["/no/such/model"]) == 2
+    assert "kvik serve: model '/no/such/model' is neither a local folder" in capsys.readouterr().err

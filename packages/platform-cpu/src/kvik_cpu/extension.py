@@ -108,4 +108,31 @@ def load() -> str | None:
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         logger.warning("kvik_cpu's C++ ops did not build (%s); using PyTorch SDPA", reason)
         return reason
+    _register_fakes()
     return None
+
+
+def _register_fakes() -> None:
+    """The output of each op a model's layers call, for torch.compile's tracing: dynamo runs the
+    model on fake tensors, which the C++ kernels cannot read (a compiled bf16 model failed at its
+    first linear layer without these)."""
+
+    def linear(x, packed, out_features, bias_fp32=None, fp32_out=False):
+        return x.new_empty(x.shape[0], out_features, dtype=torch.float32 if fp32_out else x.dtype)
+
+    def amx_linear(x, packed, out_features, bias_fp32=None):
+        return x.new_empty(x.shape[0], out_features)
+
+    def moe_experts(rows, counts, gate_up, down, intermediate):
+        return rows.new_empty(rows.shape)
+
+    def moe(hidden, weights, ids, gate_up, down, intermediate):
+        return hidden.new_empty(hidden.shape)
+
+    for name, fake in (
+        ("bf16_linear", linear),
+        ("amx_linear", amx_linear),
+        ("bf16_moe_experts", moe_experts),
+        ("bf16_moe", moe),
+    ):
+        torch.library.register_fake(f"kvik_cpu::{name}", fake)

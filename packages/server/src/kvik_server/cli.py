@@ -88,7 +88,11 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.max_stored_responses < 0:
             raise ValueError("--max-stored-responses must be >= 0")
-    except ValueError as e:
+        # The engine's configuration, checked here (the model, the platform, the parallel and
+        # quantization settings): the app builds the engine in its lifespan, where an error is a
+        # traceback and "Application startup failed".
+        options.create_engine_config()
+    except (ValueError, OSError) as e:
         print(f"kvik serve: {e}", file=sys.stderr)
         return 2
     settings = ServerSettings(

@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         llm = LLM(**engine_kwargs(args))
         params = sampling_params(args, llm.config.model.sampling_defaults)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a file the options name is missing
         print(f"kvik chat: {e}", file=sys.stderr)
         return 2
     start = [{"role": "system", "content": args.system}] if args.system else []

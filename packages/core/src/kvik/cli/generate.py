@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             messages = [{"role": "user", "content": args.prompt}]
             outputs = llm.chat(messages, params, use_tqdm=False)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a file the options name is missing
         print(f"kvik generate: {e}", file=sys.stderr)
         return 2
     print(outputs[0].outputs[0].text)

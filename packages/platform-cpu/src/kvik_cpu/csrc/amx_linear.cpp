@@ -196,6 +196,9 @@ at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out
 
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
   m.def("amx_pack(Tensor weight) -> Tensor", &amx_pack);
-  m.def("amx_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor",
-        &amx_linear);
+  // A kernel for the CPU key (not a catch-all), so that torch.compile can trace the op through
+  // its fake implementation (kvik_cpu/extension.py).
+  m.def("amx_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(kvik_cpu, CPU, m) { m.impl("amx_linear", &amx_linear); }

@@ -301,14 +301,20 @@ at::Tensor bf16_moe(const at::Tensor& hidden, const at::Tensor& weights, const a
 
 }  // namespace
 
+// Schemas here, kernels for the CPU key below: torch.compile traces the ops through their fake
+// implementations (kvik_cpu/extension.py), which an op defined with its kernel (a catch-all,
+// CompositeImplicitAutograd) cannot have.
 TORCH_LIBRARY_FRAGMENT(kvik_cpu, m) {
   m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias_fp32=None, "
-        "bool fp32_out=False) -> Tensor",
-        &bf16_linear);
+        "bool fp32_out=False) -> Tensor");
   m.def("bf16_moe_experts(Tensor rows, int[] counts, Tensor[] gate_up, Tensor[] down, "
-        "int intermediate) -> Tensor",
-        &bf16_moe_experts);
+        "int intermediate) -> Tensor");
   m.def("bf16_moe(Tensor hidden, Tensor weights, Tensor ids, Tensor[] gate_up, Tensor[] down, "
-        "int intermediate) -> Tensor",
-        &bf16_moe);
+        "int intermediate) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvik_cpu, CPU, m) {
+  m.impl("bf16_linear", &bf16_linear);
+  m.impl("bf16_moe_experts", &bf16_moe_experts);
+  m.impl("bf16_moe", &bf16_moe);
 }
