@@ -63,6 +63,12 @@ def test_models_version_tokenize(server, client, model, offline):
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     prompt = offline.input_processor.apply_chat_template(MESSAGES)
     assert chat["tokens"] == prompt["prompt_token_ids"]
+    # A request's own template, as the chat route takes it (it was ignored).
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    own = http.post("/tokenize", json={"messages": MESSAGES, "chat_template": template}).json()
+    assert own["tokens"] == offline.get_tokenizer().encode(
+        MESSAGES[0]["content"], add_special_tokens=False
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -98,6 +98,7 @@ class TokenizeRequest(OpenAIModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # as the chat route's: this request's template
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
