@@ -134,6 +134,49 @@ def test_chat_equals_offline(client, offline, stream):
     assert usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(server, client, offline):
+    """``prompt_logprobs`` come back per choice (vLLM's shape: None for the first token, then the
+    prompt's token and the top ones by id) equal to the offline engine's; ``echo`` with
+    ``logprobs`` puts the prompt's tokens before the generated ones (the first has none), in the
+    answer and in the stream's first chunk."""
+    (expected,) = offline.generate("The cat", greedy(4, logprobs=1, prompt_logprobs=2), False)
+    want = expected.prompt_logprobs
+    model = client.models.list().data[0].id
+    http = httpx.Client(base_url=server.url, headers=server.headers)
+    body = {"model": model, "prompt": "The cat", "max_tokens": 4, "temperature": 0}
+    got = http.post("/v1/completions", json=body | {"prompt_logprobs": 2}).json()
+    entries = got["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(expected.prompt_token_ids) == len(want)
+    for token_id, entry, offline_entry in zip(expected.prompt_token_ids[1:], entries[1:], want[1:]):
+        assert str(token_id) in entry
+        for key, value in entry.items():
+            assert value["logprob"] == pytest.approx(offline_entry[int(key)].logprob, abs=1e-4)
+    echoed = http.post("/v1/completions", json=body | {"echo": True, "logprobs": 1}).json()
+    logprobs = echoed["choices"][0]["logprobs"]
+    num_prompt = len(expected.prompt_token_ids)
+    assert len(logprobs["tokens"]) == num_prompt + len(expected.outputs[0].token_ids)
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    prompt_values = [e[t].logprob for t, e in zip(expected.prompt_token_ids[1:], want[1:])]
+    assert logprobs["token_logprobs"][1:num_prompt] == pytest.approx(prompt_values, abs=1e-4)
+    generated = [next(iter(d.values())).logprob for d in expected.outputs[0].logprobs]
+    assert logprobs["token_logprobs"][num_prompt:] == pytest.approx(generated, abs=1e-4)
+    assert echoed["choices"][0]["text"].startswith("The cat")
+    stream = client.completions.create(
+        model=model, prompt="The cat", max_tokens=4, temperature=0, echo=True, logprobs=1,
+        stream=True,
+    )  # fmt: skip
+    first = next(iter(stream)).choices[0]
+    stream.close()
+    assert first.text == "The cat" and first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(prompt_values, abs=1e-4)
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0},
+    ).json()
+    prompt = offline.input_processor.apply_chat_template(MESSAGES)["prompt_token_ids"]
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(prompt)
+
+
 def test_n_and_stop(client, offline):
     params = SamplingParams(temperature=0.8, seed=7, n=3, max_tokens=6, stop=["a"])
     (expected,) = offline.generate("Hello", params, use_tqdm=False)

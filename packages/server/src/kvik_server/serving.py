@@ -4,6 +4,7 @@ engine outputs to response bodies and server-sent events."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,8 @@ from kvik_server.protocol import (
     CompletionResponse,
     DeltaMessage,
     FunctionCall,
+    PromptLogprob,
+    PromptLogprobs,
     SamplingFields,
     ToolCall,
     TopLogprob,
@@ -195,9 +198,11 @@ class Completions:
             raise APIError("best_of > 1 is not supported", param="best_of")
         if request.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise APIError("echo with logprobs is not supported yet", param="echo")
         params = sampling_params(self.engine, request, request.max_tokens, 16, request.logprobs)
+        if request.echo and request.logprobs is not None and params.prompt_logprobs != -1:
+            # The echoed prompt's tokens get logprobs too (vLLM's echo): its top `logprobs`.
+            wanted = max(params.prompt_logprobs or 0, request.logprobs)
+            params = dataclasses.replace(params, prompt_logprobs=wanted)
         request_id = random_id("cmpl")
         prompts = self._prompts(request)
         kind = "delta" if request.stream else "final"
@@ -224,6 +229,44 @@ class Completions:
             return out.prompt
         return self.engine.tokenizer.decode(out.prompt_token_ids)
 
+    def _logprobs(
+        self, request: CompletionRequest, out: RequestOutput, echo: str, generated: Any
+    ) -> CompletionLogprobs | None:
+        """A choice's logprobs: the generated tokens', after the echoed prompt's with echo."""
+        if request.logprobs is None:
+            return None
+        result = _completion_logprobs(generated, len(echo))
+        if not echo:
+            return result
+        prompt = self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs, request.logprobs)
+        return CompletionLogprobs(
+            text_offset=prompt.text_offset + result.text_offset,
+            token_logprobs=prompt.token_logprobs + result.token_logprobs,
+            tokens=prompt.tokens + result.tokens,
+            top_logprobs=prompt.top_logprobs + result.top_logprobs,
+        )
+
+    def _echo_logprobs(self, token_ids: list[int], entries: Any, top: int) -> CompletionLogprobs:
+        """The echoed prompt's tokens with their logprobs and top ``top`` (the first token has
+        none: nothing predicts it), offsets from the start of the text, as vLLM gives them."""
+        result = CompletionLogprobs()
+        offset = 0
+        entries = entries or [None] * len(token_ids)
+        for token_id, entry in zip(token_ids, entries, strict=True):
+            if entry is None:
+                text, logprob, tops = self.engine.tokenizer.decode([token_id]), None, None
+            else:
+                chosen = entry[token_id]
+                text, logprob = _token_text(token_id, chosen), chosen.logprob
+                ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)[:top]
+                tops = {_token_text(t, lp): lp.logprob for t, lp in [(token_id, chosen), *ranked]}
+            result.tokens.append(text)
+            result.token_logprobs.append(logprob)
+            result.top_logprobs.append(tops)
+            result.text_offset.append(offset)
+            offset += len(text)
+        return result
+
     async def _collect(
         self, request: CompletionRequest, request_id: str, events: AsyncIterator, num_prompts: int
     ) -> CompletionResponse:
@@ -241,11 +284,12 @@ class Completions:
                 CompletionChoice(
                     index=index,
                     text=echo + completion.text,
-                    logprobs=_completion_logprobs(completion.logprobs, len(echo))
-                    if request.logprobs is not None
-                    else None,
+                    logprobs=self._logprobs(request, out, echo, completion.logprobs),
                     finish_reason=completion.finish_reason,
                     stop_reason=completion.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(out.prompt_logprobs)
+                    if request.prompt_logprobs is not None
+                    else None,
                 )
             )
         return CompletionResponse(
@@ -260,8 +304,13 @@ class Completions:
     ) -> AsyncIterator[str]:
         sent: dict[int, _Choice] = {}
         prompt_tokens: dict[int, int] = {}
+        # Each prompt's logprobs come once, on its stream's first output: kept for the echo of
+        # every choice of that prompt.
+        prompt_logprobs: dict[int, Any] = {}
         async for i, out in events:
             prompt_tokens[i] = len(out.prompt_token_ids)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[i] = out.prompt_logprobs
             for delta in out.outputs:
                 index = self._choice_index(request, i, delta.index)
                 choice = sent.get(index)
@@ -269,7 +318,12 @@ class Completions:
                     choice = sent[index] = _Choice()
                     echo = self._echo(request, out)
                     if echo:
-                        yield _sse(self._chunk(request_id, index, echo, None, None))
+                        echo_logprobs = None
+                        if request.logprobs is not None:
+                            echo_logprobs = self._echo_logprobs(
+                                out.prompt_token_ids, prompt_logprobs.get(i), request.logprobs
+                            )
+                        yield _sse(self._chunk(request_id, index, echo, echo_logprobs, None))
                 offset = choice.text_len
                 choice.advance(delta)
                 if not _worth_a_chunk(delta):
@@ -407,8 +461,15 @@ class ChatCompletions:
                 )
             )
         usage = _usage({0: num_prompt_tokens}, finals)
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and finals:
+            prompt_logprobs = _prompt_logprobs(next(iter(finals.values()))[0].prompt_logprobs)
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def _stream(
@@ -537,6 +598,23 @@ def _stream_usage(prompt_tokens: dict[int, int], sent: dict[int, _Choice]) -> Us
         completion_tokens=completion_tokens,
         total_tokens=prompt + completion_tokens,
     )
+
+
+def _prompt_logprobs(entries: Any) -> PromptLogprobs | None:
+    """RequestOutput.prompt_logprobs as the response carries them (vLLM's shape)."""
+    if entries is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            token_id: PromptLogprob(
+                logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def _token_text(token_id: int, logprob: Logprob) -> str:
