@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvik.cli.engine_args import add_engine_arguments, engine_args
+from kvik.engine.input_processor import chat_template_syntax_error
 from kvik_server.reasoning.parsers import REASONING_PARSERS
 from kvik_server.tools.parsers import TOOL_PARSERS
 
@@ -147,17 +148,9 @@ def load_chat_template(value: str | None) -> str | None:
         )
     else:
         template = value
-    try:
-        # transformers' own environment: its extensions ({% generation %}, loop controls) are
-        # what templates may use. A private helper: where it is gone, requests report errors.
-        from jinja2 import TemplateSyntaxError
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:
-        return template
-    try:
-        _compile_jinja_template(template)
-    except TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template does not parse: {e} (line {e.lineno})") from None
+    problem = chat_template_syntax_error(template)
+    if problem is not None:
+        raise ValueError(f"--chat-template does not parse: {problem}")
     return template
 
 

@@ -221,6 +221,25 @@ class InputProcessor:
         )
 
 
+def chat_template_syntax_error(template: str) -> str | None:
+    """Why a chat template does not parse, or None. Parsed in transformers' own environment, whose
+    extensions ({% generation %}, loop controls) templates may use; through a private helper, so
+    where it is gone nothing is checked here (requests then report the error)."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:
+        return None
+    try:
+        _compile_jinja_template(template)
+    except Exception as e:
+        # jinja2's TemplateSyntaxError, matched by module (jinja2 is transformers' import).
+        if not type(e).__module__.startswith("jinja2"):
+            raise
+        line = getattr(e, "lineno", None)
+        return f"{e} (line {line})" if line else str(e)
+    return None
+
+
 def check_priority(priority: Any) -> None:
     """A request's priority: an int that the engine core's messages carry (64-bit signed)."""
     if isinstance(priority, bool) or not isinstance(priority, int):
