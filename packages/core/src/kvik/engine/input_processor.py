@@ -175,10 +175,9 @@ class InputProcessor:
                 **(chat_template_kwargs or {}),
             )
         except Exception as e:
-            # jinja2's TemplateError (and its syntax error): a template that does not parse, or
-            # one that refuses the conversation (raise_exception), so the request's template or
-            # messages are at fault. Matched by module: jinja2 is transformers' optional import.
-            if not type(e).__module__.startswith("jinja2"):
+            # A template that does not parse, or one that refuses the conversation
+            # (raise_exception): the request's template or messages are at fault.
+            if not _is_jinja_error(e):
                 raise
             what = "the chat template" if chat_template is None else "the given chat_template"
             raise ValueError(f"{what} failed: {type(e).__name__}: {e}") from None
@@ -232,12 +231,17 @@ def chat_template_syntax_error(template: str) -> str | None:
     try:
         _compile_jinja_template(template)
     except Exception as e:
-        # jinja2's TemplateSyntaxError, matched by module (jinja2 is transformers' import).
-        if not type(e).__module__.startswith("jinja2"):
+        if not _is_jinja_error(e):
             raise
         line = getattr(e, "lineno", None)
         return f"{e} (line {line})" if line else str(e)
     return None
+
+
+def _is_jinja_error(error: Exception) -> bool:
+    """jinja2's TemplateError or one of its kinds, matched by module: jinja2 is transformers'
+    import, not one kvik declares."""
+    return type(error).__module__.startswith("jinja2")
 
 
 def check_priority(priority: Any) -> None:
