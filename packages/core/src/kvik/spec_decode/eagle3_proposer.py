@@ -25,6 +25,11 @@ through the runner's attention backend. After each target step (``propose``):
    its hidden state, written into the cache at that position (the scheduler allocates these
    ``num_lookahead_tokens`` slots).
 
+Under FULL graphs the batched pass of a decode or verification step is one graph, and steps 2 and
+3 together (the first drafts' LM head, the draft steps, the drafts written to one buffer) another:
+the host launches the pass, works out the draft steps' indices while it runs, and reads all the
+drafts back in one copy.
+
 Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
 
@@ -159,20 +164,26 @@ class Eagle3Proposer(Proposer):
         proposal: fixed addresses, so that the steps could be captured in a graph."""
         r, steps, device = runner.max_num_seqs, max(1, self.k - 1), runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        self.draft_positions = torch.zeros(steps, r, dtype=torch.int64, device=device)
-        self.draft_slots = torch.full((steps, r), -1, dtype=torch.int64, device=device)
+        # Sequence lengths and the block table in the attention's int32 (positions and slots
+        # are read straight from the staged indices).
         self.draft_seq_lens = torch.ones(steps, r, dtype=torch.int32, device=device)
         self.draft_block_table = torch.zeros(r, self.max_blocks, dtype=torch.int32, device=device)
         self.draft_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
         self.draft_query_lens = torch.ones(r, dtype=torch.int32, device=device)
-        self.draft_tokens = torch.zeros(r, dtype=torch.int64, device=device)
         hidden = self.head.config.hidden_size
+        # The pre-norm rows the drafts start from, one per proposing request.
         self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
-        self.draft_out = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        # Each proposing request's k drafts (target ids), read back in one copy.
+        self.proposals = torch.zeros(r, max(1, self.k), dtype=torch.int64, device=device)
+        # Draft ids -> target ids in one lookup (the head's map is target = draft + d2t[draft]).
+        d2t = self.head.d2t
+        self.target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._max_seq_len = 1
         # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
-        # (what the largest proposal needs), so that a graph reads them at one address.
-        capacity = r * (3 + 3 * steps + self.max_blocks)
+        # (what the largest proposal needs), so that a graph reads them at one address: the
+        # batched pass's (three per request) first, then the draft steps' from _steps_offset.
+        self._steps_offset = 3 * r
+        capacity = self._steps_offset + r * (3 * steps + self.max_blocks)
         host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
         self._staging = (host, host if device.type == "cpu" else host.to(device))
         # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
@@ -248,7 +259,7 @@ class Eagle3Proposer(Proposer):
         """Rows [B, hidden] -> greedy drafts [B] (target ids)."""
         norm = self.head.norm
         logits = self.head.lm_head(self._rms_norm(prenorm, norm.weight, norm.eps))
-        return self.head.draft_to_target(logits.argmax(dim=-1))
+        return self.target_ids[logits.argmax(dim=-1)]
 
     # --- proposing ----------------------------------------------------------------------------
     def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps):
@@ -268,47 +279,36 @@ class Eagle3Proposer(Proposer):
                 next_ids.append(request.all_token_ids[s.start + s.num_tokens])
             last_rows.append(first_row + num_valid - 1)
         proposing = [(r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)]
-        count = len(proposing)
         rows = [last_rows[r] for r, _ in proposing]
-        num_steps = max((caps[s.request.request_id] for _, s in proposing), default=1)
-        size = steps = 0
-        draft_arrays: list[np.ndarray] = []
-        if num_steps > 1:
-            size = self._graph_size(count)
-            graphed = size is not None
-            # A graph always runs k - 1 steps (what its capture holds); eagerly, what caps need.
-            steps = self.k - 1 if graphed else num_steps - 1
-            size = size if graphed else count
-            offsets = [last_rows[r] - starts[r] for r, _ in proposing]
-            draft_arrays = self._draft_inputs(proposing, offsets, steps, size)
-        # Every index the device needs, in one copy.
-        uploaded = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)]
-                                + draft_arrays)  # fmt: skip
+        # The batched pass goes to the device first: the draft steps' inputs are worked out on
+        # the host while it runs.
+        staged = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)])
         key = self._pass_key(inputs, scheduled)
         if key is None:
-            prenorm = self._batched_pass(inputs, uploaded[0], uploaded[1])
+            prenorm = self._batched_pass(inputs, staged[0], staged[1])
         else:
-            prenorm = self._graphed_pass(key, inputs, uploaded[0], uploaded[1])
+            prenorm = self._graphed_pass(key, inputs, staged[0], staged[1])
         if not proposing:
             return {}
-        hidden = prenorm.index_select(0, uploaded[2])
-        first = self._greedy(hidden)
-        drafted = first[:, None]
-        if num_steps > 1:
-            positions, slots, seq_lens, table = uploaded[3:]
-            self.draft_positions[:steps, :size].copy_(positions.view(steps, size))
-            self.draft_slots[:steps, :size].copy_(slots.view(steps, size))
-            self.draft_seq_lens[:steps, :size].copy_(seq_lens.view(steps, size))
-            self.draft_block_table[:size].copy_(table.view(size, self.max_blocks))
-            self.draft_tokens[:count].copy_(first)
-            self.draft_tokens[count:size] = 0
-            self.draft_hidden[:count].copy_(hidden)
-            if graphed:
-                self.graphs.run(("draft", size), lambda: self._draft_steps(size, steps))
-            else:
-                self._draft_steps(size, steps)
-            drafted = torch.cat([drafted, self.draft_out[:steps, :count].T], dim=1)
-        proposals = drafted.tolist()
+        count = len(proposing)
+        num_steps = max(caps[s.request.request_id] for _, s in proposing)
+        steps = num_steps - 1
+        size = self._graph_size(count) if steps else None
+        if size is not None:
+            steps = self.k - 1  # a graph always runs k - 1 steps (what its capture holds)
+        staged_steps = None
+        if steps:
+            offsets = [last_rows[r] - starts[r] for r, _ in proposing]
+            arrays = self._draft_inputs(proposing, offsets, steps, size or count)
+            staged_steps = self._upload(arrays, at=self._steps_offset)
+        # The hidden states the drafts start from (padding rows keep stale, finite values: their
+        # outputs are dropped and they write no cache).
+        torch.index_select(prenorm, 0, staged[2], out=self.draft_hidden[:count])
+        if size is None:
+            self._draft(count, steps, staged_steps)
+        else:
+            self.graphs.run(("draft", size), lambda: self._draft(size, steps, staged_steps))
+        proposals = self.proposals[:count, : 1 + steps].tolist()
         return {
             s.request.request_id: proposals[i][: caps[s.request.request_id]]
             for i, (_, s) in enumerate(proposing)
@@ -323,21 +323,23 @@ class Eagle3Proposer(Proposer):
             return None
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
 
-    def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
-        """int64 arrays -> device views, through one host-to-device copy (from pinned memory
-        on a GPU; the previous proposal's read-back has waited for the previous copy)."""
+    def _upload(self, arrays: list[np.ndarray], at: int = 0) -> list[Tensor]:
+        """int64 arrays -> device views from staging offset ``at`` on, through one host-to-device
+        copy (from pinned memory on a GPU; the previous proposal's read-back has waited for its
+        copies, so the host may overwrite the staging)."""
         host, staged = self._staging
+        first = at
         total = sum(a.size for a in arrays)
-        if total > host.numel():
-            raise RuntimeError(f"a proposal needs {total} staged indices, more than {host.numel()}")
+        if at + total > host.numel():
+            raise RuntimeError(f"a proposal needs {total} staged indices at {at}, more than fit")
         host_np = host.numpy()
-        views, at = [], 0
+        views = []
         for a in arrays:
             host_np[at : at + a.size] = a.ravel()
             views.append((at, a.size))
             at += a.size
         if staged is not host:
-            staged[:total].copy_(host[:total], non_blocking=True)
+            staged[first:at].copy_(host[first:at], non_blocking=True)
         return [staged[at : at + n] for at, n in views]
 
     def _pass_key(self, inputs: StepInputs, scheduled) -> tuple | None:
@@ -405,11 +407,21 @@ class Eagle3Proposer(Proposer):
         self._max_seq_len = int(positions.max()) + 1
         return [positions, slots, positions + 1, table]
 
-    def _draft_steps(self, size: int, steps: int) -> None:
-        """``steps`` one-row-per-request passes after the batched one, on the persistent buffers
-        only (so that a graph can hold them): fed with ``draft_tokens`` and ``draft_hidden`` (the
-        first draft and its row's pre-norm output), each step's drafts go to ``draft_out``."""
-        tokens, hidden = self.draft_tokens[:size], self.draft_hidden[:size]
+    def _draft(self, size: int, steps: int, staged: list[Tensor] | None) -> None:
+        """The drafts of ``size`` rows (proposing requests, then padding) into ``proposals``: the
+        first from ``draft_hidden``, then ``steps`` one-row-per-request passes of the head, each
+        fed with the previous draft and the previous row's pre-norm output. On persistent
+        buffers only (``staged``: the draft steps' indices at fixed offsets), so that a graph
+        can hold it all."""
+        hidden = self.draft_hidden[:size]
+        tokens = self._greedy(hidden)
+        self.proposals[:size, 0].copy_(tokens)
+        if not steps:
+            return
+        positions, slots, seq_lens, table = staged
+        positions, slots = positions.view(steps, size), slots.view(steps, size)
+        self.draft_seq_lens[:steps, :size].copy_(seq_lens.view(steps, size))
+        self.draft_block_table[:size].copy_(table.view(size, self.max_blocks))
         for step in range(steps):
             common = AttentionMetadata(
                 num_actual_tokens=size,
@@ -418,11 +430,11 @@ class Eagle3Proposer(Proposer):
                 query_lens=self.draft_query_lens[:size],
                 seq_lens=self.draft_seq_lens[step, :size],
                 block_table=self.draft_block_table[:size],
-                slot_mapping=self.draft_slots[step, :size],
+                slot_mapping=slots[step],
                 max_query_len=1,
                 max_seq_len=self._max_seq_len,
                 block_size=self.runner.block_size,
             )
-            hidden = self._layer(tokens, hidden, self.draft_positions[step, :size], common)
+            hidden = self._layer(tokens, hidden, positions[step], common)
             tokens = self._greedy(hidden)
-            self.draft_out[step, :size].copy_(tokens)
+            self.proposals[:size, step + 1].copy_(tokens)
