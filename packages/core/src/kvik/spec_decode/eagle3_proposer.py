@@ -173,8 +173,12 @@ class Eagle3Proposer(Proposer):
         hidden = self.head.config.hidden_size
         # The pre-norm rows the drafts start from, one per proposing request.
         self.draft_hidden = torch.zeros(r, hidden, dtype=runner.dtype, device=device)
-        # Each proposing request's k drafts (target ids), read back in one copy.
-        self.proposals = torch.zeros(r, max(1, self.k), dtype=torch.int64, device=device)
+        # Draft j of each proposing request at [j, request] (target ids), read back in one copy
+        # into pinned memory.
+        self.proposals = torch.zeros(max(1, self.k), r, dtype=torch.int64, device=device)
+        self._proposals_host = torch.zeros(
+            self.proposals.shape, dtype=torch.int64, pin_memory=device.type != "cpu"
+        )
         # Draft ids -> target ids in one lookup (the head's map is target = draft + d2t[draft]).
         d2t = self.head.d2t
         self.target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
@@ -236,9 +240,13 @@ class Eagle3Proposer(Proposer):
                            attn.v_proj.out_features]  # fmt: skip
         self._gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj])
 
-    def _layer(self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common) -> Tensor:
-        """The head's layer over flat rows [T] through the paged cache: pre-norm outputs
-        [T, hidden] (what ``Eagle3Layer`` computes, in the runner's kernels)."""
+    def _layer(
+        self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common
+    ) -> tuple[Tensor, Tensor]:
+        """The head's layer over flat rows [T] through the paged cache: the MLP's output and the
+        residual it adds to, whose sum is the pre-norm output [T, hidden] ``Eagle3Layer``
+        computes (in the runner's kernels; left to the caller, which may fuse it with the
+        final norm)."""
         layer = self.head.midlayer
         eps = layer.input_layernorm.eps
         normed_hidden = self._rms_norm(hidden, layer.hidden_norm.weight, eps)
@@ -253,13 +261,12 @@ class Eagle3Proposer(Proposer):
             layer.self_attn.o_proj(attended), residual, layer.post_attention_layernorm.weight, eps
         )
         gate_up = F.linear(normed, self._gate_up_weight)
-        return layer.mlp.down_proj(self._silu_and_mul(gate_up)) + residual
+        return layer.mlp.down_proj(self._silu_and_mul(gate_up)), residual
 
-    def _greedy(self, prenorm: Tensor) -> Tensor:
-        """Rows [B, hidden] -> greedy drafts [B] (target ids)."""
-        norm = self.head.norm
-        logits = self.head.lm_head(self._rms_norm(prenorm, norm.weight, norm.eps))
-        return self.target_ids[logits.argmax(dim=-1)]
+    def _greedy(self, normed: Tensor, out: Tensor) -> Tensor:
+        """Final-normed rows [B, hidden] -> greedy drafts [B] (target ids) in ``out``."""
+        draft_ids = self.head.lm_head(normed).argmax(dim=-1)
+        return torch.index_select(self.target_ids, 0, draft_ids, out=out)
 
     # --- proposing ----------------------------------------------------------------------------
     def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps):
@@ -308,7 +315,15 @@ class Eagle3Proposer(Proposer):
             self._draft(count, steps, staged_steps)
         else:
             self.graphs.run(("draft", size), lambda: self._draft(size, steps, staged_steps))
-        proposals = self.proposals[:count, : 1 + steps].tolist()
+        host = self._proposals_host[: 1 + steps]
+        if self.runner.device.type == "cpu":
+            host.copy_(self.proposals[: 1 + steps])
+        else:
+            host.copy_(self.proposals[: 1 + steps], non_blocking=True)
+            copied = torch.Event(self.runner.device.type)
+            copied.record()
+            copied.synchronize()
+        proposals = host[:, :count].T.tolist()
         return {
             s.request.request_id: proposals[i][: caps[s.request.request_id]]
             for i, (_, s) in enumerate(proposing)
@@ -367,7 +382,8 @@ class Eagle3Proposer(Proposer):
         token_ids[num_rows - 1 :] = 0
         token_ids[last_rows] = next_ids
         hidden = self.head.combine(self.aux[:num_rows])
-        return self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+        mlp_out, residual = self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+        return mlp_out + residual
 
     def _graphed_pass(self, key: tuple, inputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
         num_rows = inputs.num_padded
@@ -413,9 +429,11 @@ class Eagle3Proposer(Proposer):
         fed with the previous draft and the previous row's pre-norm output. On persistent
         buffers only (``staged``: the draft steps' indices at fixed offsets), so that a graph
         can hold it all."""
+        norm = self.head.norm
         hidden = self.draft_hidden[:size]
-        tokens = self._greedy(hidden)
-        self.proposals[:size, 0].copy_(tokens)
+        tokens = self._greedy(
+            self._rms_norm(hidden, norm.weight, norm.eps), self.proposals[0, :size]
+        )
         if not steps:
             return
         positions, slots, seq_lens, table = staged
@@ -435,6 +453,7 @@ class Eagle3Proposer(Proposer):
                 max_seq_len=self._max_seq_len,
                 block_size=self.runner.block_size,
             )
-            hidden = self._layer(tokens, hidden, positions[step], common)
-            tokens = self._greedy(hidden)
-            self.proposals[:size, step + 1].copy_(tokens)
+            mlp_out, residual = self._layer(tokens, hidden, positions[step], common)
+            # The pre-norm output (the next step's hidden input) and its final norm, at once.
+            normed, hidden = self._fused_add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
+            tokens = self._greedy(normed, self.proposals[step + 1, :size])
