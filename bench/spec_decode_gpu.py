@@ -61,6 +61,12 @@ def parse_args() -> argparse.Namespace:
         help="also print the kernels of the EAGLE-3 proposals (graphed, after a decode step) "
         "under torch.profiler, per proposal, and the wall time they leave to the host",
     )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="with --profile: also write the profiled proposals' timeline (host calls and "
+        "kernels) to this Chrome-trace JSON file, to see where the device waits for the host",
+    )
     return parser.parse_args()
 
 
@@ -181,14 +187,16 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
     if args.profile:  # the last way timed: graphed where the platform has graphs
         runner.execute_model(decode)  # the proposal after a decode step, repeated below
         how = "graphed" if proposer.graphs is not None else "eager"
-        profile_proposals(propose, last_call[0], args.steps, how)
+        profile_proposals(propose, last_call[0], args.steps, how, trace=args.trace)
     figures["eagle3_timed_full_graph_replays"] = getattr(step_runner, "num_replays", 0) - replays
     figures["eagle3_engine_start_s"] = round(start_s, 1)
     llm.shutdown()
     return figures
 
 
-def profile_proposals(propose, given: tuple, steps: int, how: str, top: int = 20) -> None:
+def profile_proposals(
+    propose, given: tuple, steps: int, how: str, top: int = 20, trace: Path | None = None
+) -> None:
     """The kernels of ``steps`` repeats of one proposal (the same rows and slots each time: the
     head's cache writes land where they did), per proposal, and its wall time beside them. On a
     CPU (a smoke run) the table lists the CPU's operators instead."""
@@ -219,6 +227,14 @@ def profile_proposals(propose, given: tuple, steps: int, how: str, top: int = 20
     print(f"{'kernel' if on_gpu else 'operator':<90} {'us/call':>9} {'calls/proposal':>14}")
     for e in kernels[:top]:
         print(f"{e.key[:90]:<90} {self_us(e) / steps:9.1f} {e.count / steps:14.1f}")
+    if on_gpu:  # the host's side: where a proposal's wall time goes on the CPU
+        host = [e for e in prof.key_averages() if e.device_type != device]
+        host.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        print(f"{'host call':<90} {'us/proposal':>11} {'calls/proposal':>14}")
+        for e in host[:top]:
+            print(f"{e.key[:90]:<90} {e.self_cpu_time_total / steps:11.1f} {e.count / steps:14.1f}")
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
 
 
 def engine(args: argparse.Namespace, speculative: dict, **kwargs) -> LLM:
