@@ -25,10 +25,11 @@ through the runner's attention backend. After each target step (``propose``):
    its hidden state, written into the cache at that position (the scheduler allocates these
    ``num_lookahead_tokens`` slots).
 
-Under FULL graphs the batched pass of a decode or verification step is one graph, and steps 2 and
-3 together (the first drafts' LM head, the draft steps, the drafts written to one buffer) another:
-the host launches the pass, works out the draft steps' indices while it runs, and reads all the
-drafts back in one copy.
+Under FULL graphs a decode or verification step's whole proposal (the batched pass, the first
+drafts, the draft steps) replays as one graph: the host uploads a few indices a request (the
+last known row, its block-table row and block count), launches it once and reads all drafts back
+in one copy; the draft steps' positions, slots and block table are computed on the device. At
+batch 1 a proposal is bound by the host's launches, not the device (docs/benchmarks.md).
 
 Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
@@ -183,11 +184,12 @@ class Eagle3Proposer(Proposer):
         d2t = self.head.d2t
         self.target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._max_seq_len = 1
+        self._step_offsets = torch.arange(1, steps + 1, device=device)
         # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
         # (what the largest proposal needs), so that a graph reads them at one address: the
-        # batched pass's (three per request) first, then the draft steps' from _steps_offset.
-        self._steps_offset = 3 * r
-        capacity = self._steps_offset + r * (3 * steps + self.max_blocks)
+        # batched pass's rows and tokens, then the proposing requests' rows, block-table rows and
+        # block counts.
+        capacity = 5 * r
         host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
         self._staging = (host, host if device.type == "cpu" else host.to(device))
         # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
@@ -286,35 +288,45 @@ class Eagle3Proposer(Proposer):
                 next_ids.append(request.all_token_ids[s.start + s.num_tokens])
             last_rows.append(first_row + num_valid - 1)
         proposing = [(r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)]
-        rows = [last_rows[r] for r, _ in proposing]
-        # The batched pass goes to the device first: the draft steps' inputs are worked out on
-        # the host while it runs.
-        staged = self._upload([np.array(a, dtype=np.int64) for a in (last_rows, next_ids, rows)])
-        key = self._pass_key(inputs, scheduled)
-        if key is None:
-            prenorm = self._batched_pass(inputs, staged[0], staged[1])
-        else:
-            prenorm = self._graphed_pass(key, inputs, staged[0], staged[1])
-        if not proposing:
-            return {}
         count = len(proposing)
-        num_steps = max(caps[s.request.request_id] for _, s in proposing)
+        num_steps = max((caps[s.request.request_id] for _, s in proposing), default=1)
         steps = num_steps - 1
         size = self._graph_size(count) if steps else None
         if size is not None:
             steps = self.k - 1  # a graph always runs k - 1 steps (what its capture holds)
-        staged_steps = None
-        if steps:
-            offsets = [last_rows[r] - starts[r] for r, _ in proposing]
-            arrays = self._draft_inputs(proposing, offsets, steps, size or count)
-            staged_steps = self._upload(arrays, at=self._steps_offset)
-        # The hidden states the drafts start from (padding rows keep stale, finite values: their
-        # outputs are dropped and they write no cache).
-        torch.index_select(prenorm, 0, staged[2], out=self.draft_hidden[:count])
-        if size is None:
-            self._draft(count, steps, staged_steps)
+        # Per proposing request (then padding rows up to the graph's size): its last known row,
+        # its row in the step's block table, and how many blocks it has there.
+        padding = (size or count) - count
+        rows = [last_rows[r] for r, _ in proposing] + [0] * padding
+        table_rows = [r for r, _ in proposing] + [0] * padding
+        num_blocks = [len(s.block_ids) for _, s in proposing] + [0] * padding
+        if proposing:
+            last_positions = (s.start + last_rows[r] - starts[r] for r, s in proposing)
+            self._max_seq_len = min(max(last_positions) + steps + 1, self.runner.max_model_len)
+        arrays = (last_rows, next_ids, rows, table_rows, num_blocks)
+        staged = self._upload([np.array(a, dtype=np.int64) for a in arrays])
+        key = self._pass_key(inputs, scheduled)
+        if key is not None and size is not None:
+            # The whole proposal in one graph (one launch: the host's launches, not the
+            # device, bound a proposal at small batches).
+            whole = ("proposal", *key[1:], size, steps)
+            self.graphs.run(whole, lambda: self._whole(inputs, staged, size, steps))
         else:
-            self.graphs.run(("draft", size), lambda: self._draft(size, steps, staged_steps))
+            if key is None:
+                prenorm = self._batched_pass(inputs, staged[0], staged[1])
+            else:
+                prenorm = self._graphed_pass(key, inputs, staged[0], staged[1])
+            if not proposing:
+                return {}
+            # The hidden states the drafts start from (padding rows keep stale, finite values:
+            # their outputs are dropped and they write no cache).
+            torch.index_select(prenorm, 0, staged[2][:count], out=self.draft_hidden[:count])
+            if size is None:
+                self._draft(inputs, staged, count, steps)
+            else:
+                self.graphs.run(("draft", size), lambda: self._draft(inputs, staged, size, steps))
+        if not proposing:
+            return {}
         host = self._proposals_host[: 1 + steps]
         if self.runner.device.type == "cpu":
             host.copy_(self.proposals[: 1 + steps])
@@ -395,40 +407,19 @@ class Eagle3Proposer(Proposer):
         self.graphs.run(key, run)
         return self.pass_out[:num_rows]
 
-    def _draft_inputs(self, proposing, last_offsets: list[int], steps: int, size: int):
-        """Positions, slots and sequence lengths [steps, size] and the block table [size,
-        max_blocks] of ``steps`` draft steps, for the proposing requests (``last_offsets``: each
-        one's last known row within its own rows) and padding rows up to ``size`` (no cache
-        write; at step j, position j, attending over keys of block 0)."""
-        bs = self.runner.block_size
-        count = len(proposing)
-        table = np.zeros((size, self.max_blocks), dtype=np.int64)
-        num_blocks = np.ones(size, dtype=np.int64)
-        last_position = np.full(size, -1, dtype=np.int64)
-        for i, ((_, s), offset) in enumerate(zip(proposing, last_offsets, strict=True)):
-            table[i, : len(s.block_ids)] = s.block_ids
-            num_blocks[i] = len(s.block_ids)
-            last_position[i] = s.start + offset
-        # Step j (0-based) writes and reads the row at last_position + j + 1; a graph's steps past
-        # a request's cap stay within the rotary table (their drafts are dropped).
-        positions = last_position[None, :] + np.arange(1, steps + 1)[:, None]
-        positions = np.minimum(positions, self.runner.max_model_len - 1)
-        block = positions // bs
-        inside = block < num_blocks  # a slot past the request's blocks is not written
-        rows = np.broadcast_to(np.arange(size), positions.shape)
-        slots = np.where(
-            inside, table[rows, np.minimum(block, num_blocks - 1)] * bs + positions % bs, -1
-        )
-        slots[:, count:] = -1
-        self._max_seq_len = int(positions.max()) + 1
-        return [positions, slots, positions + 1, table]
+    def _whole(self, inputs: StepInputs, staged: list[Tensor], size: int, steps: int) -> None:
+        """The batched pass, then the drafts: what one graph holds."""
+        prenorm = self._batched_pass(inputs, staged[0], staged[1])
+        torch.index_select(prenorm, 0, staged[2], out=self.draft_hidden[:size])
+        self._draft(inputs, staged, size, steps)
 
-    def _draft(self, size: int, steps: int, staged: list[Tensor] | None) -> None:
+    def _draft(self, inputs: StepInputs, staged: list[Tensor], size: int, steps: int) -> None:
         """The drafts of ``size`` rows (proposing requests, then padding) into ``proposals``: the
         first from ``draft_hidden``, then ``steps`` one-row-per-request passes of the head, each
         fed with the previous draft and the previous row's pre-norm output. On persistent
-        buffers only (``staged``: the draft steps' indices at fixed offsets), so that a graph
-        can hold it all."""
+        buffers only (the staged indices at fixed offsets, the runner's step buffers), so that a
+        graph can hold it all: the draft steps' positions, slots and block table are worked out
+        here, on the device, from each request's last known row (staged)."""
         norm = self.head.norm
         hidden = self.draft_hidden[:size]
         tokens = self._greedy(
@@ -436,10 +427,23 @@ class Eagle3Proposer(Proposer):
         )
         if not steps:
             return
-        positions, slots, seq_lens, table = staged
-        positions, slots = positions.view(steps, size), slots.view(steps, size)
-        self.draft_seq_lens[:steps, :size].copy_(seq_lens.view(steps, size))
-        self.draft_block_table[:size].copy_(table.view(size, self.max_blocks))
+        rows, table_rows, num_blocks = staged[2][:size], staged[3][:size], staged[4][:size]
+        bs = self.runner.block_size
+        # Step j (0-based) writes and reads the position after the last known one plus j; a
+        # graph's steps past a request's cap stay within the rotary table (their drafts are
+        # dropped), and a slot past the request's blocks (or on a padding row) is not written.
+        last = inputs.positions.index_select(0, rows)
+        positions = (last[None, :] + self._step_offsets[:steps, None]).clamp_(
+            max=self.runner.max_model_len - 1
+        )
+        table = torch.index_select(
+            inputs.common_metadata.block_table, 0, table_rows, out=self.draft_block_table[:size]
+        )
+        block = torch.div(positions, bs, rounding_mode="floor")
+        column = torch.minimum(block, (num_blocks - 1).clamp(min=0)[None, :])
+        slots = table.gather(1, column.T).T.to(torch.int64) * bs + positions % bs
+        slots = torch.where(block < num_blocks[None, :], slots, -1).contiguous()
+        self.draft_seq_lens[:steps, :size].copy_(positions + 1)
         for step in range(steps):
             common = AttentionMetadata(
                 num_actual_tokens=size,
