@@ -149,7 +149,7 @@ class EagerStepGraphs:
 
     def run(self, key, fn) -> None:
         self.sizes.append(key)
-        if key[0] in ("draft", "proposal"):
+        if key[0] in ("draft", "pass"):
             fn = self.first.setdefault(key, fn)
         fn()
 
@@ -168,22 +168,18 @@ def test_padded_draft_steps_equal_window_recompute(tiny_model, plain, tmp_path):
     assert generate(llm, prompts=PROMPTS[:1]) == plain[:1]
     assert draft_sizes(graphs) == {2, 4}  # one request: padded to 2
     assert reference.compared > 20
-    # The batched pass of decode and verification steps (with the drafts, one graph): one or
-    # three requests, k + 1 rows at most; prompt steps run outside graphs.
+    # The batched pass of decode and verification steps: one or three requests, k + 1 rows at most; prompt steps run outside graphs.
     passes = pass_keys(graphs)
-    assert any(key[0] == "proposal" for key in graphs.sizes)  # the pass and drafts in one
     assert {key[3] for key in passes} == {1, 3} and max(key[2] for key in passes) <= K + 1
 
 
 def draft_sizes(graphs: EagerStepGraphs) -> set[int]:
-    """The padded sizes of the drafts' graphs: on their own (after a pass outside graphs) or
-    with the pass in one graph (key: the pass's, then size and steps)."""
-    return {key[1] if key[0] == "draft" else key[-2] for key in graphs.sizes if key[0] != "pass"}
+    return {key[1] for key in graphs.sizes if key[0] == "draft"}
 
 
 def pass_keys(graphs: EagerStepGraphs) -> set[tuple]:
     """(padded rows, padded requests, longest query, requests) of each graphed batched pass."""
-    return {key[1:5] for key in graphs.sizes if key[0] in ("pass", "proposal")}
+    return {key[1:5] for key in graphs.sizes if key[0] == "pass"}
 
 
 def test_trained_head_is_accepted_through_the_runner(tiny_model, plain, trained_head):

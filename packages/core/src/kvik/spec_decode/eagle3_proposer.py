@@ -25,11 +25,13 @@ through the runner's attention backend. After each target step (``propose``):
    its hidden state, written into the cache at that position (the scheduler allocates these
    ``num_lookahead_tokens`` slots).
 
-Under FULL graphs a decode or verification step's whole proposal (the batched pass, the first
-drafts, the draft steps) replays as one graph: the host uploads a few indices a request (the
-last known row, its block-table row and block count), launches it once and reads all drafts back
-in one copy; the draft steps' positions, slots and block table are computed on the device. At
-batch 1 a proposal is bound by the host's launches, not the device (docs/benchmarks.md).
+Under FULL graphs a decode or verification step's proposal replays as two graphs launched back to
+back: the batched pass (with the rows the drafts start from), then the first drafts and the draft
+steps, whose launch on the host overlaps the pass on the device. The host uploads a few indices a
+request in one copy (the last known row, its block-table row and block count) and reads all
+drafts back in one copy; the draft steps' positions, slots and block table are computed on the
+device. At batch 1 a proposal is bound by the host's launches, not the device
+(docs/benchmarks.md).
 
 Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
@@ -187,14 +189,14 @@ class Eagle3Proposer(Proposer):
         self._step_offsets = torch.arange(1, steps + 1, device=device)
         # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
         # (what the largest proposal needs), so that a graph reads them at one address: the
-        # batched pass's rows and tokens, then the proposing requests' rows, block-table rows and
-        # block counts.
+        # batched pass's rows and tokens, the proposing requests' rows, block-table rows and block
+        # counts, max_num_seqs apart.
         capacity = 5 * r
         host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
         self._staging = (host, host if device.type == "cpu" else host.to(device))
         # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
         self.pass_tokens = torch.zeros(runner.max_num_tokens, dtype=torch.int64, device=device)
-        self.pass_out = torch.zeros(r * (self.k + 1), hidden, dtype=runner.dtype, device=device)
+        self.max_pass_rows = r * (self.k + 1)
         # The batched pass (decode and verification steps) and the draft steps (per padded batch
         # size) replayed as graphs (kvik_cuda), or None: all eagerly, the draft steps for exactly
         # the proposing requests. On with FULL graphs (on the H200 they cut a k = 3 proposal from
@@ -306,25 +308,28 @@ class Eagle3Proposer(Proposer):
         arrays = (last_rows, next_ids, rows, table_rows, num_blocks)
         staged = self._upload([np.array(a, dtype=np.int64) for a in arrays])
         key = self._pass_key(inputs, scheduled)
-        if key is not None and size is not None:
-            # The whole proposal in one graph (one launch: the host's launches, not the
-            # device, bound a proposal at small batches).
-            whole = ("proposal", *key[1:], size, steps)
-            self.graphs.run(whole, lambda: self._whole(inputs, staged, size, steps))
-        else:
-            if key is None:
-                prenorm = self._batched_pass(inputs, staged[0], staged[1])
-            else:
-                prenorm = self._graphed_pass(key, inputs, staged[0], staged[1])
-            if not proposing:
-                return {}
+        num_hidden = size or count
+        if key is None:
+            prenorm = self._batched_pass(inputs, staged[0], staged[1])
             # The hidden states the drafts start from (padding rows keep stale, finite values:
             # their outputs are dropped and they write no cache).
             torch.index_select(prenorm, 0, staged[2][:count], out=self.draft_hidden[:count])
-            if size is None:
-                self._draft(inputs, staged, count, steps)
-            else:
-                self.graphs.run(("draft", size), lambda: self._draft(inputs, staged, size, steps))
+        else:
+            # Two graphs, launched back to back: the host's launch of the drafts' (the larger)
+            # overlaps the pass on the device; one graph of both would start later (a launch
+            # costs the host about 1 µs a kernel, and the device waits for all of it).
+            self.graphs.run(
+                (*key, num_hidden),
+                lambda: self._pass_and_hidden(inputs, staged, num_hidden),
+            )
+        if not proposing:
+            return {}
+        if size is None:
+            self._draft(inputs, staged, count, steps)
+        else:
+            self.graphs.run(
+                ("draft", size, steps), lambda: self._draft(inputs, staged, size, steps)
+            )
         if not proposing:
             return {}
         host = self._proposals_host[: 1 + steps]
@@ -350,30 +355,30 @@ class Eagle3Proposer(Proposer):
             return None
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
 
-    def _upload(self, arrays: list[np.ndarray], at: int = 0) -> list[Tensor]:
-        """int64 arrays -> device views from staging offset ``at`` on, through one host-to-device
-        copy (from pinned memory on a GPU; the previous proposal's read-back has waited for its
-        copies, so the host may overwrite the staging)."""
+    def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
+        """int64 arrays of at most max_num_seqs each -> device views, array i at staging offset
+        i * max_num_seqs (so that a graph finds each at one address whatever the others' sizes),
+        through one host-to-device copy (from pinned memory on a GPU; the previous proposal's
+        read-back has waited for its copy, so the host may overwrite the staging)."""
         host, staged = self._staging
-        first = at
-        total = sum(a.size for a in arrays)
-        if at + total > host.numel():
-            raise RuntimeError(f"a proposal needs {total} staged indices at {at}, more than fit")
+        stride = self.runner.max_num_seqs
         host_np = host.numpy()
         views = []
-        for a in arrays:
-            host_np[at : at + a.size] = a.ravel()
-            views.append((at, a.size))
-            at += a.size
+        for i, a in enumerate(arrays):
+            if a.size > stride:
+                raise RuntimeError(f"a proposal stages {a.size} indices, more than {stride}")
+            host_np[i * stride : i * stride + a.size] = a
+            views.append((i * stride, a.size))
+        end = views[-1][0] + views[-1][1]
         if staged is not host:
-            staged[first:at].copy_(host[first:at], non_blocking=True)
+            staged[:end].copy_(host[:end], non_blocking=True)
         return [staged[at : at + n] for at, n in views]
 
     def _pass_key(self, inputs: StepInputs, scheduled) -> tuple | None:
         """The graph key of the step's batched pass, or None to run it eagerly: a graph holds
         decode and verification steps (every request samples after at most k drafts), keyed by
         what fixes its launches (token and request counts, the longest query)."""
-        if self.graphs is None or inputs.num_padded > self.pass_out.shape[0]:
+        if self.graphs is None or inputs.num_padded > self.max_pass_rows:
             return None
         if not all(s.samples for s in scheduled):
             return None
@@ -397,21 +402,11 @@ class Eagle3Proposer(Proposer):
         mlp_out, residual = self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
         return mlp_out + residual
 
-    def _graphed_pass(self, key: tuple, inputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
-        num_rows = inputs.num_padded
-
-        def run() -> None:
-            out = self._batched_pass(inputs, last_rows, next_ids)
-            self.pass_out[:num_rows].copy_(out)
-
-        self.graphs.run(key, run)
-        return self.pass_out[:num_rows]
-
-    def _whole(self, inputs: StepInputs, staged: list[Tensor], size: int, steps: int) -> None:
-        """The batched pass, then the drafts: what one graph holds."""
+    def _pass_and_hidden(self, inputs: StepInputs, staged: list[Tensor], num_hidden: int) -> None:
+        """The batched pass, then the rows the drafts start from into ``draft_hidden``: what the
+        pass's graph holds."""
         prenorm = self._batched_pass(inputs, staged[0], staged[1])
-        torch.index_select(prenorm, 0, staged[2], out=self.draft_hidden[:size])
-        self._draft(inputs, staged, size, steps)
+        torch.index_select(prenorm, 0, staged[2][:num_hidden], out=self.draft_hidden[:num_hidden])
 
     def _draft(self, inputs: StepInputs, staged: list[Tensor], size: int, steps: int) -> None:
         """The drafts of ``size`` rows (proposing requests, then padding) into ``proposals``: the
