@@ -218,7 +218,11 @@ def attention_types(
     kernel, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
 ) -> dict[str, str]:
     fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
-    index = {n: "*i32" for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr")}
+    index = {
+        n: "*i32"
+        for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "row_request_ptr")
+        if n in kernel.arg_names
+    }
     cache = {
         n: f"*{TRITON_TYPES[cache_dtype or dtype]}"
         for n in ("k_cache_ptr", "v_cache_ptr")
@@ -295,6 +299,25 @@ def test_paged_attention(
             constexprs=reduce_constexprs(constexprs),
             num_warps=REDUCE_WARPS,
         )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("splits", [1, 16])
+def test_paged_attention_verification_rows_as_decodes(arch: str, splits: int) -> None:
+    """The decode variant with a request per token row (ROW_REQUESTS), split-KV or not."""
+    kv_heads, group, head_size, dtype = 8, 4, 128, torch.bfloat16
+    config = TARGETS[arch][2](arch, head_size, group, 1, dtype)
+    constexprs = attention_constexprs(
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, False, True
+    )
+    compiled_ok(
+        paged_attention_kernel,
+        arch,
+        types=attention_types(paged_attention_kernel, dtype),
+        constexprs=constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
 
 def moe_chooser(arch: str):

@@ -641,6 +641,53 @@ def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
     run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits)
 
 
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_verification_rows_as_decodes(dtype: torch.dtype, splits: int) -> None:
+    """A speculative verification's rows (the newest token and its drafts, per request) through
+    the decode variant with a request per row (``row_requests``): each row's output has exactly
+    the bits of that row decoded on its own (its request's keys up to its position, the same
+    split-KV segments), and all are close to the chunked (prompt-style) computation."""
+    kv_heads, group, head_size, block = KV_HEADS, 3, 64, 16
+    heads = kv_heads * group
+    contexts = [150, 40] if ON_GPU else [37, 20]  # keys already cached, per request
+    rows = 4  # 1 + k scored rows a request
+    blocks_per_req = -(-(max(contexts) + rows) // block)
+    num_blocks = len(contexts) * blocks_per_req + 1
+    cache = randn(2, num_blocks, block, kv_heads, head_size, dtype=dtype)
+    table = torch.randperm(num_blocks - 1)[: len(contexts) * blocks_per_req] + 1
+    table = table.view(len(contexts), blocks_per_req).to(torch.int32).to(DEVICE)
+    t = rows * len(contexts)
+    q = randn(t, heads, head_size, dtype=dtype)
+    row_requests = torch.arange(t, dtype=torch.int32, device=DEVICE) // rows
+    positions = torch.tensor([c + i for c in contexts for i in range(rows)], device=DEVICE)
+    row_seq_lens = (positions + 1).to(torch.int32)
+    scale = head_size**-0.5
+    config = attention_config(device_arch(DEVICE)[0], head_size, group, 1, cache.dtype)
+    as_decodes = torch.empty_like(q)
+    paged_attention(
+        q, cache[0], cache[1], as_decodes, torch.arange(t + 1, dtype=torch.int32, device=DEVICE),
+        row_seq_lens, table, scale, None, config, splits, row_requests=row_requests,
+    )  # fmt: skip
+    for row in range(t):
+        alone = torch.empty_like(q[row : row + 1])
+        paged_attention(
+            q[row : row + 1], cache[0], cache[1], alone,
+            torch.arange(2, dtype=torch.int32, device=DEVICE), row_seq_lens[row : row + 1],
+            table[row // rows : row // rows + 1], scale, None, config, splits,
+        )  # fmt: skip
+        assert torch.equal(as_decodes[row : row + 1], alone), row
+    # The same rows as chunks of their requests (the general variant).
+    chunked = torch.empty_like(q)
+    starts = torch.arange(0, t + 1, rows, dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([c + rows for c in contexts], dtype=torch.int32, device=DEVICE)
+    chunk_config = attention_config(device_arch(DEVICE)[0], head_size, group, rows, cache.dtype)
+    paged_attention(
+        q, cache[0], cache[1], chunked, starts, seq_lens, table, scale, None, chunk_config
+    )
+    check(as_decodes, cpu64(chunked), dtype)
+
+
 @pytest.mark.parametrize("window", [None, 700])
 def test_split_kv_with_window_and_mixed_batch(window: int | None) -> None:
     run_attention(MIXED, KV_HEADS * 4, KV_HEADS, 64, torch.float16, window, splits=4)

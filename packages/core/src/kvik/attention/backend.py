@@ -35,6 +35,11 @@ class AttentionMetadata:
     #: not depend on whether speculation is on. None: just the requests of one query token. A
     #: backend whose kernels round prompt chunks and decodes alike may ignore it.
     decode_requests: Tensor | None = None
+    #: [T] int32 on the device, given with ``decode_requests``: each token row's request and the
+    #: keys it attends to (its position + 1), for a backend that computes a verification's rows
+    #: as decodes of their own (the Triton backend, when every request is one).
+    token_requests: Tensor | None = None
+    token_seq_lens: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,11 @@ class TritonMetadata:
     part_acc: Tensor | None
     part_max: Tensor | None
     part_sum: Tensor | None
+    #: A verification step whose every request is a decode (``decode_requests``): each token row
+    #: runs as a decode of its own (``token_requests``, ``token_seq_lens``), with the split-KV
+    #: segments a decode step of as many requests gets, so its rows round as decode rows do and
+    #: greedy outputs do not depend on speculation.
+    rows_as_decodes: bool = False
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -114,14 +119,21 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.head_pad = head_pad
 
     def build(self, common: AttentionMetadata) -> TritonMetadata:
+        t, h = common.num_actual_tokens, self.spec.num_heads
+        rows_as_decodes = (
+            common.max_query_len > 1
+            and common.token_requests is not None
+            and bool(common.decode_requests[: common.num_reqs].all())
+        )
         splits = 1
-        if common.max_query_len == 1:
+        if common.max_query_len == 1 or rows_as_decodes:
             splits = num_kv_splits(
                 common.num_reqs, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
             )
+        if rows_as_decodes and t * splits > self.spec.max_num_seqs * MAX_KV_SPLITS:
+            rows_as_decodes, splits = False, 1  # more rows than the scratch holds: as a chunk
         if splits == 1:
-            return TritonMetadata(common, self.arch, 1, None, None, None)
-        t, h = common.num_actual_tokens, self.spec.num_heads
+            return TritonMetadata(common, self.arch, 1, None, None, None, rows_as_decodes)
         n = t * h * splits
         return TritonMetadata(
             common,
@@ -130,6 +142,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.part_acc[: n * self.head_pad].view(t, h, splits, self.head_pad),
             self.part_max[:n].view(t, h, splits),
             self.part_sum[:n].view(t, h, splits),
+            rows_as_decodes,
         )
 
 
@@ -184,23 +197,27 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> None:
         c = metadata.common
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        as_decodes = metadata.rows_as_decodes
         paged_attention(
             query[:t].view(t, h, d),
             kv_cache[0],
             kv_cache[1],
             output[:t].view(t, h, d),
             c.query_start_loc,
-            c.seq_lens,
+            c.token_seq_lens if as_decodes else c.seq_lens,
             c.block_table,
             self.scale,
             self.sliding_window,
-            attention_config(metadata.arch, d, h // hk, c.max_query_len, kv_cache.dtype),
+            attention_config(
+                metadata.arch, d, h // hk, 1 if as_decodes else c.max_query_len, kv_cache.dtype
+            ),
             metadata.num_splits,
             metadata.part_acc,
             metadata.part_max,
             metadata.part_sum,
             self.k_scale,
             self.v_scale,
+            row_requests=c.token_requests if as_decodes else None,
         )
 
 

@@ -66,6 +66,7 @@ def paged_attention_kernel(
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_table_ptr,  # [R, max_blocks]
+    row_request_ptr,  # [T] int32: each token row's request (ROW_REQUESTS only)
     k_scale_ptr,  # [] fp32 (KV_FP8 only)
     v_scale_ptr,  # [] fp32 (KV_FP8 only)
     num_reqs,
@@ -93,6 +94,9 @@ def paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr,  # 0: none
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,  # one query token per request: program r is request r's
+    # With DECODE_ONLY: each token row is its own decode (seq_lens per row, [T]), reading its
+    # request's keys (block_table[row_request[row]]): a verification's rows computed as decodes.
+    ROW_REQUESTS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds e4m3 keys / k_scale and values / v_scale
 ):
     q_block = tl.program_id(0)
@@ -145,7 +149,10 @@ def paged_attention_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     n = tl.arange(0, TILE_N)
-    bt_row = block_table_ptr + req.to(tl.int64) * bt_stride
+    table_req = req
+    if ROW_REQUESTS:
+        table_req = tl.load(row_request_ptr + q_block)
+    bt_row = block_table_ptr + table_req.to(tl.int64) * bt_stride
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE_N + n  # [TILE_N]
         k_valid = k_pos < seq_len
@@ -288,6 +295,7 @@ def attention_constexprs(
     num_splits: int,
     decode_only: bool = False,
     kv_fp8: bool = False,
+    row_requests: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -304,6 +312,7 @@ def attention_constexprs(
         "SLIDING_WINDOW": sliding_window or 0,
         "NUM_SPLITS": num_splits,
         "DECODE_ONLY": decode_only,
+        "ROW_REQUESTS": row_requests,
         "KV_FP8": kv_fp8,
     }
 
@@ -339,9 +348,13 @@ def paged_attention(
     part_sum: Tensor | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    row_requests: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
     query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32. With
+    ``row_requests`` [T] int32, every token row is a decode of its own: ``seq_lens`` is then per
+    row [T] (its position + 1) and its keys are its request's, ``block_table[row_requests[t]]``
+    (a speculative verification's rows, computed exactly as decode rows are). With
     ``num_splits > 1``, the fp32 scratch ``part_acc [T, H, S, HEAD_PAD]``, ``part_max`` and
     ``part_sum [T, H, S]`` may be given (persistent buffers, as a captured graph needs); else it
     is allocated. An FP8 cache (float8_e4m3fn) needs ``k_scale`` and ``v_scale``, fp32 scalars
@@ -349,12 +362,13 @@ def paged_attention(
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
-    # One token per request (every decode step, padded graphs included): the decode variant.
+    # One token per request (every decode step, padded graphs included), or per-row decodes:
+    # the decode variant.
     decode_only = t == num_reqs
     fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
-        decode_only, fp8,
+        decode_only, fp8, row_requests is not None,
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
@@ -371,7 +385,8 @@ def paged_attention(
     grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
     paged_attention_kernel[grid](
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
-        seq_lens, block_table, k_scale, v_scale, num_reqs, scale * LOG2E, query.stride(0),
+        seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
+        v_scale, num_reqs, scale * LOG2E, query.stride(0),
         query.stride(1), output.stride(0), output.stride(1), *key_cache.stride()[:3],
         *value_cache.stride()[:3], block_table.stride(0), **constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -132,6 +132,9 @@ class ModelRunner:
         self.query_start_loc = staged(r + 1, torch.int32)
         self.query_lens = staged(r, torch.int32)
         self.seq_lens = staged(r, torch.int32, fill=1)
+        # A verification's rows as decodes (AttentionMetadata.token_requests, token_seq_lens).
+        self.token_requests = staged(t, torch.int32)
+        self.token_seq_lens = staged(t, torch.int32, fill=1)
         # One row per sampling request, and one per draft token it verifies.
         self.logits_indices = staged(r * (1 + self.num_speculative_tokens), torch.int64)
         # Rows of the flat token layout whose token is still in flight, and where it is.
@@ -317,14 +320,26 @@ class ModelRunner:
             # Else (a piecewise step) the padding tokens belong to no request: attention's
             # programs past the last request's tokens return, and their rows are never read.
         num_logits = len(sample_rows)
-        decode_requests = None
+        decode_requests = token_requests = token_seq_lens = None
         if any(drafts):
-            # A verification (the newest token, then drafts) is computed as decodes are.
+            # A verification (the newest token, then drafts) is computed as decodes are: each
+            # row with its request and the keys up to its own position.
             spec_lens = np.array([len(s.spec_token_ids) for s in scheduled], dtype=np.int64)
             decode = (lens - spec_lens == 1) | (lens == 1)
             decode_requests = torch.from_numpy(
                 np.pad(decode, (0, padded_reqs - num_reqs), constant_values=True)
             )
+            row_requests = self.token_requests.np
+            if query_len:  # uniform: query_len rows a request, padding requests included
+                row_requests[:padded] = np.arange(padded) // query_len
+            else:  # padding rows after the requests' belong to none: request 0's, unread
+                row_requests[:laid_out] = (
+                    np.arange(num_reqs) if token_request is None else token_request
+                )
+                row_requests[laid_out:padded] = 0
+            self.token_seq_lens.np[:padded] = self.positions.np[:padded] + 1
+            token_requests = self.token_requests.upload(padded)
+            token_seq_lens = self.token_seq_lens.upload(padded)
             # Each sampling request scores its first k_i + 1 rows after its known tokens: its
             # drafts' and the one after.
             ends = query_start_loc[:num_reqs][sample_rows] + lens[sample_rows]
@@ -360,6 +375,8 @@ class ModelRunner:
             max_seq_len=int((starts + rows_of).max()),
             block_size=bs,
             decode_requests=decode_requests,
+            token_requests=token_requests,
+            token_seq_lens=token_seq_lens,
         )
         sampling_requests = [scheduled[r].request for r in sample_rows]
         inputs = StepInputs(
@@ -424,6 +441,12 @@ class ModelRunner:
         self.block_table.np[:size, :num_blocks] = 0
         self.block_table.device[:size, :num_blocks] = 0
         self.block_table.forget()
+        token_requests = token_seq_lens = None
+        if query_len > 1:  # a verification's rows as decodes (prepare_inputs)
+            self.token_requests.np[:t] = np.arange(t) // query_len
+            self.token_seq_lens.np[:t] = self.positions.np[:t] + 1
+            token_requests = self.token_requests.upload(t)
+            token_seq_lens = self.token_seq_lens.upload(t)
         common = AttentionMetadata(
             num_actual_tokens=t,
             num_reqs=size,
@@ -436,6 +459,8 @@ class ModelRunner:
             max_seq_len=query_len,
             block_size=self.block_size,
             decode_requests=torch.ones(size, dtype=torch.bool) if query_len > 1 else None,
+            token_requests=token_requests,
+            token_seq_lens=token_seq_lens,
         )
         inputs = StepInputs(
             input_ids=self.input_ids.upload(t),
