@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvik import LLM, SamplingParams
+from kvik.engine.args import EngineArgs
 from kvik.spec_decode.eagle3 import Eagle3Config, Eagle3Head, save_eagle3_head
 
 # Prompts that repeat themselves, so that n-gram lookup finds matches; and one that does not.
@@ -271,3 +272,19 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     }
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         make_llm(tiny_model("llama"), config)
+
+
+def test_more_drafts_than_a_sequence_holds_are_refused(tiny_model):
+    """A mistyped num_speculative_tokens (10**7) is a clear error before the runner sizes its
+    buffers by it (it took all of a 24 GB machine's memory), and the largest that fits runs."""
+    folder = tiny_model("llama")
+    too_many = {"method": "ngram", "num_speculative_tokens": 10**7}
+    with pytest.raises(ValueError, match=r"num_speculative_tokens \(10000000\) must be smaller"):
+        make_llm(folder, too_many, max_model_len=256)
+    # The configuration refuses it too, so a server does before its engine process starts.
+    args = EngineArgs(model=str(folder), speculative_config=too_many, max_model_len=256)
+    with pytest.raises(ValueError, match="must be smaller than max_model_len"):
+        args.create_engine_config()
+    most = {"method": "ngram", "num_speculative_tokens": 255, "prompt_lookup_min": 1}
+    llm = make_llm(folder, most, max_model_len=256)
+    assert generate(llm, prompts=PROMPTS[:1]) == generate(make_llm(folder), prompts=PROMPTS[:1])

@@ -214,6 +214,7 @@ class EngineArgs:
         from kvik.platforms.selection import select_platform
         from kvik.quantization.resolve import check_platform_supports
         from kvik.scheduler.scheduler import SchedulerConfig
+        from kvik.spec_decode.config import check_speculative_engine
         from kvik.structured_output.manager import check_settings
 
         # Fields may have been set after construction: check them again.
@@ -253,7 +254,7 @@ class EngineArgs:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_model_len "
                 f"({model_config.max_model_len}) when chunked prefill is off"
             )
-        return EngineConfig(
+        config = EngineConfig(
             model=model_config,
             cache=CacheConfig(
                 block_size=self.block_size,
@@ -280,6 +281,9 @@ class EngineArgs:
             structured_outputs=structured_outputs,
             speculative=parse_speculative_config(self.speculative_config),
         )
+        # Here as well as in EngineCore: a server refuses before its engine process starts.
+        check_speculative_engine(config)
+        return config
 
     def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
         """The flags and ``compilation_config``'s JSON resolved into one CompilationConfig: where

@@ -118,11 +118,19 @@ def parse_speculative_config(
 
 def check_speculative_engine(config: Any) -> None:
     """Refuse, with a clear message, engines speculation does not run on (``config``: the
-    EngineConfig): tensor parallelism, and model runners in other processes (the drafts are
-    proposed in the runner of an in-process rank, and steps carry them to it only there)."""
+    EngineConfig): more drafts than a sequence holds, tensor parallelism, and model runners in
+    other processes (the drafts are proposed in the runner of an in-process rank, and steps carry
+    them to it only there)."""
     speculative = config.speculative
     if speculative is None:
         return
+    k, max_model_len = speculative.num_speculative_tokens, config.model.max_model_len
+    if k >= max_model_len:
+        # (The runner's buffers scale with k: a mistyped 10**7 would take all the memory.)
+        raise ValueError(
+            f"num_speculative_tokens ({k}) must be smaller than max_model_len ({max_model_len}): "
+            "a request's drafts and the token before them must fit in it"
+        )
     parallel = config.parallel
     if parallel.world_size > 1 or parallel.executor_backend != "uni":
         raise ValueError(

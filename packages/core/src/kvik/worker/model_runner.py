@@ -135,8 +135,9 @@ class ModelRunner:
         # A verification's rows as decodes (AttentionMetadata.token_requests, token_seq_lens).
         self.token_requests = staged(t, torch.int32)
         self.token_seq_lens = staged(t, torch.int32, fill=1)
-        # One row per sampling request, and one per draft token it verifies.
-        self.logits_indices = staged(r * (1 + self.num_speculative_tokens), torch.int64)
+        # One row per sampling request, and one per draft token it verifies (each a token of the
+        # step, so no more than t).
+        self.logits_indices = staged(min(r * (1 + self.num_speculative_tokens), t), torch.int64)
         # Rows of the flat token layout whose token is still in flight, and where it is.
         self.in_flight_rows = staged(r, torch.int64)
         self.in_flight_sources = staged(r, torch.int64)
