@@ -214,6 +214,10 @@ def test_padded_verification_layout_and_outputs(tiny_model):
                     runner.query_lens.device[:4].tolist(),
                     inputs.logits_indices.tolist(),
                     (inputs.num_tokens, inputs.num_padded, n),
+                    (
+                        inputs.common_metadata.token_requests.tolist(),
+                        inputs.common_metadata.token_seq_lens.tolist(),
+                    ),
                 )
             )
         return inputs
@@ -223,8 +227,14 @@ def test_padded_verification_layout_and_outputs(tiny_model):
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
     mixed = [layout for layout in layouts if len(set(layout[0])) > 1]
     assert mixed, "no verification step had requests with different draft counts"
-    for drafts, starts, slots, positions, query_starts, query_lens, logits_rows, sizes in layouts:
+    for layout in layouts:
+        drafts, starts, slots, positions, query_starts, query_lens, logits_rows, sizes, rows = (
+            layout
+        )
         num_tokens, num_padded, n = sizes
+        # Each row as a decode of its own (the Triton backend's verification): its request, and
+        # the keys up to its position.
+        assert rows == ([r // 4 for r in range(16)], [p + 1 for p in positions])
         assert (num_tokens, num_padded) == (4 * n, 16)
         assert query_starts == [0, 4, 8, 12, 16] and query_lens == [4, 4, 4, 4]
         expected_rows = []
@@ -317,3 +327,19 @@ def test_padding_tokens_of_a_piecewise_step(tiny_model):
     assert runner.slot_mapping.device[n : n + 5].tolist() == [-1] * 5
     assert runner.positions.device[n : n + 5].tolist() == [0] * 5
     assert runner.query_start_loc.device[3].item() == n
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"max_num_seqs": 10**9}, "GiB of step buffers"),
+        ({"max_num_batched_tokens": 10**9}, "GiB of step buffers"),
+        ({"num_kv_blocks": 10**9}, "the KV cache asked for, num_kv_blocks=1000000000"),
+        ({"kv_cache_memory_bytes": 10**15}, "the KV cache asked for, kv_cache_memory_bytes="),
+    ],
+)
+def test_limits_beyond_the_memory_are_refused(tiny_model, limits, message):
+    """Mistyped limits are a clear error before anything is sized by them (each was the
+    allocator's traceback, or a kill for memory after a minute of a 24 GB machine swapping)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, **limits)

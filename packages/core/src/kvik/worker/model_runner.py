@@ -97,6 +97,7 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         speculative = config.speculative
         self.num_speculative_tokens = speculative.num_speculative_tokens if speculative else 0
+        self._check_step_buffers_fit(platform)
         # The layers' own scale tensors are read where the cache is FP8.
         self.backend: type[AttentionBackend]
         self.backend, self.metadata_builder = attach_attention(
@@ -117,6 +118,29 @@ class ModelRunner:
         # head is loaded here, beside the target.
         self.proposer: Proposer | None = make_proposer(self) if speculative else None
         self.speculative = SpeculativeSampling(self) if speculative else None
+
+    def _check_step_buffers_fit(self, platform: type[Platform]) -> None:
+        """Refuse limits whose persistent step buffers (a block-table row of max_model_len for
+        each of max_num_seqs, a few indices for each of the step's tokens, host and device
+        copies) would not fit in the device's free memory: a mistyped max_num_seqs of 10**9 was
+        killed for memory instead."""
+        max_blocks = -(-self.max_model_len // self.block_size)
+        per_seq = 4 * max_blocks + 64
+        per_token = 48
+        need = 2 * (self.max_num_seqs * per_seq + self.max_num_tokens * per_token)
+        try:
+            free, _ = platform.device_memory_info(self.device)
+        except NotImplementedError:  # a platform that cannot tell: its allocator will
+            return
+        if need > free:
+            gib = 1024**3
+            raise ValueError(
+                f"max_num_seqs={self.max_num_seqs} and steps of up to {self.max_num_tokens} "
+                f"tokens (max_num_batched_tokens) need {need / gib:.1f} GiB of step buffers (a block "
+                f"table of max_model_len={self.max_model_len} for every sequence, indices for "
+                f"every token), more than the {free / gib:.1f} GiB free on {self.device}: lower "
+                "them"
+            )
 
     def _allocate_buffers(self, separate: bool | None = None) -> None:
         """The persistent step buffers (``separate``: host and device copies even on the CPU, so

@@ -79,11 +79,36 @@ class Worker:
 
     def num_kv_blocks(self) -> int:
         """How many KV cache blocks this rank's memory holds (the executor takes the least)."""
-        given = self.config.cache.num_blocks
-        if given is not None:
-            return given
+        cache = self.config.cache
+        per_block = self.model_runner.kv_cache_bytes_per_block()
+        if cache.num_blocks is not None or cache.kv_cache_memory_bytes:
+            self._check_given_cache_fits(cache.num_blocks, per_block)
+        if cache.num_blocks is not None:
+            return cache.num_blocks
         budget = kv_cache_budget_bytes(self.config, self.platform, self.model_runner)
-        return budget // self.model_runner.kv_cache_bytes_per_block()
+        return budget // per_block
+
+    def _check_given_cache_fits(self, num_blocks: int | None, per_block: int) -> None:
+        """A KV cache the user sized (num_kv_blocks, kv_cache_memory_bytes) must fit in the
+        device's free memory: a clear error here, not the allocator's failure (or the kernel's
+        out-of-memory kill) when it is made."""
+        cache = self.config.cache
+        need = num_blocks * per_block if num_blocks is not None else cache.kv_cache_memory_bytes
+        try:
+            free, _ = self.platform.device_memory_info(self.device)
+        except NotImplementedError:  # a platform that cannot tell: its allocator will
+            return
+        if need > free:
+            gib = 1024**3
+            given = (
+                f"num_kv_blocks={num_blocks} ({per_block} bytes a block)"
+                if num_blocks is not None
+                else f"kv_cache_memory_bytes={cache.kv_cache_memory_bytes}"
+            )
+            raise ValueError(
+                f"the KV cache asked for, {given}, needs {need / gib:.1f} GiB, more than the "
+                f"{free / gib:.1f} GiB free on {self.device}: give it less"
+            )
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
