@@ -101,6 +101,9 @@ class FakeDevice:
         self.busy_until = 0.0
         self.done_at: list[float] = []  # when each launched step finishes on the "device"
 
+    def kv_cache_bytes_per_block(self) -> int:
+        return 0  # the fake's cache holds nothing
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
 
