@@ -107,5 +107,39 @@ def test_unknown_architecture(tmp_path: Path) -> None:
         load_model_config(str(tmp_path), load_format="dummy")
 
 
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("{not json", "is not a valid JSON file"),
+        ('{"num_attention_heads": 5}', "not a multiple of the number of attention heads"),
+    ],
+    ids=["not-json", "heads-do-not-split"],
+)
+def test_damaged_config(config_only: Path, damage: str, message: str) -> None:
+    """transformers' own errors (several kinds, one a traceback through its validators) become
+    one ValueError naming the folder."""
+    config = config_only / "config.json"
+    if damage.startswith("{not"):
+        config.write_text(damage)
+    else:
+        config.write_text(json.dumps({**json.loads(config.read_text()), **json.loads(damage)}))
+    with pytest.raises(ValueError, match=f"config.json is not a configuration.*{message}"):
+        load_model_config(str(config_only), load_format="dummy")
+
+
+@pytest.mark.parametrize("keep", [1000, 20000], ids=["header", "data"])
+def test_damaged_weights_name_the_file(config_only: Path, keep: int) -> None:
+    """A cut download: safetensors' error becomes one naming the file."""
+    from safetensors.torch import save_file
+
+    weights = {"model.embed_tokens.weight": torch.zeros(128, 4096)}
+    save_file(weights, str(config_only / "model.safetensors"))
+    data = (config_only / "model.safetensors").read_bytes()
+    (config_only / "model.safetensors").write_bytes(data[:keep])
+    config = load_model_config(str(config_only))
+    with pytest.raises(ValueError, match="model.safetensors is not a readable safetensors file"):
+        load_model(config, torch.device("cpu"))
+
+
 def test_registry_resolves_registered_architectures() -> None:
     assert get_model_class("Qwen3ForCausalLM").__name__ == "Qwen3ForCausalLM"

@@ -62,7 +62,12 @@ def load_model_config(
             raise ValueError(f"{path} is a folder: load_format 'gguf' needs a .gguf file")
         from transformers import AutoConfig
 
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # transformers' validators raise several kinds
+            reason = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
+            raise ValueError(f"{path}: config.json is not a configuration transformers reads: "
+                             f"{reason}") from e  # fmt: skip
         model_generation_config = read_generation_config(path)
     if load_format == "auto":
         load_format = "gguf" if resolved.kind == "gguf" else "safetensors"

@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from kvik.model_loader.weight_slice import CheckpointSlice
@@ -29,11 +29,20 @@ def safetensors_files(folder: Path) -> list[Path]:
     )
 
 
+def unreadable(file: Path, error: SafetensorError) -> ValueError:
+    """A damaged checkpoint file (a cut download, another format under the name) as a clear
+    error naming it, not safetensors' own."""
+    return ValueError(f"{file} is not a readable safetensors file ({error}): download it again")
+
+
 def iterate_safetensors(folder: Path) -> Iterator[tuple[str, Tensor]]:
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    yield name, f.get_tensor(name)
+        except SafetensorError as e:
+            raise unreadable(file, e) from e
 
 
 def iterate_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointSlice]]:
@@ -41,6 +50,9 @@ def iterate_safetensors_slices(folder: Path) -> Iterator[tuple[str, CheckpointSl
     (kvik.model_loader.weight_slice). A slice reads from its file while the iterator is on that
     file: the model's loaders read each as it comes."""
     for file in safetensors_files(folder):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                yield name, CheckpointSlice(name, f)
+        try:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
+                    yield name, CheckpointSlice(name, f)
+        except SafetensorError as e:
+            raise unreadable(file, e) from e
