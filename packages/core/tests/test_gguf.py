@@ -171,6 +171,17 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
         gguf_hf_config(path)
 
 
+@pytest.mark.parametrize(
+    "content", [b"\x00" * 64, b"GGUF\x03\x00\x00\x00garbage"], ids=["not-gguf", "cut"]
+)
+def test_damaged_gguf_names_the_file(tmp_path: Path, content: bytes) -> None:
+    """gguf's parser fails on a damaged or cut file with numpy's messages: one error names it."""
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="damaged.gguf is not a readable GGUF file"):
+        gguf_hf_config(path)
+
+
 @pytest.fixture(scope="session")
 def default_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A user's KVIK_CACHE is reused; else one cache for the whole session (test_resolve.py names

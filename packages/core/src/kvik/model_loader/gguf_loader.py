@@ -37,7 +37,11 @@ _LAYER_NAMES = {
 @functools.lru_cache(maxsize=2)
 def _open(path: Path, stamp: tuple[int, int]) -> GGUFReader:
     del stamp  # part of the cache key only: a replaced file is read again
-    return GGUFReader(path)
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        # gguf's parser fails on a damaged or cut file with numpy's own messages.
+        raise ValueError(f"{path} is not a readable GGUF file ({e}): download it again") from e
 
 
 def _reader(path: str | Path) -> GGUFReader:
