@@ -127,6 +127,31 @@ def test_bad_token_ids_out_of_vocab_are_refused(llm_and_hf):
             llm.generate([[5, 6, 7]], params, use_tqdm=False)
 
 
+def test_logprobs_beyond_max_logprobs_are_refused(llm_and_hf, tiny_model):
+    """vLLM's max_logprobs (default 20): more logprobs a position, or the whole vocabulary (-1),
+    is an error unless the engine lifts the limit; within it they come back."""
+    llm, _ = llm_and_hf
+    for params in (
+        SamplingParams(logprobs=21),
+        SamplingParams(prompt_logprobs=-1),
+        SamplingParams(max_tokens=1, prompt_logprobs=10**6),
+    ):
+        with pytest.raises(ValueError, match="more than max_logprobs=20"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    (out,) = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=20), use_tqdm=False)
+    assert all(len(entry) >= 20 for entry in out.outputs[0].logprobs)
+    unlimited = LLM(
+        str(tiny_model("llama")), dtype="float32", num_kv_blocks=64, enforce_eager=True,
+        max_logprobs=-1,
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=1, prompt_logprobs=-1)
+    (out,) = unlimited.generate([[5, 6, 7]], params, use_tqdm=False)
+    vocab = unlimited.config.model.vocab_size
+    assert all(len(entry) == vocab for entry in out.prompt_logprobs[1:])
+    with pytest.raises(ValueError, match="max_logprobs must be >= -1"):
+        LLM(str(tiny_model("llama")), max_logprobs=-2)
+
+
 def test_priorities_and_seeds_at_the_int64_edges(llm_and_hf):
     """Priorities and seeds cross to the engine core as 64-bit signed integers: one past them is
     refused before any prompt is added, and the edges work (child seeds of n > 1 wrap)."""

@@ -175,6 +175,10 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, offline):
     ).json()
     prompt = offline.input_processor.apply_chat_template(MESSAGES)["prompt_token_ids"]
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == len(prompt)
+    # Every prompt logprob of the vocabulary (-1) would be vocabulary x prompt entries in one
+    # answer: beyond max_logprobs (20 by default), a 400.
+    refused = http.post("/v1/completions", json=body | {"prompt_logprobs": -1})
+    assert refused.status_code == 400 and "max_logprobs=20" in refused.json()["error"]["message"]
 
 
 def test_n_and_stop(client, offline):

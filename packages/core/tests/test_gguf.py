@@ -271,7 +271,7 @@ def test_written_gguf_runs_in_kvik(
     model = _tiny_llama(tie_word_embeddings=False)
     path = tmp_path / "tiny.gguf"
     _write_gguf(model, path, qtype)
-    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, enforce_eager=True, max_logprobs=-1)
     prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     params = SamplingParams(max_tokens=1, prompt_logprobs=-1)
     (out,) = llm.generate([prompt], params, use_tqdm=False)

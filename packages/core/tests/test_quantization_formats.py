@@ -436,7 +436,9 @@ def test_logits_match_a_float_emulation_of_the_format(checkpoints, arch, name):
     """kvik's teacher-forced log-probabilities, fp32 activations on the CPU, against transformers
     running the dequantized weights with each projection's input rounded as the format says."""
     folder, hf, quantized = checkpoints(arch, name)
-    llm = LLM(str(folder), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False)
+    llm = LLM(
+        str(folder), dtype="float32", num_kv_blocks=16, enable_prefix_caching=False, max_logprobs=-1
+    )
     got = teacher_forced_logprobs(llm, PROMPT)
     original = hf_logprobs(hf, PROMPT)
     emulated_hf = make_hf(arch)
@@ -453,7 +455,7 @@ def test_online_fp8_quantizes_an_unquantized_checkpoint_per_channel(tmp_path):
     token; logits as the float emulation of that scheme gives them."""
     hf = make_hf("llama")
     hf.save_pretrained(tmp_path)
-    llm = LLM(str(tmp_path), dtype="float32", quantization="fp8", num_kv_blocks=16)
+    llm = LLM(str(tmp_path), dtype="float32", quantization="fp8", num_kv_blocks=16, max_logprobs=-1)
     assert llm.config.model.quantization == "fp8"
     quantized = {
         name: channel_scaled(module.weight.float())
@@ -477,7 +479,7 @@ def test_bf16_activations_follow_fp32_ones(checkpoints, name):
     """The same checkpoint with bf16 activations (the CPU's default where it has bf16): the FP8
     kernels return the activations' dtype and the unquantized layers run on packed weights."""
     folder, _, _ = checkpoints("qwen3", name)
-    options = dict(num_kv_blocks=16, enable_prefix_caching=False)
+    options = dict(num_kv_blocks=16, enable_prefix_caching=False, max_logprobs=-1)
     fp32 = teacher_forced_logprobs(LLM(str(folder), dtype="float32", **options), PROMPT)
     bf16 = teacher_forced_logprobs(LLM(str(folder), dtype="bfloat16", **options), PROMPT)
     assert torch.isfinite(bf16).all()
@@ -486,7 +488,7 @@ def test_bf16_activations_follow_fp32_ones(checkpoints, name):
 
 def test_random_weights_of_a_quantized_checkpoint_are_finite(checkpoints):
     folder, _, _ = checkpoints("llama", "hf-fp8-block")
-    llm = LLM(str(folder), dtype="float32", load_format="dummy", num_kv_blocks=16)
+    llm = LLM(str(folder), dtype="float32", load_format="dummy", num_kv_blocks=16, max_logprobs=-1)
     layer = llm.engine.runner.model.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == FP8 and (layer.weight_scale > 0).all()
     assert torch.isfinite(teacher_forced_logprobs(llm, PROMPT[:10])).any(-1).all()

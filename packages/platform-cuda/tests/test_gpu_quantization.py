@@ -65,9 +65,13 @@ def logprobs(llm: LLM) -> torch.Tensor:
 
 
 def test_online_fp8_on_the_gpu_computes_what_the_cpu_does(llama):
-    options = dict(dtype="float32", quantization="fp8", num_kv_blocks=64, max_model_len=256)
+    options = dict(
+        dtype="float32", quantization="fp8", num_kv_blocks=64, max_model_len=256, max_logprobs=-1
+    )
     cpu = logprobs(LLM(str(llama), device="cpu", **options))
-    plain = logprobs(LLM(str(llama), device="cpu", dtype="float32", num_kv_blocks=64))
+    plain = logprobs(
+        LLM(str(llama), device="cpu", dtype="float32", num_kv_blocks=64, max_logprobs=-1)
+    )
     gpu_llm = LLM(str(llama), device="cuda", **options)
     layers = [m for m in gpu_llm.engine.runner.model.modules() if isinstance(m, Linear)]
     assert all(isinstance(m.quant_method, OnlineFp8LinearMethod) for m in layers)
@@ -117,7 +121,7 @@ def test_fused_activation_quantization_computes_what_the_projections_did(
     from fp8_checkpoints import build_original, make_hf_block_fp8
 
     folder = make_hf_block_fp8(build_original("llama", tmp_path / "orig"), tmp_path / "fp8")
-    options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256)
+    options = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, max_logprobs=-1)
     options |= dict(enforce_eager=True) if mode == "eager" else dict(cudagraph_mode="full")
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     results = {}

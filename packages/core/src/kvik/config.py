@@ -90,6 +90,9 @@ class ModelConfig:
     #: That method's ``kvik.quantization.QuantizationConfig`` for this model, which gives each
     #: linear layer its method as the model is built; None for an unquantized model.
     quant_config: Any = None
+    #: The most logprobs a request may ask for at a position (``logprobs``, ``prompt_logprobs``);
+    #: -1: no limit.
+    max_logprobs: int = 20
 
     @property
     def architecture(self) -> str:

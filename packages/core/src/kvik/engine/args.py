@@ -156,8 +156,13 @@ class EngineArgs:
         None,
         "speculative decoding, JSON with vLLM's keys: method (ngram, draft_model, eagle3), "
         "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, model, "
-        "disable_by_batch_size (not yet run by the engine: it refuses the option)",
+        "disable_by_batch_size (with one in-process rank; scheduling is then synchronous)",
         metavar="JSON",
+    )
+    max_logprobs: int = option(
+        20,
+        "the most logprobs (and prompt logprobs) a request may ask for at each position, as "
+        "vLLM's; -1: no limit (a request's -1, the whole vocabulary, needs it)",
     )
     generation_config: str = option(
         "auto",
@@ -204,6 +209,8 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             optional=True,
         )
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
@@ -236,6 +243,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             quantization=self.quantization,
         )
+        model_config.max_logprobs = self.max_logprobs
         check_platform_supports(platform, model_config.quantization)
         check_tensor_parallel(model_config, parallel.tensor_parallel_size)
         structured_outputs = StructuredOutputsConfig(

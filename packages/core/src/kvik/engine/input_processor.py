@@ -56,6 +56,24 @@ class InputProcessor:
         self.tokenizer = load_tokenizer(model_config.tokenizer or model_config.path)
         self.eos_token_ids = model_config.eos_token_ids()
 
+    def _check_logprobs(self, params: SamplingParams, vocab: int) -> None:
+        """vLLM's max_logprobs: a request's logprobs (-1: the whole vocabulary) within the
+        engine's limit, which keeps a response of a long prompt with every prompt logprob from
+        taking the server's memory."""
+        limit = self.model_config.max_logprobs
+        if limit == -1:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is None:
+                continue
+            count = vocab if asked == -1 else asked
+            if count > limit:
+                raise ValueError(
+                    f"{name}={asked} asks for {count} logprobs a position, more than "
+                    f"max_logprobs={limit} (an engine option; -1 lifts the limit)"
+                )
+
     @staticmethod
     def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str | dict):
@@ -104,6 +122,7 @@ class InputProcessor:
                 "shorter, to leave room for at least one generated token"
             )
         params.validate_token_ids(vocab)
+        self._check_logprobs(params, vocab)
         if params.structured_outputs is not None:
             self._check_structured_outputs(params)
         return text, token_ids, params
