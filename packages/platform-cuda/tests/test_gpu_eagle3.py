@@ -85,5 +85,6 @@ def test_greedy_identical_and_proposals_equal_reference(
     assert reference.compared > 10
     if draft_graphs:
         keys = set(proposer.graphs.graphs)
-        assert {("draft", 1), ("draft", 2), ("draft", 4)} <= keys
+        # ("draft", batch size, draft steps): one graph per padded batch size a step used
+        assert {("draft", 1), ("draft", 2), ("draft", 4)} <= {key[:2] for key in keys}
         assert any(key[0] == "pass" for key in keys)  # the batched pass of verifications
