@@ -75,13 +75,17 @@ def _config(kind: str):
     return Qwen3Config(**common, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
 
 
-def build_model_on_gpu(kind: str, folder: Path, seed: int = 0, device: str = "cuda") -> Path:
+def build_model_on_gpu(
+    kind: str, folder: Path, seed: int = 0, device: str = "cuda", initializer_range: float = 0.1
+) -> Path:
     """A random-weight model initialised on the GPU by transformers, saved as safetensors."""
     from transformers import AutoModelForCausalLM
 
+    config = _config(kind)
+    config.initializer_range = initializer_range
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(_config(kind), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder, safe_serialization=True)
     assert (folder / "model.safetensors").is_file()
     del model
