@@ -5,12 +5,14 @@ weights, bf16, the engine's default graphs):
    rejection sampler and the n-gram proposer) against a plain decode step of the same engine
    (goal: at most 1.25x);
 2. an EAGLE-3 head of the 8B shape (random weights, bf16) proposing k = 3 tokens in a second
-   engine: the runner's ``propose`` as the engine calls it after a step (the head's one batched
-   pass over the step's rows, writing its KV cache, then two one-row draft steps), timed after a
-   decode step and after a verification of 3 drafts, as a fraction of the plain decode step of
-   1. (goal: at most 15%); with the head run eagerly (``KVIK_EAGLE3_DRAFT_GRAPHS=0``), then with
+   engine (the head's one batched pass over the step's rows, writing its KV cache, then two
+   one-row draft steps, launched behind the target's forward before the step is read back): what
+   the proposals add to that engine's step after a decode step and after a verification of 3
+   drafts (its step with the head less its step with the head idle), as a fraction of its target
+   step (goal: at most 15%); with the head run eagerly (``KVIK_EAGLE3_DRAFT_GRAPHS=0``), then with
    its batched pass and draft steps replayed as CUDA graphs where the platform has them (the
-   engine's default with FULL graphs).
+   engine's default with FULL graphs). ``--profile`` times one proposal alone (launched from the
+   step's tokens on the host, between two synchronizations) and lists its kernels.
 
     python bench/spec_decode_gpu.py [--model bench/models/llama-3.1-8b] [--context 256]
 
@@ -24,6 +26,7 @@ minutes on an H200, engine start included.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -116,10 +119,23 @@ def random_head(folder: Path, hf, vocab: int) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def proposals_off(proposer):
+    """The EAGLE-3 engine's steps with its head idle: nothing launched, no drafts."""
+    saved = proposer.launch, proposer.propose
+    proposer.launch = lambda *given: None
+    proposer.propose = lambda *given, launched=None: {}
+    try:
+        yield
+    finally:
+        proposer.launch, proposer.propose = saved
+
+
 def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> dict:
-    """An engine with an EAGLE-3 head (k = 3): the runner's ``propose`` after a decode step and
-    after a verification of k drafts, each timed inside ``execute_model`` as the engine calls it
-    (the runner has synchronized before it; its drafts' read-back ends it)."""
+    """An engine with an EAGLE-3 head (k = 3): what its proposals add to a decode step and to a
+    verification of k drafts, as ``execute_model`` runs them (the head launched behind the
+    target's forward before the step's read-back, its drafts read back after it): the step's
+    time with the head less its time with the head idle."""
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(args.model)
@@ -132,20 +148,14 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
         start_s = time.perf_counter() - started
     runner = llm.engine.runner
     proposer = runner.proposer
-    propose_ms: list[float] = []
     propose = proposer.propose
     last_call: list[tuple] = []  # the arguments of the latest proposal (for --profile)
 
-    def timed_propose(*given):
+    def recorded_propose(*given, launched=None):
         last_call[:] = [given]
-        synchronize()
-        start = time.perf_counter()
-        drafts = propose(*given)
-        synchronize()
-        propose_ms.append(1e3 * (time.perf_counter() - start))
-        return drafts
+        return propose(*given, launched=launched)
 
-    proposer.propose = timed_propose
+    proposer.propose = recorded_propose
     context = args.context
     request = Request("eagle", prompt, SamplingParams(temperature=0.0, max_tokens=1000), 1000)
     block_ids = list(range(-(-(context + 1 + 2 * K_EAGLE) // block)))
@@ -176,12 +186,14 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
             runner.execute_model(decode)
             runner.execute_model(verify)
         for name, step in (("decode", decode), ("verify", verify)):
-            propose_ms.clear()
+            # What proposing adds to a step: the engine's step with the head, then without it
+            # (the target's forward with the hooks' copies, sampling, the read-back).
             step_ms = median_ms(lambda step=step: runner.execute_model(step), args.steps)
-            propose_median = statistics.median(propose_ms)
-            figures[f"{prefix}_propose_after_{name}_ms"] = round(propose_median, 3)
+            with proposals_off(proposer):
+                target_ms = median_ms(lambda step=step: runner.execute_model(step), args.steps)
+            figures[f"{prefix}_propose_after_{name}_ms"] = round(step_ms - target_ms, 3)
             figures[f"{prefix}_engine_{name}_step_ms"] = round(step_ms, 3)
-            figures[f"{prefix}_engine_{name}_target_ms"] = round(step_ms - propose_median, 3)
+            figures[f"{prefix}_engine_{name}_target_ms"] = round(target_ms, 3)
         if draft_graphs is not None:
             figures["eagle3_head_graph_replays"] = draft_graphs.num_replays
     if args.profile:  # the last way timed: graphed where the platform has graphs
@@ -300,10 +312,6 @@ def main() -> int:
         "verify_k4_step_ms": round(verify_ms, 3),
         "verify_over_decode": round(verify_ms / decode_ms, 3),
         **eagle,
-        "eagle3_over_decode": round(eagle["eagle3_propose_after_decode_ms"] / decode_ms, 3),
-        "eagle3_after_verify_over_decode": round(
-            eagle["eagle3_propose_after_verify_ms"] / decode_ms, 3
-        ),
         "timed_full_graph_replays": replays,
         "timed_piecewise_replays": piecewise,
         "torch_version": torch.__version__,
@@ -315,32 +323,27 @@ def main() -> int:
         f"while timed; engine start {start_s:.0f} s",
         file=sys.stderr,
     )
-    after_decode = eagle["eagle3_propose_after_decode_ms"]
-    after_verify = eagle["eagle3_propose_after_verify_ms"]
-    for prefix in ("eagle3_graphed",):
-        if f"{prefix}_propose_after_decode_ms" in eagle:
-            for name in ("decode", "verify"):
-                result[f"{prefix}_after_{name}_over_decode"] = round(
-                    eagle[f"{prefix}_propose_after_{name}_ms"] / decode_ms, 3
-                )
-    print(
-        f"EAGLE-3 k={K_EAGLE} proposals (the runner's propose, as the engine calls it): "
-        f"{after_decode:.3f} ms after a decode step = {100 * after_decode / decode_ms:.1f}% of a "
-        f"decode step, {after_verify:.3f} ms after a verification of {K_EAGLE} drafts = "
-        f"{100 * after_verify / decode_ms:.1f}% (goal <= 15%); the EAGLE-3 engine's decode step "
-        f"without them {eagle['eagle3_engine_decode_target_ms']:.3f} ms, "
-        f"{eagle['eagle3_timed_full_graph_replays']} full-graph replays while timed",
-        file=sys.stderr,
-    )
-    if "eagle3_graphed_propose_after_decode_ms" in eagle:
-        graphed = [eagle[f"eagle3_graphed_propose_after_{n}_ms"] for n in ("decode", "verify")]
+    for prefix, how in (("eagle3", "eagerly"), ("eagle3_graphed", "as CUDA graphs (the default)")):
+        if f"{prefix}_propose_after_decode_ms" not in eagle:
+            continue
+        added = [eagle[f"{prefix}_propose_after_{n}_ms"] for n in ("decode", "verify")]
+        target = [eagle[f"{prefix}_engine_{n}_target_ms"] for n in ("decode", "verify")]
+        for name, ms, of in zip(("decode", "verify"), added, target, strict=True):
+            result[f"{prefix}_after_{name}_over_target"] = round(ms / of, 3)
+            result[f"{prefix}_after_{name}_over_decode"] = round(ms / decode_ms, 3)
         print(
-            f"EAGLE-3 with its pass and draft steps as CUDA graphs (the default): "
-            f"{graphed[0]:.3f} ms after a decode step = {100 * graphed[0] / decode_ms:.1f}%, "
-            f"{graphed[1]:.3f} ms after a verification = {100 * graphed[1] / decode_ms:.1f}%; "
-            f"{eagle['eagle3_head_graph_replays']} head-graph replays",
+            f"EAGLE-3 k={K_EAGLE} proposals with the head {how}: they add {added[0]:.3f} ms to a "
+            f"decode step = {100 * added[0] / target[0]:.1f}% of its target step "
+            f"({target[0]:.3f} ms), {added[1]:.3f} ms to a verification of {K_EAGLE} drafts = "
+            f"{100 * added[1] / target[1]:.1f}% of its target step ({target[1]:.3f} ms) "
+            f"(goal <= 15%); {100 * added[0] / decode_ms:.1f}% of the plain decode step",
             file=sys.stderr,
         )
+    print(
+        f"EAGLE-3 engine: {eagle['eagle3_timed_full_graph_replays']} full-graph replays while "
+        f"timed, {eagle.get('eagle3_head_graph_replays', 0)} head-graph replays",
+        file=sys.stderr,
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if os.environ.get("OUT"):

@@ -32,9 +32,9 @@ class WindowReference:
         self.prefix_hits = 0
         propose = proposer.propose
 
-        def checked(scheduler_output, inputs, new_tokens, caps):
-            aux = proposer.aux[: inputs.num_tokens].clone()  # before the head runs
-            drafts = propose(scheduler_output, inputs, new_tokens, caps)
+        def checked(scheduler_output, inputs, new_tokens, caps, launched=None):
+            aux = proposer.aux[: inputs.num_tokens].clone()  # the head reads it, never writes
+            drafts = propose(scheduler_output, inputs, new_tokens, caps, launched=launched)
             self.check(scheduler_output, inputs, new_tokens, caps, aux, drafts)
             return drafts
 

@@ -84,6 +84,11 @@ def test_an_all_greedy_batch_on_the_host_equals_greedy_rows_on_the_device():
     )
     assert beside.to_lists()[: len(num_drafts)] == greedy.to_lists()
     assert greedy.num_accepted.tolist() == [0, 0, 2, 3, 1]
+    # Kept on the logits' device (what an EAGLE-3 proposal starts from before the read-back):
+    # the same tokens, and the same placeholders after each request's last.
+    kept = sampler(logits, torch.tensor(drafts), num_drafts, batch(len(num_drafts)), on_device=True)
+    assert kept.token_ids.tolist() == greedy.token_ids.tolist()
+    assert kept.num_accepted.tolist() == greedy.num_accepted.tolist()
 
 
 def test_bad_layouts_are_clear_errors():

@@ -78,7 +78,7 @@ class DraftModelProposer(Proposer):
         with forward_context(context):
             return self.model(input_ids, positions)
 
-    def propose(self, scheduler_output, inputs, new_tokens, caps):
+    def propose(self, scheduler_output, inputs, new_tokens, caps, launched=None):
         # The target's step, through the draft: its cache then holds every computed position.
         self._forward(inputs.input_ids, inputs.positions, inputs.common_metadata)
         block_ids = {s.request.request_id: s.block_ids for s in scheduler_output.scheduled}

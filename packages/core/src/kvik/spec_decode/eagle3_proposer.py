@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,6 +55,7 @@ from kvik.layers.attention import Attention
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.spec_decode.eagle3 import default_aux_layer_ids, load_eagle3_head
 from kvik.spec_decode.proposer import Proposer
+from kvik.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionOutput
 from kvik.worker.forward_context import ForwardContext, forward_context
 
 if TYPE_CHECKING:
@@ -89,6 +91,16 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"{type(model).__name__} has none"
         )
     return layers
+
+
+@dataclass
+class _Launched:
+    """A proposal on its way: the proposing requests (in draft-column order), how many rows of
+    drafts come back, and the event of their copy to the host (None: already there)."""
+
+    request_ids: list[str]
+    num_rows: int
+    copied: torch.Event | None
 
 
 class Eagle3Proposer(Proposer):
@@ -190,8 +202,9 @@ class Eagle3Proposer(Proposer):
         # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
         # (what the largest proposal needs), so that a graph reads them at one address: the
         # batched pass's rows and tokens, the proposing requests' rows, block-table rows and block
-        # counts, max_num_seqs apart.
-        capacity = 5 * r
+        # counts, and what the first three are worked out from (``_last_known_rows``),
+        # max_num_seqs apart.
+        capacity = 8 * r
         host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
         self._staging = (host, host if device.type == "cpu" else host.to(device))
         # The batched pass's token ids and outputs, where a graph replays it (``_pass_key``).
@@ -273,22 +286,28 @@ class Eagle3Proposer(Proposer):
         return torch.index_select(self.target_ids, 0, draft_ids, out=out)
 
     # --- proposing ----------------------------------------------------------------------------
-    def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps):
+    proposes_on_device = True
+
+    def launch(self, scheduler_output, inputs: StepInputs, verified, caps) -> _Launched:
+        """The head's batched pass over the step's rows (writing its cache), then the drafts of
+        the requests in ``caps``, started from the step's tokens on the device: nothing here
+        waits for the device, so the host's part overlaps the target's forward. Each request's
+        last row whose next token is known, and that token, follow from how many of its drafts
+        the step accepted, worked out on the device (``_last_known_rows``)."""
         scheduled = scheduler_output.scheduled
-        starts = inputs.query_starts
-        # Per scheduled request: its last row whose next token is known, and that token.
-        last_rows, next_ids = [], []
-        for s, first_row in zip(scheduled, starts, strict=True):
-            request = s.request
-            new = new_tokens.get(request.request_id) if s.samples else None
-            if new:
-                # Rows whose input token is known: all but rejected drafts.
-                num_valid = s.num_tokens - len(s.spec_token_ids) + len(new) - 1
-                next_ids.append(new[-1])
+        sample_index, base_rows, prompt_next = [], [], []
+        samples = 0
+        for s, first_row in zip(scheduled, inputs.query_starts, strict=True):
+            if s.samples:
+                # Rows up to the newest token are known, then as many as it accepted drafts.
+                sample_index.append(samples)
+                samples += 1
+                base_rows.append(first_row + s.num_tokens - len(s.spec_token_ids) - 1)
+                prompt_next.append(0)
             else:  # a prompt chunk that does not sample: the prompt goes on
-                num_valid = s.num_tokens
-                next_ids.append(request.all_token_ids[s.start + s.num_tokens])
-            last_rows.append(first_row + num_valid - 1)
+                sample_index.append(-1)
+                base_rows.append(first_row + s.num_tokens - 1)
+                prompt_next.append(s.request.all_token_ids[s.start + s.num_tokens])
         proposing = [(r, s) for r, s in enumerate(scheduled) if caps.get(s.request.request_id)]
         count = len(proposing)
         num_steps = max((caps[s.request.request_id] for _, s in proposing), default=1)
@@ -296,19 +315,22 @@ class Eagle3Proposer(Proposer):
         size = self._graph_size(count) if steps else None
         if size is not None:
             steps = self.k - 1  # a graph always runs k - 1 steps (what its capture holds)
-        # Per proposing request (then padding rows up to the graph's size): its last known row,
-        # its row in the step's block table, and how many blocks it has there.
-        padding = (size or count) - count
-        rows = [last_rows[r] for r, _ in proposing] + [0] * padding
+        # Per proposing request (then padding rows up to the graph's size): its row in the
+        # step's block table (and in the step's requests), and how many blocks it has there.
+        num_hidden = size or count
+        padding = num_hidden - count
         table_rows = [r for r, _ in proposing] + [0] * padding
         num_blocks = [len(s.block_ids) for _, s in proposing] + [0] * padding
         if proposing:
-            last_positions = (s.start + last_rows[r] - starts[r] for r, s in proposing)
+            # The furthest a last known position can be: every draft accepted.
+            last_positions = (s.start + s.num_tokens - 1 for _, s in proposing)
             self._max_seq_len = min(max(last_positions) + steps + 1, self.runner.max_model_len)
-        arrays = (last_rows, next_ids, rows, table_rows, num_blocks)
-        staged = self._upload([np.array(a, dtype=np.int64) for a in arrays])
+        num = len(scheduled)
+        arrays = (num, num, num_hidden, table_rows, num_blocks, sample_index, base_rows,
+                  prompt_next)  # fmt: skip
+        staged = self._upload([a if isinstance(a, int) else np.array(a, np.int64) for a in arrays])
+        self._last_known_rows(staged, verified)
         key = self._pass_key(inputs, scheduled)
-        num_hidden = size or count
         if key is None:
             prenorm = self._batched_pass(inputs, staged[0], staged[1])
             # The hidden states the drafts start from (padding rows keep stale, finite values:
@@ -322,29 +344,76 @@ class Eagle3Proposer(Proposer):
                 (*key, num_hidden),
                 lambda: self._pass_and_hidden(inputs, staged, num_hidden),
             )
+        request_ids = [s.request.request_id for _, s in proposing]
         if not proposing:
-            return {}
+            return _Launched(request_ids, 0, None)
         if size is None:
             self._draft(inputs, staged, count, steps)
         else:
             self.graphs.run(
                 ("draft", size, steps), lambda: self._draft(inputs, staged, size, steps)
             )
-        if not proposing:
-            return {}
         host = self._proposals_host[: 1 + steps]
         if self.runner.device.type == "cpu":
             host.copy_(self.proposals[: 1 + steps])
-        else:
-            host.copy_(self.proposals[: 1 + steps], non_blocking=True)
-            copied = torch.Event(self.runner.device.type)
-            copied.record()
-            copied.synchronize()
-        proposals = host[:, :count].T.tolist()
+            return _Launched(request_ids, 1 + steps, None)
+        host.copy_(self.proposals[: 1 + steps], non_blocking=True)
+        copied = torch.Event(self.runner.device.type)
+        copied.record()
+        return _Launched(request_ids, 1 + steps, copied)
+
+    def propose(self, scheduler_output, inputs: StepInputs, new_tokens, caps, launched=None):
+        """The drafts ``launch`` started, cut to the true ``caps``; without ``launched`` (a call
+        with the step's tokens on the host only), launched here from them first."""
+        if launched is None:
+            launched = self.launch(
+                scheduler_output, inputs, self._tokens_on_device(inputs, new_tokens), caps
+            )
+        if not launched.request_ids:
+            return {}
+        if launched.copied is not None:
+            launched.copied.synchronize()
+        count = len(launched.request_ids)
+        proposals = self._proposals_host[: launched.num_rows, :count].T.tolist()
         return {
-            s.request.request_id: proposals[i][: caps[s.request.request_id]]
-            for i, (_, s) in enumerate(proposing)
+            request_id: proposals[i][: caps[request_id]]
+            for i, request_id in enumerate(launched.request_ids)
+            if caps.get(request_id)
         }
+
+    def _tokens_on_device(self, inputs: StepInputs, new_tokens) -> RejectionOutput | None:
+        """Host tokens of the step's sampling requests as the rejection sampler leaves them."""
+        rows = [new_tokens[r.request_id] for r in inputs.sampling_requests]
+        if not rows:
+            return None
+        width = max(len(row) for row in rows)
+        padded = [row + [PLACEHOLDER_TOKEN_ID] * (width - len(row)) for row in rows]
+        device = self.runner.device
+        return RejectionOutput(
+            torch.tensor(padded, dtype=torch.int64, device=device),
+            torch.tensor([len(row) - 1 for row in rows], dtype=torch.int64, device=device),
+        )
+
+    @staticmethod
+    def _last_known_rows(staged: list[Tensor], verified: RejectionOutput | None) -> None:
+        """On the device, into the staged slots the pass and the drafts read: per scheduled
+        request its last row whose next token is known (``staged[0]``) and that token
+        (``staged[1]``); per proposing request (and padding) that row (``staged[2]``). A sampling
+        request's row moves on by the drafts it accepted and its token is the one sampled there;
+        a prompt chunk's are the host's (``staged[5..7]``: sampling row or -1, base row, next
+        prompt token)."""
+        last_rows, next_ids, rows, table_rows = staged[:4]
+        sample_index, base_rows, prompt_next = staged[5:8]
+        if verified is None:
+            last_rows.copy_(base_rows)
+            next_ids.copy_(prompt_next)
+        else:
+            samples = sample_index >= 0
+            index = sample_index.clamp(min=0)
+            accepted = torch.where(samples, verified.num_accepted.index_select(0, index), 0)
+            torch.add(base_rows, accepted, out=last_rows)
+            torch.where(samples, verified.token_ids[index, accepted], prompt_next, out=next_ids)
+        torch.index_select(last_rows, 0, table_rows, out=rows)
 
     def _graph_size(self, count: int) -> int | None:
         """The padded batch size whose graph runs ``count`` requests' draft steps (None: they
@@ -355,20 +424,23 @@ class Eagle3Proposer(Proposer):
             return None
         return self.graph_sizes[bisect.bisect_left(self.graph_sizes, count)]
 
-    def _upload(self, arrays: list[np.ndarray]) -> list[Tensor]:
+    def _upload(self, arrays: list[np.ndarray | int]) -> list[Tensor]:
         """int64 arrays of at most max_num_seqs each -> device views, array i at staging offset
         i * max_num_seqs (so that a graph finds each at one address whatever the others' sizes),
         through one host-to-device copy (from pinned memory on a GPU; the previous proposal's
-        read-back has waited for its copy, so the host may overwrite the staging)."""
+        read-back has waited for its copy, so the host may overwrite the staging). An int in
+        place of an array: a slot of that many entries the device fills (after the copy)."""
         host, staged = self._staging
         stride = self.runner.max_num_seqs
         host_np = host.numpy()
         views = []
         for i, a in enumerate(arrays):
-            if a.size > stride:
-                raise RuntimeError(f"a proposal stages {a.size} indices, more than {stride}")
-            host_np[i * stride : i * stride + a.size] = a
-            views.append((i * stride, a.size))
+            n = a if isinstance(a, int) else a.size
+            if n > stride:
+                raise RuntimeError(f"a proposal stages {n} indices, more than {stride}")
+            if not isinstance(a, int):
+                host_np[i * stride : i * stride + n] = a
+            views.append((i * stride, n))
         end = views[-1][0] + views[-1][1]
         if staged is not host:
             staged[:end].copy_(host[:end], non_blocking=True)

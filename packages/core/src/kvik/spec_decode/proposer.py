@@ -19,6 +19,7 @@ from kvik.spec_decode.ngram_proposer import NgramProposer
 
 if TYPE_CHECKING:
     from kvik.scheduler.output import SchedulerOutput
+    from kvik.spec_decode.rejection_sampler import RejectionOutput
     from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_io import StepInputs
 
@@ -43,15 +44,34 @@ class Proposer:
         """The target's forward for the step, as the step runner runs it."""
         return self.runner.step_runner.forward(inputs)
 
+    #: True: ``launch`` starts each proposal from the step's tokens on the device, before the
+    #: host reads them back, and ``propose`` finishes it.
+    proposes_on_device = False
+
+    def launch(
+        self,
+        scheduler_output: SchedulerOutput,
+        inputs: StepInputs,
+        verified: RejectionOutput | None,
+        caps: dict[str, int],
+    ) -> object:
+        """Start the proposal on the device from the step's tokens there (``verified``: a row
+        per sampling request; None when none samples), for the requests in ``caps`` (upper
+        bounds: the true caps are known after the read-back). Returns what ``propose`` takes
+        as ``launched``."""
+        raise NotImplementedError
+
     def propose(
         self,
         scheduler_output: SchedulerOutput,
         inputs: StepInputs,
         new_tokens: dict[str, list[int]],
         caps: dict[str, int],
+        launched: object = None,
     ) -> dict[str, list[int]]:
         """Drafts for the requests in ``caps`` (at most ``caps[id]`` each; none is fine), given
-        the tokens each sampling request got in this step (not yet in ``all_token_ids``)."""
+        the tokens each sampling request got in this step (not yet in ``all_token_ids``);
+        ``launched``: what this step's ``launch`` returned, if the proposer launches."""
         raise NotImplementedError
 
 
@@ -62,7 +82,7 @@ class NgramDraftProposer(Proposer):
         super().__init__(runner)
         self.ngram = NgramProposer.from_config(runner.config.speculative)
 
-    def propose(self, scheduler_output, inputs, new_tokens, caps):
+    def propose(self, scheduler_output, inputs, new_tokens, caps, launched=None):
         drafts = {}
         for request in inputs.sampling_requests:
             cap = caps.get(request.request_id)

@@ -14,7 +14,9 @@ other deterministic proposers), where the rule reads: accept with p(d), else sam
 
 A batch of greedy requests only reads the target's argmax at each row back (one copy) and
 compares on the host: a step's few dozen small launches and three reads would cost more than the
-comparison. Otherwise all of it runs on the logits' device, batched. A seeded request draws its
+comparison. Otherwise, and where the caller keeps the result on the device (``on_device``: an
+EAGLE-3 proposal starts from it before the host reads the step back), all of it runs on the
+logits' device, batched, with no host synchronization. A seeded request draws its
 uniforms and its exponential noise from its own generator, in a fixed order (uniforms for its
 drafts, then noise for its rows), so its tokens do not depend on the rest of the batch.
 """
@@ -57,7 +59,8 @@ class _Layout:
 
     @classmethod
     def build(cls, num_draft_tokens: list[int], device: torch.device) -> _Layout:
-        num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
+        # From the host without waiting for the device (a pageable copy is staged at once).
+        num_draft = torch.tensor(num_draft_tokens, dtype=torch.int64).to(device, non_blocking=True)
         k_max = max(num_draft_tokens, default=0)
         j = torch.arange(k_max + 1, device=device)
         cu_draft = torch.cumsum(num_draft, 0) - num_draft  # each request's first draft
@@ -66,7 +69,9 @@ class _Layout:
         draft_index = torch.where(valid, cu_draft.unsqueeze(1) + j[:k_max], 0)
         target_index = first_row.unsqueeze(1) + torch.minimum(j, num_draft.unsqueeze(1))
         row_request = torch.repeat_interleave(
-            torch.arange(len(num_draft_tokens), device=device), num_draft + 1
+            torch.arange(len(num_draft_tokens), device=device),
+            num_draft + 1,
+            output_size=sum(num_draft_tokens) + len(num_draft_tokens),  # no read-back of the size
         )
         return cls(valid, draft_index, target_index, num_draft, row_request)
 
@@ -101,10 +106,12 @@ class RejectionSampler:
         num_draft_tokens: list[int],
         sampling: SamplingBatch,
         draft_probs: Tensor | None = None,
+        on_device: bool = False,
     ) -> RejectionOutput:
         """target_logits [sum(k_i + 1), V]; draft_token_ids [sum(k_i)] (on the host or the
         logits' device); sampling: one row per request (``generators`` keyed by request index);
-        draft_probs [sum(k_i), V] or None. An all-greedy batch's output is on the host."""
+        draft_probs [sum(k_i), V] or None. An all-greedy batch's output is on the host unless
+        ``on_device``."""
         if any(k < 0 for k in num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         device = target_logits.device
@@ -132,14 +139,16 @@ class RejectionSampler:
                 "logits processors depend on the tokens before each position: apply them to "
                 "target_logits per position before rejection sampling"
             )
-        if sampling.all_greedy:
+        if sampling.all_greedy and not on_device:
             greedy = target_logits.max(dim=-1).indices.cpu()
             return _greedy_on_host(greedy, draft_token_ids.cpu(), num_draft_tokens)
-        draft_token_ids = draft_token_ids.to(device)
+        draft_token_ids = draft_token_ids.to(device, non_blocking=True)
         layout = _Layout.build(num_draft_tokens, device)
         drafts = torch.where(layout.valid, draft_token_ids[layout.draft_index], -1)
         greedy_tokens = target_logits.max(dim=-1).indices[layout.target_index]  # [B, K + 1]
         greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
+        if sampling.all_greedy:
+            return greedy_out
         sampled_out = self._sample(target_logits, drafts, draft_probs, sampling, layout)
         greedy_rows = (sampling.temperature < _GREEDY_EPS).unsqueeze(1)
         return RejectionOutput(

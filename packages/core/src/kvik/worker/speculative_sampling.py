@@ -3,9 +3,11 @@ scored positions (its drafts', then the one after them) become its accepted draf
 more, and the proposer drafts the request's next step from them.
 
 Synchronous: the next step's drafts depend on the tokens this one accepted, so the step is read
-back here (``PendingStep(output=...)``). Masks (structured outputs), logits processors and logprobs
-apply at every scored position, so that each position is what a plain step would have computed
-had the drafts before it been sampled.
+back here (``PendingStep(output=...)``). A proposer that works from the step's tokens on the device
+(``Proposer.proposes_on_device``: EAGLE-3) is launched before that read-back, so that the host's
+work for it overlaps the target's forward on the device. Masks (structured outputs), logits
+processors and logprobs apply at every scored position, so that each position is what a plain step
+would have computed had the drafts before it been sampled.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import Tensor
 
 from kvik.layers.sampler import logprob_tensors
+from kvik.spec_decode.rejection_sampler import RejectionOutput
 from kvik.worker.nvtx import nvtx_range
 from kvik.worker.step_io import ModelRunnerOutput, PendingStep, StepInputs
 
@@ -45,6 +48,9 @@ class SpeculativeSampling:
         through the rejection sampler; one without drafts samples as usual."""
         output = ModelRunnerOutput()
         requests = inputs.sampling_requests
+        proposer = self.runner.proposer
+        on_device = proposer.proposes_on_device
+        verified: RejectionOutput | None = None
         if requests:
             first_rows = self.first_logits_rows(inputs)
             if scheduler_output.grammar_bitmask is not None:
@@ -53,20 +59,32 @@ class SpeculativeSampling:
                 )
             with nvtx_range("sample", self.runner.nvtx):
                 if inputs.has_drafts:
-                    tokens = self._verify(logits, requests, inputs, first_rows, finishers)
+                    verified = self._verify(
+                        logits, requests, inputs, first_rows, finishers, on_device
+                    )
                 else:
                     sampled = self.runner.sample(logits, requests, inputs.sampling, finishers)
-                    tokens = [[t] for t in sampled.tolist()]
-            for request, new in zip(requests, tokens, strict=True):
+                    verified = RejectionOutput(sampled.unsqueeze(1), torch.zeros_like(sampled))
+        launched = None
+        if on_device:
+            # Each request's largest cap (as if it got one token): the true caps, known once the
+            # tokens are read back, only cut drafts off.
+            with nvtx_range("propose", self.runner.nvtx):
+                launched = proposer.launch(
+                    scheduler_output, inputs, verified, self._proposal_caps(inputs, None)
+                )
+        if verified is not None:
+            for request, new in zip(requests, verified.to_lists(), strict=True):
                 output.sampled_token_ids[request.request_id] = new
         for finish in finishers:
             finish(output)
         with nvtx_range("propose", self.runner.nvtx):
-            output.spec_token_ids = self.runner.proposer.propose(
+            output.spec_token_ids = proposer.propose(
                 scheduler_output,
                 inputs,
                 output.sampled_token_ids,
                 self._proposal_caps(inputs, output.sampled_token_ids),
+                launched=launched,
             )
         return PendingStep(output=output)
 
@@ -86,9 +104,10 @@ class SpeculativeSampling:
         inputs: StepInputs,
         first_rows: list[int],
         finishers: list[Callable[[ModelRunnerOutput], None]],
-    ) -> list[list[int]]:
+        on_device: bool,
+    ) -> RejectionOutput:
         """Rejection-sample a step that scored drafts: per request, its accepted drafts and one
-        token more. Logits processors (penalties, biases, min-tokens) run at each scored position
+        token more (on the device where ``on_device``, else wherever the sampler leaves them). Logits processors (penalties, biases, min-tokens) run at each scored position
         over the history it follows. A request with logprobs gets them at each scored position
         (raw, before processors, as a plain step's), kept for its accepted tokens."""
         batch = inputs.sampling
@@ -98,7 +117,8 @@ class SpeculativeSampling:
         scored = [(i, j) for i in logprob_rows for j in range(counts[i])]
         raw_logprobs = None
         if scored:
-            index = torch.tensor([first_rows[i] + j for i, j in scored], device=logits.device)
+            index = torch.tensor([first_rows[i] + j for i, j in scored])
+            index = index.to(logits.device, non_blocking=True)
             raw_logprobs = logits[index].log_softmax(-1)
         for row, processors, output_ids in batch.processors:
             # Scored position j follows the request's output and its first j drafts: each
@@ -116,12 +136,14 @@ class SpeculativeSampling:
             torch.tensor(drafts, dtype=torch.int64),  # moved to the device only if it samples
             inputs.num_draft_tokens,
             dataclasses.replace(batch, processors=[]),
+            on_device=on_device,
         )
         if raw_logprobs is not None:
             # Each scored position's chosen token: the accepted run's, then the placeholder
             # (clamped; those entries are dropped below).
-            request_index = torch.tensor([i for i, _ in scored], device=result.token_ids.device)
-            position = torch.tensor([j for _, j in scored], device=result.token_ids.device)
+            where = result.token_ids.device
+            request_index = torch.tensor([i for i, _ in scored]).to(where, non_blocking=True)
+            position = torch.tensor([j for _, j in scored]).to(where, non_blocking=True)
             chosen = result.token_ids[request_index, position].clamp(min=0).to(logits.device)
             tensors = logprob_tensors(raw_logprobs, chosen, [wanted[i] for i, _ in scored])
             num_accepted = result.num_accepted
@@ -134,14 +156,15 @@ class SpeculativeSampling:
                     output.logprobs[requests[i].request_id] = mine[: accepted[i] + 1]
 
             finishers.append(finish)
-        return result.to_lists()
+        return result
 
     def _proposal_caps(
-        self, inputs: StepInputs, new_tokens: dict[str, list[int]]
+        self, inputs: StepInputs, new_tokens: dict[str, list[int]] | None
     ) -> dict[str, int]:
         """How many drafts each sampling request may get for its next step: up to
         num_speculative_tokens, within its max_tokens and max_model_len (counting this step's
-        tokens ``new_tokens``, not appended yet); none for anyone when the batch is larger than
+        tokens ``new_tokens``, not appended yet; None: before they are known, each request's
+        largest cap, that of one new token); none for anyone when the batch is larger than
         ``disable_by_batch_size``. Every kind of request speculates: a grammar's drafts are cut by
         the scheduler to what it accepts (each scored position has its own mask), logits
         processors and logprobs run at each scored position (``_verify``)."""
@@ -151,7 +174,7 @@ class SpeculativeSampling:
             return {}
         caps = {}
         for request in requests:
-            num_new = len(new_tokens[request.request_id])
+            num_new = 1 if new_tokens is None else len(new_tokens[request.request_id])
             num_tokens = request.num_tokens + num_new
             num_output = request.num_output_tokens + num_new
             cap = min(
