@@ -186,11 +186,15 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
             runner.execute_model(decode)
             runner.execute_model(verify)
         for name, step in (("decode", decode), ("verify", verify)):
-            # What proposing adds to a step: the engine's step with the head, then without it
-            # (the target's forward with the hooks' copies, sampling, the read-back).
-            step_ms = median_ms(lambda step=step: runner.execute_model(step), args.steps)
-            with proposals_off(proposer):
-                target_ms = median_ms(lambda step=step: runner.execute_model(step), args.steps)
+            # What proposing adds to a step: the engine's step with the head and without it
+            # (the target's forward with the hooks' copies, sampling, the read-back), timed in
+            # turns so that a drift of the machine's speed does not fall on one side.
+            with_head, idle = [], []
+            for _ in range(args.steps):
+                with_head.append(median_ms(lambda step=step: runner.execute_model(step), 1))
+                with proposals_off(proposer):
+                    idle.append(median_ms(lambda step=step: runner.execute_model(step), 1))
+            step_ms, target_ms = statistics.median(with_head), statistics.median(idle)
             figures[f"{prefix}_propose_after_{name}_ms"] = round(step_ms - target_ms, 3)
             figures[f"{prefix}_engine_{name}_step_ms"] = round(step_ms, 3)
             figures[f"{prefix}_engine_{name}_target_ms"] = round(target_ms, 3)
