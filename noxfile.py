@@ -67,6 +67,7 @@ def run_in_background(session: nox.Session, *command: str):
     the block, and the session fails if it failed (after the block's own failure, if any)."""
     log_path = Path(session.create_tmp()) / "background.log"
     env = {**os.environ, **session.env, "VIRTUAL_ENV": str(Path(session.bin).parent)}
+    env = {k: v for k, v in env.items() if v is not None}  # nox's None: a variable unset
     env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
     session.log(f"in the background: {' '.join(command)} (output after the foreground's)")
     with open(log_path, "w") as log:

@@ -204,6 +204,14 @@ def eagle3_figures(args: argparse.Namespace, prompt: list[int], block: int) -> d
         runner.execute_model(decode)  # the proposal after a decode step, repeated below
         how = "graphed" if proposer.graphs is not None else "eager"
         profile_proposals(propose, last_call[0], args.steps, how, trace=args.trace)
+        if args.trace is not None:  # and whole decode steps with the head, as the engine runs them
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities) as prof:
+                for _ in range(5):
+                    runner.execute_model(decode)
+            prof.export_chrome_trace(str(args.trace.with_name(args.trace.stem + "_steps.json")))
     figures["eagle3_timed_full_graph_replays"] = getattr(step_runner, "num_replays", 0) - replays
     figures["eagle3_engine_start_s"] = round(start_s, 1)
     llm.shutdown()
