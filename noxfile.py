@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import nox
@@ -65,7 +66,9 @@ TESTS_IN_FRONT = [
 def run_in_background(session: nox.Session, *command: str):
     """``command`` in the session's environment beside the block; its output is printed after
     the block, and the session fails if it failed (after the block's own failure, if any)."""
-    log_path = Path(session.create_tmp()) / "background.log"
+    # Not under session.create_tmp(): that sets TMPDIR for the session's later commands, and
+    # tests that need a folder outside the checkout (git's) would get one inside it.
+    log_path = Path(tempfile.mkdtemp(prefix="kvik-nox-")) / "background.log"
     env = {**os.environ, **session.env, "VIRTUAL_ENV": str(Path(session.bin).parent)}
     env = {k: v for k, v in env.items() if v is not None}  # nox's None: a variable unset
     env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
