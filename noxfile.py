@@ -44,21 +44,22 @@ def tests(session: nox.Session) -> None:
         return
     # One pytest process a folder: engines, compiled graphs and spawned ranks that a test leaves
     # behind stay in its process's memory until it exits, and one process for all of them grew
-    # past 9 GB (killed on a 24 GB machine that was running other work). Two processes at a time:
-    # much of the suite waits on subprocesses (servers, CLIs, pip), so the top-level tests run in
-    # the background while the packages' folders, then the top-level files that mostly wait on
-    # installs and servers, run in front (27 minutes one after another on 2 cores).
-    background = [f"--ignore={f}" for f in TESTS_IN_FRONT]
-    with run_in_background(session, "pytest", "tests", *background):
-        for group in [*groups[:-1], *TESTS_IN_FRONT]:
+    # past 9 GB (killed on a 24 GB machine that was running other work). The top-level files that
+    # mostly wait on installs and subprocesses run in a second process beside the packages'
+    # folders; the rest of tests/ runs after both, alone: its process grows past 13 GB, and beside
+    # the packages' tests it was killed for memory.
+    with run_in_background(session, "pytest", *TESTS_IN_BACKGROUND):
+        for group in groups[:-1]:
             session.run("pytest", group)
+    session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
 
 
-#: Top-level test files that run in the foreground process (the rest of tests/ beside them).
-TESTS_IN_FRONT = [
+#: Top-level test files that run beside the packages' folders (pip installs, servers, CLIs).
+TESTS_IN_BACKGROUND = [
     "tests/test_packages_alone.py",
     "tests/test_serve_gpu_script.py",
     "tests/test_bench_serve.py",
+    "tests/test_example_plugin.py",
 ]
 
 
