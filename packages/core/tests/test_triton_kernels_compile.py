@@ -19,6 +19,14 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     silu_and_mul_kernel,
 )
 from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.argmax import BLOCK as ARGMAX_BLOCK  # noqa: E402
+from kvik.triton_kernels.argmax import CHUNK as ARGMAX_CHUNK  # noqa: E402
+from kvik.triton_kernels.argmax import CHUNK_WARPS as ARGMAX_CHUNK_WARPS  # noqa: E402
+from kvik.triton_kernels.argmax import MERGE_WARPS as ARGMAX_MERGE_WARPS  # noqa: E402
+from kvik.triton_kernels.argmax import (  # noqa: E402
+    argmax_chunks_kernel,
+    argmax_merge_kernel,
+)
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
     ALIGN_BLOCKS_CHUNK,
     ALIGN_WARPS,
@@ -51,7 +59,11 @@ from kvik.triton_kernels.paged_attention import (  # noqa: E402
     reduce_constexprs,
     reduce_splits_kernel,
 )
-from kvik.triton_kernels.rms_norm import rms_norm_config, rms_norm_kernel  # noqa: E402
+from kvik.triton_kernels.rms_norm import (  # noqa: E402
+    embed_rms_norm_cat_kernel,
+    rms_norm_config,
+    rms_norm_kernel,
+)
 from kvik.triton_kernels.rotary import (  # noqa: E402
     ROTARY_WARPS,
     rotary_and_cache_kernel,
@@ -120,6 +132,46 @@ def test_rms_norm(arch: str, hidden: int, residual: bool, quantize: bool) -> Non
     # Quantized: IEEE division for the scales and the values (as per_token_group_quant_kernel).
     if "ptx" in compiled.asm:
         assert ("div.rn.f32" in compiled.asm["ptx"]) == quantize
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_embed_rms_norm_cat(arch: str) -> None:
+    block, num_warps = rms_norm_config(4096)
+    compiled_ok(
+        embed_rms_norm_cat_kernel,
+        arch,
+        types=types(embed_rms_norm_cat_kernel, torch.bfloat16, token_ids_ptr="*i64", eps="fp32"),
+        constexprs={"BLOCK": block},
+        num_warps=num_warps,
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [128256, 32000])
+def test_argmax_rows(arch: str, dtype: torch.dtype, vocab: int) -> None:
+    chunks = -(-vocab // ARGMAX_CHUNK)
+    compiled_ok(
+        argmax_chunks_kernel,
+        arch,
+        types=types(argmax_chunks_kernel, dtype, part_val_ptr="*fp32", part_idx_ptr="*i32"),
+        constexprs={"NUM_CHUNKS": chunks, "CHUNK": ARGMAX_CHUNK, "BLOCK": ARGMAX_BLOCK},
+        num_warps=ARGMAX_CHUNK_WARPS,
+    )
+    for has_map in (False, True):
+        compiled_ok(
+            argmax_merge_kernel,
+            arch,
+            types=types(
+                argmax_merge_kernel, torch.float32, part_idx_ptr="*i32", index_map_ptr="*i64",
+                out_ptr="*i64",
+            ),
+            constexprs={
+                "NUM_CHUNKS": chunks, "CHUNKS_PAD": 1 << (chunks - 1).bit_length(),
+                "HAS_MAP": has_map,
+            },
+            num_warps=ARGMAX_MERGE_WARPS,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -20,6 +20,7 @@ from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.attention.kv_quant import FP8_E4M3, quantize_kv
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
+from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
@@ -33,7 +34,7 @@ from kvik.triton_kernels.fused_moe import (
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
-from kvik.triton_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from kvik.triton_kernels.rms_norm import embed_rms_norm_cat, fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_and_cache, rotary_embedding
 from kvik_cpu.attention import TorchSdpaBackend
 
@@ -125,6 +126,58 @@ def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> Non
     ref_out, ref_summed = ops.fused_add_rms_norm(cpu64(x), cpu64(res), cpu64(w), 1e-5)
     check(out, ref_out, dtype)
     check(summed, ref_summed, dtype)
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), ROWS)
+def test_embed_rms_norm_cat(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    vocab = 1000
+    embedding, hidden_states = randn(vocab, hidden, dtype=dtype), randn(tokens, hidden, dtype=dtype)
+    w_embed, w_hidden = randn(hidden).to(dtype), randn(hidden).to(dtype)
+    token_ids = torch.randint(0, vocab, (tokens,), device=DEVICE)
+    poison_allocator()
+    out = embed_rms_norm_cat(token_ids, embedding, hidden_states, w_embed, w_hidden, 1e-5)
+    ref = ops.embed_rms_norm_cat(
+        token_ids.cpu(), cpu64(embedding), cpu64(hidden_states), cpu64(w_embed), cpu64(w_hidden),
+        1e-5,
+    )  # fmt: skip
+    check(out, ref, dtype)
+    # Each half is rms_norm of its input.
+    check(out[:, hidden:], ops.rms_norm(cpu64(hidden_states), cpu64(w_hidden), 1e-5), dtype)
+
+
+# Rows of a sampler's logits (fp32) and of an EAGLE-3 head's (its dtype); lengths around CHUNK.
+ARGMAX_SHAPES = [(1, 128256), (7, 32000), (3, 2048)] if ON_GPU else [(1, 5000), (3, 2048), (2, 7)]
+
+
+@pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("rows", "vocab"), ARGMAX_SHAPES)
+def test_argmax_rows(dtype: torch.dtype, rows: int, vocab: int) -> None:
+    # Few distinct values, so that most rows hold their maximum several times, across chunks:
+    # the first index must win, as torch's max(dim) gives it.
+    logits = torch.randint(0, 50, (rows, vocab)).to(dtype=dtype, device=DEVICE)
+    out = torch.full((rows,), -1, dtype=torch.int64, device=DEVICE)
+    argmax_rows(logits, None, out)
+    assert out.tolist() == logits.cpu().double().max(dim=-1).indices.tolist()
+    # Through an id map, into a strided view (an EAGLE-3 head's drafts column of a [k, r] table).
+    index_map = torch.randperm(vocab, device=DEVICE) + 7
+    table = torch.zeros(rows, 3, dtype=torch.int64, device=DEVICE)
+    argmax_rows(logits, index_map, table[:, 1])
+    assert table[:, 1].tolist() == index_map.cpu()[out.cpu()].tolist()
+    assert not table[:, [0, 2]].any()
+
+
+def test_argmax_rows_edges() -> None:
+    vocab = 5000 if not ON_GPU else 128256
+    logits = torch.randn(4, vocab, device=DEVICE)
+    logits[0] = float("-inf")  # every entry -inf: the first
+    logits[1, vocab - 1] = 1e30  # the last entry, in the last (partial) chunk
+    logits[2, 3000] = float("nan")  # NaN ranks highest, as in torch
+    logits[3, 2047] = logits[3, 2048] = 1e30  # a tie across a chunk boundary
+    out = torch.empty(4, dtype=torch.int64, device=DEVICE)
+    argmax_rows(logits, None, out)
+    assert out.tolist() == [0, vocab - 1, 3000, 2047]
+    assert out.tolist() == logits.cpu().max(dim=-1).indices.tolist()
 
 
 @pytest.mark.parametrize("dtype", ELEMENTWISE_DTYPES)

@@ -7,8 +7,7 @@ Attention goes through its op only under ``torch.compile``; eagerly the attentio
 backend, which writes the cache itself (kvik.layers.attention).
 
 How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul,
-fused_moe)
-is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
+fused_moe; the samplers' argmax_rows; an EAGLE-3 head's embed_rms_norm_cat) is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
 
 - ``"torch_ops"``: through ``torch.ops.kvik.*``, so dispatch follows the tensors' device to the
   kernels the platform registered (CUDA's Triton kernels, the CPU's C++ ones). A platform with
@@ -153,6 +152,50 @@ silu_and_mul = torch.library.custom_op("kvik::silu_and_mul", _silu_and_mul, muta
 @silu_and_mul.register_fake
 def _(x: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
+def _argmax_rows(logits: Tensor, index_map: Tensor | None, out: Tensor) -> None:
+    """``out[r]``: the index of row r's largest logit (the first on ties; NaN ranks highest),
+    through ``index_map`` where one is given (an EAGLE-3 head's draft ids to target ids)."""
+    # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU
+    # over a batch of large-vocabulary rows (docs/benchmarks.md).
+    ids = logits.max(dim=-1).indices
+    out.copy_(ids if index_map is None else index_map[ids])
+
+
+argmax_rows = torch.library.custom_op("kvik::argmax_rows", _argmax_rows, mutates_args=("out",))
+
+
+@argmax_rows.register_fake
+def _(logits: Tensor, index_map: Tensor | None, out: Tensor) -> None:
+    return None
+
+
+def _embed_rms_norm_cat(
+    token_ids: Tensor,
+    embedding: Tensor,
+    hidden: Tensor,
+    embed_norm_weight: Tensor,
+    hidden_norm_weight: Tensor,
+    eps: float,
+) -> Tensor:
+    """An EAGLE-3 layer's attention input: the tokens' embedding rows and the hidden states [T, H],
+    each RMS-normed with its own weight, side by side: [T, 2 * H] in ``hidden``'s dtype."""
+    embeds = embedding[token_ids].to(hidden.dtype)
+    return torch.cat(
+        [_rms_norm(embeds, embed_norm_weight, eps), _rms_norm(hidden, hidden_norm_weight, eps)],
+        dim=-1,
+    )
+
+
+embed_rms_norm_cat = torch.library.custom_op(
+    "kvik::embed_rms_norm_cat", _embed_rms_norm_cat, mutates_args=()
+)
+
+
+@embed_rms_norm_cat.register_fake
+def _(token_ids, embedding, hidden, embed_norm_weight, hidden_norm_weight, eps) -> Tensor:
+    return hidden.new_empty(*hidden.shape[:-1], 2 * hidden.shape[-1])
 
 
 def moe_routing(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
@@ -352,4 +395,6 @@ _REFERENCES: dict[str, Callable] = {
     "rotary_embedding": _rotary_embedding,
     "silu_and_mul": _silu_and_mul,
     "fused_moe": _fused_moe,
+    "argmax_rows": _argmax_rows,
+    "embed_rms_norm_cat": _embed_rms_norm_cat,
 }

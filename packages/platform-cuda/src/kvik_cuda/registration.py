@@ -13,10 +13,12 @@ import torch
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 from kvik.triton_kernels.activation import silu_and_mul, silu_and_mul_fp8_group_quant
+from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import register_attention_configs
 from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import (
+    embed_rms_norm_cat,
     fused_add_rms_norm,
     fused_add_rms_norm_fp8_group_quant,
     rms_norm,
@@ -33,6 +35,8 @@ KERNELS = {
     "kvik::rotary_embedding": rotary_embedding,
     "kvik::silu_and_mul": silu_and_mul,
     "kvik::reshape_and_cache": reshape_and_cache,
+    "kvik::argmax_rows": argmax_rows,
+    "kvik::embed_rms_norm_cat": embed_rms_norm_cat,
     "kvik::fused_moe": fused_moe,
     # Through custom ops so that torch.compile does not trace into the Triton launchers.
     "kvik::fp8_block_linear": fp8.fp8_block_linear,

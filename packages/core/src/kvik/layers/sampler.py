@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from kvik import ops
 from kvik.layers.logits_processors import LogitsProcessor
 from kvik.scheduler.output import TokenLogprobs
 
@@ -39,15 +40,22 @@ class SamplingBatch:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed of their own
+        # The platform's kernel where it has one (a GPU's reduction spread over the row): built
+        # inside the engine's ops_dispatch, as the model's layers are.
+        self._argmax_rows = ops.small_op("argmax_rows")
+
+    def greedy(self, logits: Tensor) -> Tensor:
+        """Each row's first maximal index [N] int64."""
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        self._argmax_rows(logits, None, out)
+        return out
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """logits [N, V] fp32 -> sampled token ids [N] int64."""
         for row, processors, output_ids in batch.processors:
             for processor in processors:
                 logits[row] = processor(output_ids, logits[row])
-        # max(dim).indices, not argmax: the same first maximal index, and much faster on the CPU
-        # over a batch of large-vocabulary rows (docs/benchmarks.md).
-        greedy = logits.max(dim=-1).indices
+        greedy = self.greedy(logits)
         if batch.all_greedy:
             return greedy
         greedy_rows = batch.temperature < _GREEDY_EPS

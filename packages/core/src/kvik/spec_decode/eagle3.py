@@ -240,13 +240,17 @@ class Eagle3Head(nn.Module):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def embed(self, token_ids: Tensor) -> Tensor:
+    def embedding(self) -> nn.Module:
+        """The token embedding the head reads: its own, else the target's it was given."""
         embedding = self.embed_tokens if self.embed_tokens is not None else self._embed[0]
         if embedding is None:
             raise ValueError(
                 "this EAGLE-3 head has no embed_tokens of its own: pass the target's embedding"
             )
-        return embedding(token_ids).to(self.fc.weight.dtype)
+        return embedding
+
+    def embed(self, token_ids: Tensor) -> Tensor:
+        return self.embedding()(token_ids).to(self.fc.weight.dtype)
 
     def combine(self, aux_hidden: Tensor) -> Tensor:
         """The target's hidden states of three layers, concatenated [..., 3 * target_hidden] ->

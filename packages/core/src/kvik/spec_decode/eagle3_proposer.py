@@ -243,19 +243,30 @@ class Eagle3Proposer(Proposer):
 
     # --- the head's layer ---------------------------------------------------------------------
     def _init_fused_layer(self, runner: ModelRunner) -> None:
-        """The layer's kernels as the target's layers run them: kvik's small ops (one launch per
-        norm, one for SiLU-and-multiply) and q/k/v and gate/up as one product each. The head's
-        own weights become views of the fused ones, so the reference path
+        """The layer's kernels as the target's layers run them: kvik's small ops (the attention
+        input's embedding, two norms and concatenation in one launch, one launch for each other
+        norm and for SiLU-and-multiply, the drafts' argmax and id map in one) and q/k/v and gate/up
+        as one product each. The products stay on ``F.linear`` (cuBLAS on a GPU): on the H200
+        the platform's one-row GEMV took longer over the head's shapes (docs/benchmarks.md).
+        The head's own weights become views of the fused ones, so the reference path
         (``Eagle3Head.propose_greedy``) keeps working on the same memory."""
         with ops.ops_dispatch(runner.config.ops_dispatch or runner.platform.ops_dispatch):
             self._rms_norm = ops.small_op("rms_norm")
             self._fused_add_rms_norm = ops.small_op("fused_add_rms_norm")
             self._silu_and_mul = ops.small_op("silu_and_mul")
-        attn, mlp = self.head.midlayer.self_attn, self.head.midlayer.mlp
+            self._embed_rms_norm_cat = ops.small_op("embed_rms_norm_cat")
+            self._argmax_rows = ops.small_op("argmax_rows")
+        head = self.head
+        attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
         self._qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self._qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features,
                            attn.v_proj.out_features]  # fmt: skip
         self._gate_up_weight = _fuse([mlp.gate_proj, mlp.up_proj])
+        # The embedding's rows as one table where they are whole on this rank (the fused input
+        # reads them directly), else None: looked up through the module (its all-reduce).
+        embedding = head.embedding()
+        whole = getattr(embedding, "tp_size", 1) == 1
+        self._embedding_table: Tensor | None = embedding.weight if whole else None
 
     def _layer(
         self, token_ids: Tensor, hidden: Tensor, positions: Tensor, common
@@ -266,11 +277,22 @@ class Eagle3Proposer(Proposer):
         final norm)."""
         layer = self.head.midlayer
         eps = layer.input_layernorm.eps
-        normed_hidden = self._rms_norm(hidden, layer.hidden_norm.weight, eps)
+        if self._embedding_table is not None:
+            x = self._embed_rms_norm_cat(
+                token_ids,
+                self._embedding_table,
+                hidden,
+                layer.input_layernorm.weight,
+                layer.hidden_norm.weight,
+                eps,
+            )
+            normed_hidden = x[:, hidden.shape[-1] :]
+        else:
+            normed_hidden = self._rms_norm(hidden, layer.hidden_norm.weight, eps)
+            embeds = self._rms_norm(self.head.embed(token_ids), layer.input_layernorm.weight, eps)
+            x = torch.cat([embeds, normed_hidden], dim=-1)
         residual = normed_hidden if layer.norm_before_residual else hidden
-        embeds = self._rms_norm(self.head.embed(token_ids), layer.input_layernorm.weight, eps)
-        qkv = F.linear(torch.cat([embeds, normed_hidden], dim=-1), self._qkv_weight)
-        q, k, v = qkv.split(self._qkv_sizes, dim=-1)
+        q, k, v = F.linear(x, self._qkv_weight).split(self._qkv_sizes, dim=-1)
         context = ForwardContext(self.builder.build(common), {LAYER_NAME: self.attn})
         with forward_context(context):
             attended = self.attn(q, k, v, positions, self.rotary)
@@ -281,9 +303,10 @@ class Eagle3Proposer(Proposer):
         return layer.mlp.down_proj(self._silu_and_mul(gate_up)), residual
 
     def _greedy(self, normed: Tensor, out: Tensor) -> Tensor:
-        """Final-normed rows [B, hidden] -> greedy drafts [B] (target ids) in ``out``."""
-        draft_ids = self.head.lm_head(normed).argmax(dim=-1)
-        return torch.index_select(self.target_ids, 0, draft_ids, out=out)
+        """Final-normed rows [B, hidden] -> greedy drafts [B] (target ids) in ``out``: the LM
+        head's argmax mapped through ``target_ids``, in one launch where the platform has it."""
+        self._argmax_rows(self.head.lm_head(normed), self.target_ids, out)
+        return out
 
     # --- proposing ----------------------------------------------------------------------------
     proposes_on_device = True

@@ -23,11 +23,12 @@ drafts, then noise for its rows), so its tokens do not depend on the rest of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from kvik import ops
 from kvik.layers.sampler import _GREEDY_EPS, SamplingBatch, apply_top_k_top_p
 
 #: Marks the slots after a request's last output token in ``RejectionOutput.token_ids``.
@@ -42,9 +43,33 @@ class RejectionOutput:
     #: [B]: how many drafts each request accepted (its output has one token more).
     num_accepted: Tensor
 
+    #: The read-back ``start_copy`` began: pinned host rows and the event of their copy.
+    _copy: tuple[Tensor, torch.Event] | None = field(default=None, repr=False, compare=False)
+
+    def _both(self) -> Tensor:
+        # Tokens and counts side by side: one read of both (one wait for the device, not two).
+        return torch.cat([self.token_ids, self.num_accepted.unsqueeze(1)], dim=1)
+
+    def start_copy(self) -> None:
+        """Begin the read-back to the host without waiting for it, so that ``to_lists`` waits
+        for this copy alone and not for work queued behind it (the drafts a proposer launches
+        from these tokens). Nothing to do on the CPU."""
+        if self.token_ids.device.type == "cpu":
+            return
+        both = self._both()
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        copied = torch.Event(both.device.type)
+        copied.record()
+        self._copy = (host, copied)
+
     def to_lists(self) -> list[list[int]]:
-        # One read of both (on a GPU, one wait for the device rather than two).
-        both = torch.cat([self.token_ids, self.num_accepted.unsqueeze(1)], dim=1).tolist()
+        if self._copy is None:
+            both = self._both().tolist()
+        else:
+            host, copied = self._copy
+            copied.synchronize()
+            both = host.tolist()
         return [row[: row[-1] + 1] for row in both]
 
 
@@ -99,6 +124,12 @@ def target_probs(logits: Tensor, sampling: SamplingBatch, row_request: Tensor) -
 class RejectionSampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed of their own
+        self._argmax_rows = ops.small_op("argmax_rows")  # as the Sampler's
+
+    def _greedy(self, logits: Tensor) -> Tensor:
+        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+        self._argmax_rows(logits, None, out)
+        return out
 
     def __call__(
         self,
@@ -141,12 +172,12 @@ class RejectionSampler:
                 "target_logits per position before rejection sampling"
             )
         if sampling.all_greedy and not on_device:
-            greedy = target_logits.max(dim=-1).indices.cpu()
+            greedy = self._greedy(target_logits).cpu()
             return _greedy_on_host(greedy, draft_token_ids.cpu(), num_draft_tokens)
         draft_token_ids = draft_token_ids.to(device, non_blocking=True)
         layout = _Layout.build(num_draft_tokens, device)
         drafts = torch.where(layout.valid, draft_token_ids[layout.draft_index], -1)
-        greedy_tokens = target_logits.max(dim=-1).indices[layout.target_index]  # [B, K + 1]
+        greedy_tokens = self._greedy(target_logits)[layout.target_index]  # [B, K + 1]
         greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
         if sampling.all_greedy:
             return greedy_out

@@ -137,3 +137,66 @@ def fused_add_rms_norm_fp8_group_quant(
         return (*per_token_group_quant_fp8(out), summed)
     out, summed, scales = _launch(x, residual, weight, eps, quantize=True)
     return out, scales, summed
+
+
+@triton.jit
+def _store_normed(x, weight_ptr, out_ptr, cols, mask, hidden, eps):
+    # As rms_norm_kernel: normalise in fp32, round to x's dtype, scale by the weight.
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def embed_rms_norm_cat_kernel(
+    token_ids_ptr,  # [T] int64
+    embedding_ptr,  # [V, hidden]
+    hidden_ptr,  # [T, hidden]
+    embed_norm_weight_ptr,
+    hidden_norm_weight_ptr,
+    out_ptr,  # [T, 2 * hidden]
+    embedding_stride,
+    hidden_stride,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    token = tl.load(token_ids_ptr + row).to(tl.int64)
+    # The embedding row in the hidden states' dtype first, as the reference casts it.
+    h = tl.load(hidden_ptr + row * hidden_stride + cols, mask=mask, other=0.0)
+    e = tl.load(embedding_ptr + token * embedding_stride + cols, mask=mask, other=0.0).to(h.dtype)
+    out_row = out_ptr + row * 2 * hidden
+    _store_normed(e, embed_norm_weight_ptr, out_row, cols, mask, hidden, eps)
+    _store_normed(h, hidden_norm_weight_ptr, out_row + hidden, cols, mask, hidden, eps)
+
+
+def embed_rms_norm_cat(
+    token_ids: Tensor,
+    embedding: Tensor,
+    hidden: Tensor,
+    embed_norm_weight: Tensor,
+    hidden_norm_weight: Tensor,
+    eps: float,
+) -> Tensor:
+    """An EAGLE-3 layer's attention input in one launch (``kvik.ops.embed_rms_norm_cat``): the
+    embedding lookup, both RMSNorms and their concatenation, where the reference takes five."""
+    size = hidden.shape[-1]
+    hidden2 = hidden.reshape(-1, size)
+    if hidden2.stride(-1) != 1:
+        hidden2 = hidden2.contiguous()
+    if embedding.stride(-1) != 1:
+        embedding = embedding.contiguous()
+    dtype = torch.result_type(hidden_norm_weight, hidden)
+    out = torch.empty(hidden2.shape[0], 2 * size, dtype=dtype, device=hidden.device)
+    block, num_warps = rms_norm_config(size)
+    if hidden2.shape[0] > 0:
+        embed_rms_norm_cat_kernel[(hidden2.shape[0],)](
+            token_ids.reshape(-1), embedding, hidden2, embed_norm_weight, hidden_norm_weight, out,
+            embedding.stride(0), hidden2.stride(0), size, eps, BLOCK=block, num_warps=num_warps,
+        )  # fmt: skip
+    return out.view(*hidden.shape[:-1], 2 * size)

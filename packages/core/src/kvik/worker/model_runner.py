@@ -105,7 +105,9 @@ class ModelRunner:
         )
         self._allocate_buffers()
         generator = torch.Generator(self.device).manual_seed(model_config.seed)
-        self.sampler = Sampler(generator)
+        with ops.ops_dispatch(config.ops_dispatch):
+            self.sampler = Sampler(generator)
+            self.rejection_sampler = RejectionSampler(generator)
         self.eos_token_ids = sorted(model_config.eos_token_ids())
         self.requests: dict[str, _RequestState] = {}
         # The last launched step's sampled tokens on the device, and each request's row in them:
@@ -113,7 +115,6 @@ class ModelRunner:
         self._prev_sampled: Tensor | None = None
         self._prev_rows: dict[str, int] = {}
         self.step_runner: StepRunner = platform.step_runner_class(config)(self)
-        self.rejection_sampler = RejectionSampler(generator)
         # The proposer of speculative decoding's drafts (None: off); a draft model or an EAGLE-3
         # head is loaded here, beside the target.
         self.proposer: Proposer | None = make_proposer(self) if speculative else None

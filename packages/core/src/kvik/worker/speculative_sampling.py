@@ -67,6 +67,10 @@ class SpeculativeSampling:
                     verified = RejectionOutput(sampled.unsqueeze(1), torch.zeros_like(sampled))
         launched = None
         if on_device:
+            if verified is not None:
+                # The tokens' read-back goes ahead of the drafts' kernels: the host has them
+                # (and finishes the step's outputs) while the device still runs the proposer.
+                verified.start_copy()
             # Each request's largest cap (as if it got one token): the true caps, known once the
             # tokens are read back, only cut drafts off.
             with nvtx_range("propose", self.runner.nvtx):
