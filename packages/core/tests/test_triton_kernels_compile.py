@@ -27,6 +27,9 @@ from kvik.triton_kernels.argmax import (  # noqa: E402
     argmax_chunks_kernel,
     argmax_merge_kernel,
 )
+from kvik.triton_kernels.eagle3_indices import BLOCK as EAGLE3_INDICES_BLOCK  # noqa: E402
+from kvik.triton_kernels.eagle3_indices import WARPS as EAGLE3_INDICES_WARPS  # noqa: E402
+from kvik.triton_kernels.eagle3_indices import eagle3_indices_kernel  # noqa: E402
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
     ALIGN_BLOCKS_CHUNK,
     ALIGN_WARPS,
@@ -93,6 +96,7 @@ TRITON_TYPES = {
     torch.float16: "fp16",
     torch.float32: "fp32",
     torch.float8_e4m3fn: "fp8e4nv",
+    torch.int64: "i64",
 }
 #: The KV cache scales (fp32 scalars, read only where the cache is FP8).
 KV_SCALES = {"k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
@@ -132,6 +136,22 @@ def test_rms_norm(arch: str, hidden: int, residual: bool, quantize: bool) -> Non
     # Quantized: IEEE division for the scales and the values (as per_token_group_quant_kernel).
     if "ptx" in compiled.asm:
         assert ("div.rn.f32" in compiled.asm["ptx"]) == quantize
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("verified", [False, True])
+def test_eagle3_indices(arch: str, verified: bool) -> None:
+    signature = types(
+        eagle3_indices_kernel, torch.int64, block_table_ptr="*i32", draft_seq_lens_ptr="*i32",
+        draft_table_ptr="*i32",
+    )  # fmt: skip
+    compiled_ok(
+        eagle3_indices_kernel,
+        arch,
+        types=signature,
+        constexprs={"HAS_VERIFIED": verified, "BLOCK": EAGLE3_INDICES_BLOCK},
+        num_warps=EAGLE3_INDICES_WARPS,
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHS)

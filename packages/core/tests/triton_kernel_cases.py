@@ -22,6 +22,7 @@ from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
     MoeConfig,
@@ -144,6 +145,68 @@ def test_embed_rms_norm_cat(dtype: torch.dtype, tokens: int, hidden: int) -> Non
     check(out, ref, dtype)
     # Each half is rms_norm of its input.
     check(out[:, hidden:], ops.rms_norm(cpu64(hidden_states), cpu64(w_hidden), 1e-5), dtype)
+
+
+def eagle3_index_case(verified: bool, num_hidden: int, steps: int, columns: int) -> dict:
+    """Inputs of an EAGLE-3 proposal's indices over 3 scheduled requests (the first two sample,
+    the third is a prompt chunk), and its output buffers filled with sentinels."""
+    requests, max_blocks, max_model_len = 3, 8, 100
+    long = dict(dtype=torch.int64, device=DEVICE)
+    case = {
+        "sample_index": torch.tensor([0, 1, -1], **long),
+        "base_rows": torch.tensor([0, 5, 9], **long),
+        "prompt_next": torch.tensor([0, 0, 77], **long),
+        "table_rows": torch.tensor([1, 0, 2, 0][:num_hidden], **long),
+        # Request 1 has 8 blocks, 0 has 2 (its later draft slots fall outside them), a padding row 0.
+        "num_blocks": torch.tensor([8, 2, 1, 0][:num_hidden], **long),
+        "num_accepted": torch.tensor([2, 3], **long) if verified else None,
+        "verified_tokens": torch.randint(0, 1000, (2, 4), **long) if verified else None,
+        "input_ids": torch.randint(0, 1000, (12,), **long),
+        "positions": torch.tensor([30, 31, 32, 33, 50, 51, 52, 53, 60, 98, 61, 62], **long),
+        "block_table": torch.randperm(64, device=DEVICE)[: requests * max_blocks]
+        .view(requests, max_blocks)
+        .to(torch.int32),
+    }
+    buffers = {
+        "last_rows": torch.full((requests,), -7, **long),
+        "next_ids": torch.full((requests,), -7, **long),
+        "rows": torch.full((num_hidden,), -7, **long),
+        "pass_tokens": torch.full((11,), -7, **long),
+        "draft_positions": torch.full((3, 4), -7, **long)[:steps, :num_hidden],
+        "draft_slots": torch.full((3, 4), -7, **long)[:steps, :num_hidden],
+        "draft_seq_lens": torch.full((3, 4), -7, dtype=torch.int32, device=DEVICE)[
+            :steps, :num_hidden
+        ],
+        "draft_block_table": torch.full((4, max_blocks), -7, dtype=torch.int32, device=DEVICE)[
+            :num_hidden, :columns
+        ],
+    }
+    return case | buffers | {"block_size": 16, "max_model_len": max_model_len}
+
+
+@pytest.mark.parametrize("verified", [True, False], ids=["verified", "prompt-only"])
+@pytest.mark.parametrize(
+    ("num_hidden", "steps", "columns"), [(4, 2, 5), (3, 3, 8), (1, 0, 0), (0, 0, 0)]
+)
+def test_eagle3_indices(verified: bool, num_hidden: int, steps: int, columns: int) -> None:
+    case = eagle3_index_case(verified, num_hidden, steps, columns)
+    reference = {
+        name: value.cpu().clone() if isinstance(value, Tensor) else value
+        for name, value in case.items()
+    }
+    eagle3_indices(**case)
+    ops.eagle3_indices(**reference)
+    for name, value in reference.items():
+        if isinstance(value, Tensor):
+            assert case[name].cpu().tolist() == value.tolist(), name
+    if num_hidden and steps:
+        # The case reaches slots inside a request's blocks and past them.
+        slots = reference["draft_slots"]
+        assert (slots == -1).any() and (slots >= 0).any()
+        if num_hidden > 2 and steps > 1:  # and a position held at max_model_len - 1
+            assert reference["draft_positions"][-1, 2] == reference["max_model_len"] - 1
+    # The whole views were written (the sentinels were in every entry), and nothing else.
+    assert (reference["pass_tokens"] != -7).all()
 
 
 # Rows of a sampler's logits (fp32) and of an EAGLE-3 head's (its dtype); lengths around CHUNK.

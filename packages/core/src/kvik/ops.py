@@ -7,7 +7,8 @@ Attention goes through its op only under ``torch.compile``; eagerly the attentio
 backend, which writes the cache itself (kvik.layers.attention).
 
 How the layers call the small ops (rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul,
-fused_moe; the samplers' argmax_rows; an EAGLE-3 head's embed_rms_norm_cat) is an engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
+fused_moe; the samplers' argmax_rows; an EAGLE-3 head's embed_rms_norm_cat and eagle3_indices) is an
+engine's choice, ``ops_dispatch`` (``Platform.ops_dispatch``, or the engine option):
 
 - ``"torch_ops"``: through ``torch.ops.kvik.*``, so dispatch follows the tensors' device to the
   kernels the platform registered (CUDA's Triton kernels, the CPU's C++ ones). A platform with
@@ -388,6 +389,85 @@ def _(
     return None
 
 
+def _eagle3_indices(
+    sample_index: Tensor,
+    base_rows: Tensor,
+    prompt_next: Tensor,
+    table_rows: Tensor,
+    num_blocks: Tensor,
+    num_accepted: Tensor | None,
+    verified_tokens: Tensor | None,
+    input_ids: Tensor,
+    positions: Tensor,
+    block_table: Tensor,
+    last_rows: Tensor,
+    next_ids: Tensor,
+    rows: Tensor,
+    pass_tokens: Tensor,
+    draft_positions: Tensor,
+    draft_slots: Tensor,
+    draft_seq_lens: Tensor,
+    draft_block_table: Tensor,
+    block_size: int,
+    max_model_len: int,
+) -> None:
+    """The indices of an EAGLE-3 proposal (kvik.spec_decode.eagle3_proposer), all on the device.
+
+    Per scheduled request i: its last row whose next token is known, ``last_rows[i]`` (its base
+    row, moved on by the drafts it accepted where it samples: ``sample_index[i] >= 0`` is its row
+    in ``num_accepted`` and ``verified_tokens``), and that token, ``next_ids[i]`` (the one sampled
+    there, or the prompt's next token ``prompt_next[i]``). The batched pass's tokens
+    ``pass_tokens`` [T]: row p holds the step's token at p + 1 (the last row 0), and each request's
+    last known row its next token. Per proposing request j (then padding): its last known row
+    ``rows[j]`` (``last_rows[table_rows[j]]``), and for each draft step s (the views' first dim)
+    the position after that row's plus s (at most ``max_model_len - 1``), its KV slot (-1 past the
+    request's ``num_blocks[j]`` blocks), its sequence length, and the request's block-table row
+    ``block_table[table_rows[j]]`` (the view's columns)."""
+    n = pass_tokens.shape[0]
+    pass_tokens[: n - 1] = input_ids[1:n]
+    pass_tokens[n - 1 :] = 0
+    if num_accepted is None or verified_tokens is None:
+        last_rows.copy_(base_rows)
+        next_ids.copy_(prompt_next)
+    else:
+        samples = sample_index >= 0
+        index = sample_index.clamp(min=0)
+        accepted = torch.where(samples, num_accepted.index_select(0, index), 0)
+        torch.add(base_rows, accepted, out=last_rows)
+        torch.where(samples, verified_tokens[index, accepted], prompt_next, out=next_ids)
+    pass_tokens[last_rows] = next_ids
+    rows.copy_(last_rows.index_select(0, table_rows))
+    steps = draft_positions.shape[0]
+    if steps == 0 or rows.numel() == 0:
+        return
+    offsets = torch.arange(1, steps + 1, device=positions.device)
+    drafted = positions.index_select(0, rows)[None, :] + offsets[:, None]
+    drafted = drafted.clamp_(max=max_model_len - 1)  # [steps, rows]
+    table = block_table.index_select(0, table_rows)
+    draft_block_table.copy_(table[:, : draft_block_table.shape[1]])
+    block = torch.div(drafted, block_size, rounding_mode="floor")
+    column = torch.minimum(block, (num_blocks - 1).clamp(min=0)[None, :])
+    slots = table.gather(1, column.T).T.to(torch.int64) * block_size + drafted % block_size
+    draft_slots.copy_(torch.where(block < num_blocks[None, :], slots, -1))
+    draft_positions.copy_(drafted)
+    draft_seq_lens.copy_(drafted + 1)
+
+
+eagle3_indices = torch.library.custom_op(
+    "kvik::eagle3_indices",
+    _eagle3_indices,
+    mutates_args=(
+        "last_rows", "next_ids", "rows", "pass_tokens", "draft_positions", "draft_slots",
+        "draft_seq_lens", "draft_block_table",
+    ),
+)  # fmt: skip
+
+
+@eagle3_indices.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
 #: Each small op's reference, for ``small_op`` under the "direct" dispatch.
 _REFERENCES: dict[str, Callable] = {
     "rms_norm": _rms_norm,
@@ -397,4 +477,5 @@ _REFERENCES: dict[str, Callable] = {
     "fused_moe": _fused_moe,
     "argmax_rows": _argmax_rows,
     "embed_rms_norm_cat": _embed_rms_norm_cat,
+    "eagle3_indices": _eagle3_indices,
 }

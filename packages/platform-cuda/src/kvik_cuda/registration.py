@@ -15,6 +15,7 @@ import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear
 from kvik.triton_kernels.activation import silu_and_mul, silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import register_attention_configs
+from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import (
@@ -37,6 +38,7 @@ KERNELS = {
     "kvik::reshape_and_cache": reshape_and_cache,
     "kvik::argmax_rows": argmax_rows,
     "kvik::embed_rms_norm_cat": embed_rms_norm_cat,
+    "kvik::eagle3_indices": eagle3_indices,
     "kvik::fused_moe": fused_moe,
     # Through custom ops so that torch.compile does not trace into the Triton launchers.
     "kvik::fp8_block_linear": fp8.fp8_block_linear,

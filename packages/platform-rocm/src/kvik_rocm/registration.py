@@ -15,6 +15,7 @@ import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import register_attention_configs
+from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import embed_rms_norm_cat, fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
@@ -28,6 +29,7 @@ KERNELS = {
     "kvik::reshape_and_cache": reshape_and_cache,
     "kvik::argmax_rows": argmax_rows,
     "kvik::embed_rms_norm_cat": embed_rms_norm_cat,
+    "kvik::eagle3_indices": eagle3_indices,
 }
 
 

@@ -48,6 +48,7 @@ class DraftModelProposer(Proposer):
             )
         with ops.ops_dispatch(config.ops_dispatch):
             self.model = load_model(self.model_config, runner.device, runner.platform)
+            self._argmax_rows = ops.small_op("argmax_rows")
         self.layers: dict[str, Attention] = {
             m.layer_name: m for m in self.model.modules() if isinstance(m, Attention)
         }
@@ -128,7 +129,8 @@ class DraftModelProposer(Proposer):
                 block_size=bs,
             )
             hidden = self._forward(token_ids, torch.from_numpy(positions).to(device), common)
-            token_ids = self.model.compute_logits(hidden).max(dim=-1).indices
+            token_ids = torch.empty(count, dtype=torch.int64, device=device)
+            self._argmax_rows(self.model.compute_logits(hidden), None, token_ids)
             drafted.append(token_ids)
         proposals = torch.stack(drafted, dim=1).tolist()
         return {rid: proposals[i][: caps[rid]] for i, rid in enumerate(ids)}

@@ -28,10 +28,12 @@ through the runner's attention backend. After each target step (``propose``):
 Under FULL graphs a decode or verification step's proposal replays as two graphs launched back to
 back: the batched pass (with the rows the drafts start from), then the first drafts and the draft
 steps, whose launch on the host overlaps the pass on the device. The host uploads a few indices a
-request in one copy (the last known row, its block-table row and block count) and reads all
-drafts back in one copy; the draft steps' positions, slots and block table are computed on the
-device. At batch 1 a proposal is bound by the host's launches, not the device
-(docs/benchmarks.md).
+request in one copy (its base row, block-table row and block count) and reads all drafts back in
+one copy; one launch before the graphs (``kvik.ops.eagle3_indices``) works out on the device
+every index they read: the last known rows and tokens from the step's accepted counts, the
+pass's tokens, the draft steps' positions, slots and block table. The whole proposal is launched
+behind the target's forward, before the step's tokens are read back, so at batch 1 what it adds
+to a step is the head's time on the device (docs/benchmarks.md).
 
 Drafts of the head over a reduced vocabulary map to target ids through ``d2t``.
 """
@@ -179,9 +181,11 @@ class Eagle3Proposer(Proposer):
         proposal: fixed addresses, so that the steps could be captured in a graph."""
         r, steps, device = runner.max_num_seqs, max(1, self.k - 1), runner.device
         self.max_blocks = -(-runner.max_model_len // runner.block_size)
-        # Sequence lengths and the block table in the attention's int32 (positions and slots
-        # are read straight from the staged indices).
+        # Each draft step's positions, slots and sequence lengths, and the proposing requests'
+        # block-table rows (in the attention's int32), written by ``eagle3_indices``.
         self.draft_seq_lens = torch.ones(steps, r, dtype=torch.int32, device=device)
+        self.draft_positions = torch.zeros(steps, r, dtype=torch.int64, device=device)
+        self.draft_slots = torch.full((steps, r), -1, dtype=torch.int64, device=device)
         self.draft_block_table = torch.zeros(r, self.max_blocks, dtype=torch.int32, device=device)
         self.draft_query_start_loc = torch.arange(r + 1, dtype=torch.int32, device=device)
         self.draft_query_lens = torch.ones(r, dtype=torch.int32, device=device)
@@ -198,11 +202,10 @@ class Eagle3Proposer(Proposer):
         d2t = self.head.d2t
         self.target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
         self._max_seq_len = 1
-        self._step_offsets = torch.arange(1, steps + 1, device=device)
         # (host, device) int64 staging of each proposal's indices (``_upload``), of a fixed size
         # (what the largest proposal needs), so that a graph reads them at one address: the
         # batched pass's rows and tokens, the proposing requests' rows, block-table rows and block
-        # counts, and what the first three are worked out from (``_last_known_rows``),
+        # counts, and what the first three are worked out from (``kvik.ops.eagle3_indices``),
         # max_num_seqs apart.
         capacity = 8 * r
         host = torch.zeros(capacity, dtype=torch.int64, pin_memory=device.type != "cpu")
@@ -256,6 +259,7 @@ class Eagle3Proposer(Proposer):
             self._silu_and_mul = ops.small_op("silu_and_mul")
             self._embed_rms_norm_cat = ops.small_op("embed_rms_norm_cat")
             self._argmax_rows = ops.small_op("argmax_rows")
+            self._eagle3_indices = ops.small_op("eagle3_indices")
         head = self.head
         attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
         self._qkv_weight = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -316,7 +320,7 @@ class Eagle3Proposer(Proposer):
         the requests in ``caps``, started from the step's tokens on the device: nothing here
         waits for the device, so the host's part overlaps the target's forward. Each request's
         last row whose next token is known, and that token, follow from how many of its drafts
-        the step accepted, worked out on the device (``_last_known_rows``)."""
+        the step accepted, worked out on the device (``kvik.ops.eagle3_indices``)."""
         scheduled = scheduler_output.scheduled
         sample_index, base_rows, prompt_next = [], [], []
         samples = 0
@@ -352,10 +356,23 @@ class Eagle3Proposer(Proposer):
         arrays = (num, num, num_hidden, table_rows, num_blocks, sample_index, base_rows,
                   prompt_next)  # fmt: skip
         staged = self._upload([a if isinstance(a, int) else np.array(a, np.int64) for a in arrays])
-        self._last_known_rows(staged, verified)
+        # Every index the pass and the drafts read, worked out on the device in one launch
+        # (where the platform has the kernel) from the staged ones and the step's tokens.
+        bs = self.runner.block_size
+        columns = min(self.max_blocks, -(-self._max_seq_len // bs)) if proposing else 0
+        self._eagle3_indices(
+            *staged[5:8], staged[3], staged[4],
+            None if verified is None else verified.num_accepted,
+            None if verified is None else verified.token_ids,
+            inputs.input_ids, inputs.positions, inputs.common_metadata.block_table,
+            *staged[:3], self.pass_tokens[: inputs.num_padded],
+            self.draft_positions[:steps, :num_hidden], self.draft_slots[:steps, :num_hidden],
+            self.draft_seq_lens[:steps, :num_hidden], self.draft_block_table[:num_hidden, :columns],
+            bs, self.runner.max_model_len,
+        )  # fmt: skip
         key = self._pass_key(inputs, scheduled)
         if key is None:
-            prenorm = self._batched_pass(inputs, staged[0], staged[1])
+            prenorm = self._batched_pass(inputs)
             # The hidden states the drafts start from (padding rows keep stale, finite values:
             # their outputs are dropped and they write no cache).
             torch.index_select(prenorm, 0, staged[2][:count], out=self.draft_hidden[:count])
@@ -417,27 +434,6 @@ class Eagle3Proposer(Proposer):
             torch.tensor([len(row) - 1 for row in rows], dtype=torch.int64, device=device),
         )
 
-    @staticmethod
-    def _last_known_rows(staged: list[Tensor], verified: RejectionOutput | None) -> None:
-        """On the device, into the staged slots the pass and the drafts read: per scheduled
-        request its last row whose next token is known (``staged[0]``) and that token
-        (``staged[1]``); per proposing request (and padding) that row (``staged[2]``). A sampling
-        request's row moves on by the drafts it accepted and its token is the one sampled there;
-        a prompt chunk's are the host's (``staged[5..7]``: sampling row or -1, base row, next
-        prompt token)."""
-        last_rows, next_ids, rows, table_rows = staged[:4]
-        sample_index, base_rows, prompt_next = staged[5:8]
-        if verified is None:
-            last_rows.copy_(base_rows)
-            next_ids.copy_(prompt_next)
-        else:
-            samples = sample_index >= 0
-            index = sample_index.clamp(min=0)
-            accepted = torch.where(samples, verified.num_accepted.index_select(0, index), 0)
-            torch.add(base_rows, accepted, out=last_rows)
-            torch.where(samples, verified.token_ids[index, accepted], prompt_next, out=next_ids)
-        torch.index_select(last_rows, 0, table_rows, out=rows)
-
     def _graph_size(self, count: int) -> int | None:
         """The padded batch size whose graph runs ``count`` requests' draft steps (None: they
         run eagerly)."""
@@ -482,58 +478,36 @@ class Eagle3Proposer(Proposer):
             return None
         return ("pass", inputs.num_padded, common.num_reqs, common.max_query_len, len(scheduled))
 
-    def _batched_pass(self, inputs: StepInputs, last_rows: Tensor, next_ids: Tensor) -> Tensor:
+    def _batched_pass(self, inputs: StepInputs) -> Tensor:
         """The head over every row of the step (its cache written at the step's slots): pre-norm
         outputs [T_pad, hidden]. Every input is a persistent buffer (the runner's step buffers,
-        ``aux``, the staged indices), so a graph can replay it."""
+        ``aux``, ``pass_tokens``), so a graph can replay it."""
         num_rows = inputs.num_padded
-        # Row p's token is the one at p + 1: the next row's input, except at each request's last
-        # known row (and on padding rows, whose outputs are never read).
-        token_ids = self.pass_tokens[:num_rows]
-        token_ids[: num_rows - 1] = inputs.input_ids[1:num_rows]
-        token_ids[num_rows - 1 :] = 0
-        token_ids[last_rows] = next_ids
         hidden = self.head.combine(self.aux[:num_rows])
-        mlp_out, residual = self._layer(token_ids, hidden, inputs.positions, inputs.common_metadata)
+        mlp_out, residual = self._layer(
+            self.pass_tokens[:num_rows], hidden, inputs.positions, inputs.common_metadata
+        )
         return mlp_out + residual
 
     def _pass_and_hidden(self, inputs: StepInputs, staged: list[Tensor], num_hidden: int) -> None:
         """The batched pass, then the rows the drafts start from into ``draft_hidden``: what the
         pass's graph holds."""
-        prenorm = self._batched_pass(inputs, staged[0], staged[1])
+        prenorm = self._batched_pass(inputs)
         torch.index_select(prenorm, 0, staged[2][:num_hidden], out=self.draft_hidden[:num_hidden])
 
     def _draft(self, inputs: StepInputs, staged: list[Tensor], size: int, steps: int) -> None:
         """The drafts of ``size`` rows (proposing requests, then padding) into ``proposals``: the
         first from ``draft_hidden``, then ``steps`` one-row-per-request passes of the head, each
         fed with the previous draft and the previous row's pre-norm output. On persistent
-        buffers only (the staged indices at fixed offsets, the runner's step buffers), so that a
-        graph can hold it all: the draft steps' positions, slots and block table are worked out
-        here, on the device, from each request's last known row (staged)."""
+        buffers only (the draft steps' positions, slots, sequence lengths and block table, which
+        ``eagle3_indices`` wrote), so that a graph can hold it all. A graph's steps past a
+        request's cap stay within the rotary table (their drafts are dropped), and a slot past
+        the request's blocks (or on a padding row) is -1: not written."""
         norm = self.head.norm
         hidden = self.draft_hidden[:size]
         tokens = self._greedy(
             self._rms_norm(hidden, norm.weight, norm.eps), self.proposals[0, :size]
         )
-        if not steps:
-            return
-        rows, table_rows, num_blocks = staged[2][:size], staged[3][:size], staged[4][:size]
-        bs = self.runner.block_size
-        # Step j (0-based) writes and reads the position after the last known one plus j; a
-        # graph's steps past a request's cap stay within the rotary table (their drafts are
-        # dropped), and a slot past the request's blocks (or on a padding row) is not written.
-        last = inputs.positions.index_select(0, rows)
-        positions = (last[None, :] + self._step_offsets[:steps, None]).clamp_(
-            max=self.runner.max_model_len - 1
-        )
-        table = torch.index_select(
-            inputs.common_metadata.block_table, 0, table_rows, out=self.draft_block_table[:size]
-        )
-        block = torch.div(positions, bs, rounding_mode="floor")
-        column = torch.minimum(block, (num_blocks - 1).clamp(min=0)[None, :])
-        slots = table.gather(1, column.T).T.to(torch.int64) * bs + positions % bs
-        slots = torch.where(block < num_blocks[None, :], slots, -1).contiguous()
-        self.draft_seq_lens[:steps, :size].copy_(positions + 1)
         for step in range(steps):
             common = AttentionMetadata(
                 num_actual_tokens=size,
@@ -542,12 +516,13 @@ class Eagle3Proposer(Proposer):
                 query_lens=self.draft_query_lens[:size],
                 seq_lens=self.draft_seq_lens[step, :size],
                 block_table=self.draft_block_table[:size],
-                slot_mapping=slots[step],
+                slot_mapping=self.draft_slots[step, :size],
                 max_query_len=1,
                 max_seq_len=self._max_seq_len,
                 block_size=self.runner.block_size,
             )
-            mlp_out, residual = self._layer(tokens, hidden, positions[step], common)
+            positions = self.draft_positions[step, :size]
+            mlp_out, residual = self._layer(tokens, hidden, positions, common)
             # The pre-norm output (the next step's hidden input) and its final norm, at once.
             normed, hidden = self._fused_add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
             tokens = self._greedy(normed, self.proposals[step + 1, :size])
