@@ -69,9 +69,9 @@ def main() -> None:
         weights += [weights[0].clone() for _ in range(copies - 1)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         expected = F.linear(x.float(), weights[0].float())
-        kernels = {"cuBLAS": lambda w: F.linear(x, w)}
+        kernels = {"cuBLAS": lambda w, x=x: F.linear(x, w)}
         for label, config in TILINGS.items():
-            kernels[label] = lambda w, config=config: gemv(x, w, None, config)
+            kernels[label] = lambda w, x=x, config=config: gemv(x, w, None, config)
         picked = gemv_config("sm90", n, k)
         for label, product in kernels.items():
             got = product(weights[0]).float()
