@@ -79,7 +79,7 @@ def main() -> None:
             if error > 1e-2:
                 print(f"{name} {label}: relative error {error:.2e}: not timed")
                 continue
-            us = graph_us(lambda product=product: [product(w) for w in weights], copies)
+            us = graph_us(lambda p=product, ws=weights: [p(w) for w in ws], copies)
             share = weight_bytes / (us * 1e-6) / PEAK_BYTES_PER_S
             records.append(
                 {"shape": name, "n": n, "k": k, "kernel": label, "us": round(us, 2),
