@@ -243,6 +243,8 @@ GPU_STEPS = {
     "kernels": ["-m", "pytest", "-q", "-rA", "packages/platform-cuda/tests/test_kernels_gpu.py"],
     "bench": ["packages/platform-cuda/tests/bench_decode_attention.py"],
     "speed": ["bench/run_gpu.py"],
+    # Issue 18's step costs: a verification against a decode step, EAGLE-3's proposals.
+    "spec": ["bench/spec_decode_gpu.py"],
 }
 
 
@@ -253,7 +255,7 @@ def gpu(session: nox.Session) -> None:
     ../shared/device/wheels.sh) into /tmp/site and putting it on PYTHONPATH. Installs the kvik
     packages from the tree beside them (no deps: torch, triton and transformers are the image's),
     then runs every step even if one fails; results go to $OUT (or ./gpu-results): at most 8
-    files come back from a device call, and the steps write 3 + 4 (speed's JSONs).
+    files come back from a device call, and the steps write 3 + 4 (speed's JSONs) + 1 (spec's).
     """
     out = os.environ.get("OUT") or "gpu-results"
     os.makedirs(out, exist_ok=True)
