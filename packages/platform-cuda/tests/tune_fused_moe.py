@@ -1,14 +1,18 @@
 """Tune the fused MoE's launch configurations on this GPU and write them into kvik_cuda's table.
 
     python packages/platform-cuda/tests/tune_fused_moe.py [--experts 128] [--intermediate 768]
-        [--hidden 2048] [--top-k 8] [--dtype bfloat16] [--tokens 1,2,4,...] [--budget-s 480]
-        [--out FILE]
+        [--hidden 2048] [--top-k 8] [--dtype bfloat16|float8_e4m3fn] [--tokens 1,2,4,...]
+        [--budget-s 480] [--out FILE]
 
 For each token count: random hidden states and router logits (routing close to uniform, as with
 unrelated tokens), the pairs aligned to each row-block size once, then every candidate
 configuration of the gate/up GEMM and of the down GEMM timed on its own (CUDA-graph replays,
 ``triton.testing.do_bench_cudagraph``), in random order within the time budget (the current
-table's row and the default rule's choice first), and the fastest of each kept. Then the whole op
+table's row and the default rule's choice first), and the fastest of each kept. With
+``--dtype float8_e4m3fn`` the experts are block-FP8 (one scale per 128 x 128 tile, Qwen3-FP8's
+layout) and the GEMMs run on per-token-group quantized activations, as
+``kvik.triton_kernels.fused_moe.fused_moe_fp8_block`` calls them (K steps of at most 128: one
+scale group a step). Then the whole op
 at the chosen configurations is timed, and its bandwidth (the bytes of the experts the step
 touches, read once) and FLOP rate printed: issue 16's goals are >= 60% of 4.28 TB/s at 1-64
 tokens and >= 50% of 790 TFLOP/s at 4096 tokens on the H200.
@@ -34,11 +38,28 @@ import triton
 from triton.testing import do_bench_cudagraph
 
 from kvik.triton_kernels.attention import device_arch
-from kvik.triton_kernels.fused_moe import MoeConfig, align_to_blocks, fused_moe, grouped_gemm, route
+from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
+from kvik.triton_kernels.fused_moe import (
+    MoeConfig,
+    align_to_blocks,
+    fused_moe,
+    fused_moe_fp8_block,
+    grouped_gemm,
+    route,
+)
 from kvik_cuda.moe_tuning import TABLE, dump_tables, fused_moe_config
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 SHARED_MEMORY = 227 * 1024
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] (N, K multiples of 128) -> (e4m3 [E, N, K], fp32 tile scales [E, N/128, K/128])."""
+    e, n, k = w.shape
+    tiles = w.float().view(e, n // 128, 128, k // 128, 128)
+    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-10)
+    q = (tiles / scale[:, :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.view(e, n, k), scale.contiguous()
 
 
 def candidates(
@@ -52,6 +73,8 @@ def candidates(
         block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5)
     ):
         tile_bytes = (bm * bk + (2 if gated else 1) * bk * bn) * itemsize
+        if itemsize == 1 and 128 % bk:
+            continue  # block-FP8: one 128-wide scale group per K step at most
         if stages * tile_bytes <= SHARED_MEMORY:
             found.append(MoeConfig(bm, bn, bk, gm, warps, stages))
     return found
@@ -60,12 +83,13 @@ def candidates(
 def tune_gemm(
     tokens, experts, top_k, gated, first: list[MoeConfig], inputs, deadline: float
 ) -> tuple[MoeConfig, float]:
-    """The fastest configuration (and its milliseconds) of one grouped GEMM before ``deadline``."""
-    hidden, w13, w2, weights, ids, act, out = inputs
-    pool = candidates(tokens, experts, top_k, gated, hidden.element_size())
+    """The fastest configuration of one grouped GEMM before ``deadline``, its milliseconds and
+    those of the first one timed (the table's current row)."""
+    hidden, w13, w2, weights, ids, act, out, scales = inputs
+    pool = candidates(tokens, experts, top_k, gated, w13.element_size())
     random.shuffle(pool)
     aligned_by_m = {}
-    best, best_ms = None, float("inf")
+    best, best_ms, first_ms = None, float("inf"), None
     for config in first + pool:
         if best is not None and time.monotonic() > deadline:
             break
@@ -73,17 +97,25 @@ def tune_gemm(
             aligned_by_m[config.block_m] = align_to_blocks(ids, experts, config.block_m)
         aligned = aligned_by_m[config.block_m]
         if gated:
-            run = partial(grouped_gemm, hidden, w13, act, aligned, None, top_k, True, config)
+            run = partial(
+                grouped_gemm, hidden, w13, act, aligned, None, top_k, True, config, scales[0]
+            )
         else:
-            run = partial(grouped_gemm, act, w2, out, aligned, weights, 1, False, config)
+            a = act if scales[1] is None else scales[1][0]
+            run = partial(
+                grouped_gemm, a, w2, out, aligned, weights, 1, False, config,
+                None if scales[1] is None else (scales[1][1], scales[1][2]),
+            )  # fmt: skip
         try:
             ms = do_bench_cudagraph(run, rep=20)
         except Exception as e:  # a tile the compiler refuses (out of resources): skip it
             print(f"  skip {config}: {type(e).__name__}")
             continue
+        if first_ms is None:
+            first_ms = ms
         if ms < best_ms:
             best, best_ms = config, ms
-    return best, best_ms
+    return best, best_ms, first_ms
 
 
 def main() -> int:
@@ -105,39 +137,74 @@ def main() -> int:
     dtype = getattr(torch, args.dtype)
     e, i, h, k = args.experts, args.intermediate, args.hidden, args.top_k
     arch = device_arch(torch.device("cuda"))[0]
-    w13 = (torch.randn(e, 2 * i, h, device="cuda") * h**-0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, device="cuda") * i**-0.5).to(dtype)
+    fp8 = dtype.itemsize == 1
+    act_dtype = torch.bfloat16 if fp8 else dtype
+    w13 = torch.randn(e, 2 * i, h, device="cuda") * h**-0.5
+    w2 = torch.randn(e, h, i, device="cuda") * i**-0.5
+    if fp8:
+        (w13, w13_scale), (w2, w2_scale) = quantize_blocks(w13), quantize_blocks(w2)
+    else:
+        w13, w2 = w13.to(dtype), w2.to(dtype)
     per_tokens = args.budget_s / len(args.tokens)
     rows, summary = {}, []
     for tokens in args.tokens:
-        hidden = torch.randn(tokens, h, device="cuda").to(dtype)
-        logits = torch.randn(tokens, e, device="cuda").to(dtype)
+        hidden = torch.randn(tokens, h, device="cuda").to(act_dtype)
+        logits = torch.randn(tokens, e, device="cuda").to(act_dtype)
         weights, ids = route(logits, k, True)
-        act = torch.empty(tokens * k, i, dtype=dtype, device="cuda")
-        out = torch.empty(tokens * k, h, dtype=dtype, device="cuda")
-        inputs = (hidden, w13, w2, weights, ids, act, out)
+        act = torch.randn(tokens * k, i, device="cuda").to(act_dtype)
+        out = torch.empty(tokens * k, h, dtype=act_dtype, device="cuda")
+        scales = (None, None)
+        a = hidden
+        if fp8:  # the GEMMs' inputs quantized per token group, as the op does
+            a, a_scale = per_token_group_quant_fp8(hidden)
+            act_q, act_scale = per_token_group_quant_fp8(act)
+            scales = ((a_scale, w13_scale), (act_q, act_scale, w2_scale))
+        inputs = (a, w13, w2, weights, ids, act, out, scales)
         current = fused_moe_config(arch, tokens, e, i, h, k, dtype)
         start = time.monotonic()
-        up, up_ms = tune_gemm(tokens, e, k, True, [current[0]], inputs, start + per_tokens / 2)
-        down, down_ms = tune_gemm(tokens, e, k, False, [current[1]], inputs, start + per_tokens)
+        up, up_ms, up_before = tune_gemm(
+            tokens, e, k, True, [current[0]], inputs, start + per_tokens / 2
+        )
+        down, down_ms, down_before = tune_gemm(
+            tokens, e, k, False, [current[1]], inputs, start + per_tokens
+        )
         rows[str(tokens)] = {"up": list(vars(up).values()), "down": list(vars(down).values())}
-        op = partial(fused_moe, hidden, logits, w13, w2, k, True, (up, down))
+        if fp8:
+            op = partial(
+                fused_moe_fp8_block, hidden, logits, w13, w13_scale, w2, w2_scale, k, True,
+                (up, down),
+            )  # fmt: skip
+        else:
+            op = partial(fused_moe, hidden, logits, w13, w2, k, True, (up, down))
         whole_ms = do_bench_cudagraph(op, rep=20)
         touched = int(torch.unique(ids).numel())
-        weight_bytes = touched * 3 * i * h * w13.element_size()
+        weight_bytes = touched * 3 * i * h * w13.element_size()  # (FP8: scales not counted)
         flops = 6 * tokens * k * i * h
         record = {
-            "tokens": tokens, "up": rows[str(tokens)]["up"], "up_ms": up_ms,
+            "tokens": tokens, "up_ms_before": up_before, "down_ms_before": down_before,
+            "up": rows[str(tokens)]["up"], "up_ms": up_ms,
             "down": rows[str(tokens)]["down"], "down_ms": down_ms, "op_ms": whole_ms,
             "experts_touched": touched, "weight_tb_s": weight_bytes / whole_ms / 1e9,
             "tflop_s": flops / whole_ms / 1e9,
         }  # fmt: skip
         summary.append(record)
         print(json.dumps(record), flush=True)
+    # Token counts of the standard list not tuned now keep what the table chose for them (its
+    # row or the default rule), so that tuning a few counts changes no other count's tiles.
+    for tokens in TOKENS:
+        if str(tokens) not in rows:
+            kept = fused_moe_config(arch, tokens, e, i, h, k, dtype)
+            rows[str(tokens)] = {"up": list(vars(kept[0]).values()),
+                                 "down": list(vars(kept[1]).values())}  # fmt: skip
+    rows = dict(sorted(rows.items(), key=lambda item: int(item[0])))
     data = json.loads(TABLE.read_text())
     key = dict(arch=arch, experts=e, intermediate=i, hidden=h, top_k=k, dtype=args.dtype)
+    old = [t for t in data["tables"] if {n: t[n] for n in key} == key]
+    measured = set(args.tokens) | set(old[0].get("measured_tokens", []) if old else [])
     data["tables"] = [t for t in data["tables"] if {n: t[n] for n in key} != key]
-    data["tables"].append(key | {"measured": True, "configs": rows})
+    data["tables"].append(
+        key | {"measured": True, "measured_tokens": sorted(measured), "configs": rows}
+    )
     out_dir = os.environ.get("OUT")
     target = Path(args.out or (Path(out_dir) / TABLE.name if out_dir else TABLE))
     target.write_text(dump_tables(data))
