@@ -1,6 +1,9 @@
 """``kvik bench serve`` against ``kvik serve`` on the default model: the client reports every metric,
-and its median time to first token (TTFT) and time per output token (TPOT) agree within 10% with
-the means of the server's own ``/metrics`` histograms over the same requests.
+and its mean time to first token (TTFT) and time per output token (TPOT) agree within 10% with
+the means of the server's own ``/metrics`` histograms over the same requests (a histogram gives
+its mean exactly, from its sum and count; the client's median is compared with the server's
+mean no more: on a loaded CI machine a few slow requests skew the mean of 16 away from the
+median, by 20% once, while both sides' means agreed within 2%).
 
 Both sides use vLLM's definitions. TTFT: from the request's arrival to its first token (the client
 sees the arrival a little earlier and the token a little later, by the HTTP round trip and the
@@ -77,7 +80,7 @@ def histogram_means(before: dict[str, float], after: dict[str, float]) -> dict[s
     return means
 
 
-def test_bench_serve_medians_agree_with_server_metrics(server, tmp_path):
+def test_bench_serve_agrees_with_server_metrics(server, tmp_path):
     warm_up(server)
     before = server.metrics()
     out = tmp_path / "serve.json"
@@ -124,4 +127,4 @@ def test_bench_serve_medians_agree_with_server_metrics(server, tmp_path):
     )
     print(figures)
     for name in ("ttft", "tpot"):
-        assert result[f"median_{name}_ms"] == pytest.approx(means[name], rel=0.10), figures
+        assert result[f"mean_{name}_ms"] == pytest.approx(means[name], rel=0.10), figures
