@@ -37,21 +37,13 @@ from pathlib import Path
 
 import torch
 
+from kvik.quantization.fp8_reference import quantize_weight_blocks
+
 HIDDEN, EXPERTS, TOP_K, INTER = 2048, 128, 8, 768
-BLOCK = 128
 COPY_TB_S = 4.28
 PEAK_TFLOP_S = {"bfloat16": 790.0, "fp8": 1451.0}
 TOLERANCE = {"bfloat16": 1e-2, "fp8": 3e-2}
 DECODE_MAX_TOKENS = 64
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] (N, K multiples of 128) -> (e4m3 [E, N, K], fp32 tile scales [E, N/128, K/128])."""
-    e, n, k = w.shape
-    tiles = w.float().view(e, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-10)
-    q = (tiles / scale[:, :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(e, n, k), scale
 
 
 class Experts:
@@ -63,8 +55,8 @@ class Experts:
             self.tensors = (w13, w2)
             self.bytes_per_expert = 3 * INTER * HIDDEN * 2
         else:
-            q13, s13 = quantize_blocks(w13)
-            q2, s2 = quantize_blocks(w2)
+            q13, s13 = quantize_weight_blocks(w13)
+            q2, s2 = quantize_weight_blocks(w2)
             self.tensors = (q13, s13, q2, s2)
             self.bytes_per_expert = 3 * INTER * HIDDEN + 4 * (s13[0].numel() + s2[0].numel())
 

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
+from fp8_gpu import L2_BYTES, PEAK_BYTES_PER_S, graph_us
 
 from kvik.triton_kernels.gemv import GemvConfig, gemv
 from kvik_cuda.tuning import gemv_config
 
-PEAK_BYTES_PER_S = 4.28e12  # the H200's measured copy bandwidth
-L2_BYTES = 60 * 2**20
-REPLAYS = 25
 #: (name, out_features, in_features)
 LLAMA = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
 HEAD = [
@@ -36,23 +33,6 @@ TILINGS = {
     "gemv narrow (8 x 512)": GemvConfig(block_n=8, block_k=512, num_warps=4, num_stages=3),
     "gemv wide (32 x 256)": GemvConfig(block_n=32, block_k=256, num_warps=4, num_stages=4),
 }
-
-
-def graph_us(call, copies: int) -> float:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3 / copies
 
 
 def main() -> None:
@@ -79,7 +59,7 @@ def main() -> None:
             if error > 1e-2:
                 print(f"{name} {label}: relative error {error:.2e}: not timed")
                 continue
-            us = graph_us(lambda p=product, ws=weights: [p(w) for w in ws], copies)
+            us, _, _ = graph_us(lambda p=product, ws=weights: [p(w) for w in ws], copies)
             share = weight_bytes / (us * 1e-6) / PEAK_BYTES_PER_S
             records.append(
                 {"shape": name, "n": n, "k": k, "kernel": label, "us": round(us, 2),

@@ -37,6 +37,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
+from kvik.quantization.fp8_reference import quantize_weight_blocks
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
 from kvik.triton_kernels.fused_moe import (
@@ -51,15 +52,6 @@ from kvik_cuda.moe_tuning import TABLE, dump_tables, fused_moe_config
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
 SHARED_MEMORY = 227 * 1024
-
-
-def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] (N, K multiples of 128) -> (e4m3 [E, N, K], fp32 tile scales [E, N/128, K/128])."""
-    e, n, k = w.shape
-    tiles = w.float().view(e, n // 128, 128, k // 128, 128)
-    scale = (tiles.abs().amax(dim=(2, 4)) / 448.0).clamp(min=1e-10)
-    q = (tiles / scale[:, :, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q.view(e, n, k), scale.contiguous()
 
 
 def candidates(
@@ -142,7 +134,7 @@ def main() -> int:
     w13 = torch.randn(e, 2 * i, h, device="cuda") * h**-0.5
     w2 = torch.randn(e, h, i, device="cuda") * i**-0.5
     if fp8:
-        (w13, w13_scale), (w2, w2_scale) = quantize_blocks(w13), quantize_blocks(w2)
+        (w13, w13_scale), (w2, w2_scale) = quantize_weight_blocks(w13), quantize_weight_blocks(w2)
     else:
         w13, w2 = w13.to(dtype), w2.to(dtype)
     per_tokens = args.budget_s / len(args.tokens)

@@ -7,6 +7,7 @@ its tokens do not depend on what else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,16 @@ class SamplingBatch:
     processors: list[tuple[int, list[LogitsProcessor], list[int]]] = field(default_factory=list)
 
 
+def greedy_ids(
+    argmax_rows: Callable[[Tensor, Tensor | None, Tensor], None], logits: Tensor
+) -> Tensor:
+    """Each row's first maximal index [N] int64, through ``argmax_rows`` (``kvik::argmax_rows``
+    as the building engine's ops_dispatch resolved it: ``kvik.ops.small_op``)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    argmax_rows(logits, None, out)
+    return out
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed of their own
@@ -45,10 +56,7 @@ class Sampler:
         self._argmax_rows = ops.small_op("argmax_rows")
 
     def greedy(self, logits: Tensor) -> Tensor:
-        """Each row's first maximal index [N] int64."""
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        self._argmax_rows(logits, None, out)
-        return out
+        return greedy_ids(self._argmax_rows, logits)
 
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> Tensor:
         """logits [N, V] fp32 -> sampled token ids [N] int64."""

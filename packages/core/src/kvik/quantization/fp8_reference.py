@@ -57,6 +57,16 @@ def quantize_per_token_group(x: Tensor, group: int = BLOCK) -> tuple[Tensor, Ten
     return q, scale
 
 
+def quantize_weight_blocks(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+    """Weights [..., N, K] (N and K multiples of ``block``) -> (e4m3 [..., N, K], fp32 scales
+    [..., N/block, K/block]): one dynamic scale per ``block x block`` tile, the layout of
+    block-FP8 checkpoints (and of stacked experts, with a leading expert dim)."""
+    *lead, n, k = w.shape
+    tiles = w.float().reshape(*lead, n // block, block, k // block, block)
+    scale = dynamic_scale(tiles.abs().amax(dim=(-3, -1)))
+    return quantize_fp8(tiles, scale[..., :, None, :, None]).reshape(w.shape), scale
+
+
 def expand_block_scales(scale: Tensor, rows: int, cols: int, block: int = BLOCK) -> Tensor:
     """Tile scales [ceil(rows/block), ceil(cols/block)] -> one per element, [rows, cols]."""
     return scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]

@@ -20,6 +20,7 @@ from kvik import ops
 from kvik.attention.backend import AttentionMetadata
 from kvik.attention.selector import attach_attention
 from kvik.layers.attention import Attention
+from kvik.layers.sampler import greedy_ids
 from kvik.model_loader.loader import load_model, load_model_config
 from kvik.spec_decode.proposer import Proposer
 from kvik.worker.forward_context import ForwardContext, forward_context
@@ -129,8 +130,7 @@ class DraftModelProposer(Proposer):
                 block_size=bs,
             )
             hidden = self._forward(token_ids, torch.from_numpy(positions).to(device), common)
-            token_ids = torch.empty(count, dtype=torch.int64, device=device)
-            self._argmax_rows(self.model.compute_logits(hidden), None, token_ids)
+            token_ids = greedy_ids(self._argmax_rows, self.model.compute_logits(hidden))
             drafted.append(token_ids)
         proposals = torch.stack(drafted, dim=1).tolist()
         return {rid: proposals[i][: caps[rid]] for i, rid in enumerate(ids)}

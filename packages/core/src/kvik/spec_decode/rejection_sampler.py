@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from kvik import ops
-from kvik.layers.sampler import _GREEDY_EPS, SamplingBatch, apply_top_k_top_p
+from kvik.layers.sampler import _GREEDY_EPS, SamplingBatch, apply_top_k_top_p, greedy_ids
 
 #: Marks the slots after a request's last output token in ``RejectionOutput.token_ids``.
 PLACEHOLDER_TOKEN_ID = -1
@@ -126,11 +126,6 @@ class RejectionSampler:
         self.generator = generator  # for requests without a seed of their own
         self._argmax_rows = ops.small_op("argmax_rows")  # as the Sampler's
 
-    def _greedy(self, logits: Tensor) -> Tensor:
-        out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-        self._argmax_rows(logits, None, out)
-        return out
-
     def __call__(
         self,
         target_logits: Tensor,
@@ -172,12 +167,14 @@ class RejectionSampler:
                 "target_logits per position before rejection sampling"
             )
         if sampling.all_greedy and not on_device:
-            greedy = self._greedy(target_logits).cpu()
+            greedy = greedy_ids(self._argmax_rows, target_logits).cpu()
             return _greedy_on_host(greedy, draft_token_ids.cpu(), num_draft_tokens)
         draft_token_ids = draft_token_ids.to(device, non_blocking=True)
         layout = _Layout.build(num_draft_tokens, device)
         drafts = torch.where(layout.valid, draft_token_ids[layout.draft_index], -1)
-        greedy_tokens = self._greedy(target_logits)[layout.target_index]  # [B, K + 1]
+        greedy_tokens = greedy_ids(self._argmax_rows, target_logits)[
+            layout.target_index
+        ]  # [B, K + 1]
         greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
         if sampling.all_greedy:
             return greedy_out
