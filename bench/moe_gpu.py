@@ -2,6 +2,7 @@
 (issue 16's op goals), in one call of well under two minutes on an H200:
 
     python bench/moe_gpu.py [--tokens 1,8,64,4096] [--dtypes bfloat16,fp8] [--sets 8] [--json F]
+        [--profile]
 
 Shapes: hidden 2048, 128 experts, 8 routed per token (renormalised), expert intermediate 768.
 Random experts (normal, std fan_in**-0.5); the FP8 experts are those weights quantized to e4m3 with
@@ -25,6 +26,9 @@ experts routed to, times 3 * I * H weights, plus FP8's tile scales) and its frac
 4.28 TB/s copy bandwidth (issue 16: >= 60%); at prefill counts the TFLOP/s (6 * M * k * I * H) and
 its fraction of 790 TFLOP/s for bf16 (issue 16: >= 50% at 4096) and of 1451 TFLOP/s (fp8
 ``_scaled_mm``) for FP8. The JSON goes to $OUT/moe_gpu.json where OUT is set, and to --json.
+
+--profile adds each case's kernels (``torch.profiler``, 20 eager calls): µs a call per kernel
+name, so the launches around the grouped GEMMs show.
 """
 
 from __future__ import annotations
@@ -125,6 +129,26 @@ def run_case(experts: Experts, tokens: int, sets: int, generator: torch.Generato
     return record
 
 
+def kernel_times(experts: Experts, tokens: int, generator: torch.Generator) -> dict[str, float]:
+    """µs a call of each kernel the op launches (summed by name), over 20 profiled calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hidden = torch.randn(tokens, HIDDEN, device="cuda", generator=generator).bfloat16()
+    logits = torch.randn(tokens, EXPERTS, device="cuda", generator=generator).bfloat16()
+    calls = 20
+    experts(hidden, logits)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            experts(hidden, logits)
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            times[event.key] = times.get(event.key, 0.0) + event.self_device_time_total / calls
+    return dict(sorted(times.items(), key=lambda item: -item[1]))
+
+
 def print_row(r: dict) -> None:
     if r["tokens"] <= DECODE_MAX_TOKENS:
         figure = f"{r['weight_gb_s']:8.0f} GB/s  {100 * r['bandwidth_fraction']:5.1f}% of copy"
@@ -148,6 +172,7 @@ def main() -> int:
     parser.add_argument("--sets", type=int, default=8, help="input sets timed in turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="also write the records here")
+    parser.add_argument("--profile", action="store_true", help="also time each kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/moe_gpu.py needs a CUDA GPU")
@@ -169,6 +194,10 @@ def main() -> int:
         for tokens in (int(t) for t in args.tokens.split(",")):
             records.append(run_case(experts, tokens, args.sets, generator))
             print_row(records[-1])
+            if args.profile:
+                records[-1]["kernel_us"] = kernel_times(experts, tokens, generator)
+                for name, us in records[-1]["kernel_us"].items():
+                    print(f"    {us:8.2f} us  {name}", flush=True)
     result = {
         "workload": "gpu-fused-moe-op",
         "shape": {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "intermediate": INTER},

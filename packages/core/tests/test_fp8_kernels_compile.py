@@ -39,7 +39,11 @@ from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
     fp8_skinny_kernel,
     padded_rows,
 )
-from kvik.triton_kernels.fused_moe import moe_gemm_kernel  # noqa: E402
+from kvik.triton_kernels.fused_moe import (  # noqa: E402
+    ROUTE_ALIGN_MAX_TOKENS,
+    moe_gemm_kernel,
+    step_constexprs,
+)
 from kvik_cuda.moe_tuning import fused_moe_config  # noqa: E402
 
 ARCHS = list(aot.TARGETS)
@@ -474,8 +478,9 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
     up, down = fused_moe_config(arch, tokens, 128, 768, 2048, 8, torch.float8_e4m3fn)
     signature = types(moe_gemm_kernel, torch.bfloat16) | {
         "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
-        "weights_ptr": "*fp32",
+        "weights_ptr": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32",
     }  # fmt: skip
+    decode = tokens <= ROUTE_ALIGN_MAX_TOKENS
     for config, gated in ((up, True), (down, False)):
         assert 128 % config.block_k == 0  # one scale group a K step
         compiled = compiled_ok(
@@ -483,6 +488,9 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
             arch,
             types=signature,
             constexprs={
+                **step_constexprs(
+                    tokens == 1, gated, decode and not gated, decode and gated, 8, 128, True
+                ),
                 "A_ROW_DIV": 8 if gated else 1,
                 "GATED": gated,
                 "WEIGHTED": not gated,

@@ -44,8 +44,8 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     max_row_blocks,
     moe_align_kernel,
     moe_gemm_kernel,
+    step_constexprs,
     moe_route_align_kernel,
-    moe_route_one_kernel,
     moe_routing_kernel,
     moe_scatter_kernel,
     moe_sum_kernel,
@@ -414,13 +414,19 @@ MOE_SHAPES = [(1, 128, 768, 2048, 8), (64, 128, 768, 2048, 8), (4096, 128, 768, 
 def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
     up, down = moe_chooser(arch)(arch, tokens, experts, inter, hidden, top_k, dtype)
     signature = types(moe_gemm_kernel, dtype, sorted_ptr="*i32", block_expert_ptr="*i32",
-                      total_ptr="*i32", weights_ptr="*fp32")  # fmt: skip
+                      total_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32",
+                      counter_ptr="*i32")  # fmt: skip
+    decode = top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS
     for config, gated in ((up, True), (down, False)):
         compiled = compiled_ok(
             moe_gemm_kernel,
             arch,
             types=signature,
             constexprs={
+                **step_constexprs(
+                    tokens == 1, gated, decode and not gated, decode and gated, top_k, experts,
+                    True,
+                ),
                 "A_ROW_DIV": top_k if gated else 1,
                 "GATED": gated,
                 "WEIGHTED": not gated,
@@ -466,22 +472,6 @@ def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, bl
             "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": True,
             "TOKENS_PAD": tokens_pad, "PAIRS_PAD": triton.next_power_of_2(tokens_pad * top_k),
             "BLOCK_M": block_m, "BLOCKS_CHUNK": ALIGN_BLOCKS_CHUNK,
-        },
-        num_warps=ROUTE_ALIGN_WARPS,
-    )  # fmt: skip
-    int_types = {n: "*i32" for n in moe_route_one_kernel.arg_names if n.endswith("_ptr")}
-    blocks = max_row_blocks(top_k, experts, block_m)
-    compiled_ok(
-        moe_route_one_kernel,
-        arch,
-        types=types(
-            moe_route_one_kernel, torch.bfloat16,
-            **int_types | {"logits_ptr": "*bf16", "weights_ptr": "*fp32"},
-        ),
-        constexprs={
-            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
-            "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": True, "BLOCK_M": block_m,
-            "BLOCKS_PAD": triton.next_power_of_2(blocks),
         },
         num_warps=ROUTE_ALIGN_WARPS,
     )  # fmt: skip

@@ -26,8 +26,10 @@ from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
     MoeConfig,
+    OneTokenRouting,
     align_to_blocks,
     fused_moe,
+    grouped_gemm,
     max_row_blocks,
     route,
     route_and_align,
@@ -858,6 +860,7 @@ CASES = (
     else [
         (1, 8, 64, 32, 2, True, 0),
         (7, 8, 80, 40, 1, False, 0),
+        (5, 8, 64, 32, 3, True, 0),
         (33, 16, 96, 32, 4, True, 6),
         (20, 6, 64, 48, 6, False, 0),
     ]
@@ -924,14 +927,21 @@ def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize:
     sorted_pairs = one_launch[2][0].cpu()
     real = sorted_pairs[sorted_pairs < ids.numel()].long()
     assert torch.equal(real.sort().values, torch.arange(ids.numel()))
-    # One token (its own launch, moe_route_one_kernel): a NaN row too.
+    # One token (routed inside its gate/up GEMM): a NaN row too gives real, distinct experts.
+    w13, w2 = randn(experts, 64, 32) * 0.2, randn(experts, 32, 32) * 0.2
     for row in (1, 3):
-        _, one_ids, (one_sorted, one_experts, _) = route_and_align(
-            logits[row : row + 1], top_k, renormalize, experts, 16
+        one = OneTokenRouting(
+            torch.empty(1, top_k, dtype=torch.int32, device=DEVICE),
+            torch.empty(1, top_k, dtype=torch.float32, device=DEVICE),
+            logits[row : row + 1].contiguous(),
+            renormalize,
         )
-        assert torch.equal(one_ids, ids[row : row + 1])
-        assert ((one_experts[:top_k] >= 0) & (one_experts[:top_k] < experts)).all()
-        assert sorted(one_sorted[one_sorted < top_k].tolist()) == list(range(top_k))
+        act = torch.empty(top_k, 32, device=DEVICE)
+        grouped_gemm(
+            randn(1, 32), w13, act, None, None, top_k, True, MoeConfig(16, 32, 32, 1, 4, 1),
+            top_k=top_k, one_token=one,
+        )  # fmt: skip
+        assert torch.equal(one.ids, ids[row : row + 1])
 
 
 @pytest.mark.parametrize(
@@ -960,14 +970,14 @@ def test_align_groups_every_pair_once(tokens: int, experts: int, top_k: int, blo
 
 @pytest.mark.parametrize(
     ("tokens", "experts", "top_k", "block_m", "renormalize"),
-    [(1, 8, 2, 16, True), (1, 128, 8, 16, True), (5, 60, 4, 32, False), (16, 128, 8, 16, True),
+    [(2, 8, 2, 16, True), (2, 128, 8, 16, True), (5, 60, 4, 32, False), (16, 128, 8, 16, True),
      (ROUTE_ALIGN_MAX_TOKENS, 6, 1, 64, False)],
 )  # fmt: skip
 def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormalize) -> None:
     """The decode steps' single launch gives route()'s ids, its weights to fp32's rounding (on
     the H200 a [16, 128] tile's sums may add in another order than route()'s rows, one ulp
-    apart), and the alignment align_to_blocks gives: the same runs (the order inside a run is free; one token's
-    runs, one pair each, come in the order of its k rather than of the experts' ids)."""
+    apart), and the alignment align_to_blocks gives: the same runs (the order inside a run is
+    free)."""
     logits = router_logits(tokens, experts, experts // 4, torch.float32)
     weights, ids, (sorted_pairs, block_expert, total) = route_and_align(
         logits, top_k, renormalize, experts, block_m
@@ -990,10 +1000,9 @@ def test_route_and_align_in_one_launch(tokens, experts, top_k, block_m, renormal
     assert runs(sorted_pairs, block_expert) == runs(ref_sorted, ref_block_expert)
     unused = block_expert[int(total) // block_m :]
     assert torch.equal(unused, ref_block_expert[int(total) // block_m :])
-    with pytest.raises(ValueError, match="tokens"):
-        route_and_align(
-            router_logits(ROUTE_ALIGN_MAX_TOKENS + 1, 8, 0, torch.float32), 2, True, 8, 16
-        )
+    for refused in (1, ROUTE_ALIGN_MAX_TOKENS + 1):
+        with pytest.raises(ValueError, match="tokens"):
+            route_and_align(router_logits(refused, 8, 0, torch.float32), 2, True, 8, 16)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

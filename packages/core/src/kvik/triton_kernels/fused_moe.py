@@ -1,7 +1,7 @@
 """The fused mixture of experts in Triton. Reference: ``kvik.ops.fused_moe``.
 
-Six launches, each sized from the number of tokens alone, never from where they are routed, so a
-step replays under a CUDA graph (nothing is read back to the host):
+Six launches for a prefill-sized step, each sized from the number of tokens alone, never from
+where they are routed, so a step replays under a CUDA graph (nothing is read back to the host):
 
 1. ``moe_routing_kernel``: per token, softmax over the router logits in fp32, the top-k experts by
    repeated arg-max, their weights renormalised where the model says.
@@ -20,12 +20,14 @@ step replays under a CUDA graph (nothing is read back to the host):
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
 
-A decode step of up to ``ROUTE_ALIGN_MAX_TOKENS`` tokens does steps 1-3 in one launch instead
-(``moe_route_align_kernel``, one program: the tokens' routing as a [tokens, experts] tile, then the
-histogram, the runs and the scatter over the pairs it just wrote): at one token the experts' bytes
-take ~18 µs and every launch around them a few more (docs/benchmarks.md). One token takes a
-simpler launch still (``moe_route_one_kernel``): its top k experts are distinct, so each pair is a
-row block of its own, with no histogram, atomics or barrier.
+Decode steps take fewer launches, since at one token the experts' bytes take ~18 µs on the H200
+and every launch around them a few more (docs/benchmarks.md). Up to ``ROUTE_ALIGN_MAX_TOKENS``
+tokens: steps 1-3 are one launch (``moe_route_align_kernel``, one program: the tokens' routing as
+a [tokens, experts] tile, then the histogram, the runs and the scatter over the pairs it just
+wrote), and the sum is done by the down GEMM itself (SUM_LAST: the last program to finish a
+column block, counted with an atomic, adds that block's rows), so three launches in all. One
+token: two launches, the gate/up GEMM's programs each routing the token themselves (ONE_TOKEN:
+its top k experts are distinct, so pair k is alone in row block k and nothing is aligned).
 
 Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
 two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
@@ -280,44 +282,6 @@ def moe_route_align_kernel(
 
 
 @triton.jit
-def moe_route_one_kernel(
-    logits_ptr,
-    weights_ptr,
-    ids_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    total_ptr,
-    num_experts,
-    max_blocks,
-    TOP_K: tl.constexpr,
-    TOP_K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCKS_PAD: tl.constexpr,
-):
-    """``moe_route_align_kernel`` for one token: its top k experts are distinct, so pair k is
-    alone in row block k, whose expert is its own; no histogram, no cursors, no atomics and no
-    barrier between the routing and the rest (the ids stay in registers)."""
-    top_i = _route_rows(
-        logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K, TOP_K_PAD,
-        E_PAD, RENORMALIZE,
-    )  # fmt: skip
-    ks = tl.arange(0, TOP_K_PAD)
-    ids = tl.sum(top_i, 0)  # [TOP_K_PAD]: the one row
-    tl.store(block_expert_ptr + ks, ids, mask=ks < TOP_K)
-    blocks = tl.arange(0, BLOCKS_PAD)
-    past = (blocks >= TOP_K) & (blocks < max_blocks)
-    tl.store(block_expert_ptr + blocks, tl.full([BLOCKS_PAD], -1, tl.int32), mask=past)
-    # Block k's first row holds pair k; every other row is padding (the pair count, TOP_K).
-    within = tl.arange(0, BLOCK_M)[None, :]
-    rows = blocks[:, None] * BLOCK_M + within
-    pair = tl.where(within == 0, blocks[:, None], TOP_K)
-    tl.store(sorted_ptr + rows, pair, mask=(blocks < TOP_K)[:, None])
-    tl.store(total_ptr, TOP_K * BLOCK_M)
-
-
-@triton.jit
 def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
@@ -327,18 +291,17 @@ def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.con
 
 
 @triton.jit
-def moe_gemm_kernel(
+def _moe_tile(
     a_ptr,
     w_ptr,
     out_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    total_ptr,
     weights_ptr,
-    a_scale_ptr,  # FP8_BLOCK: [rows of A, ceil(K/128)] fp32; else unused
-    w_scale_ptr,  # FP8_BLOCK: [E, ceil(rows of W/128), ceil(K/128)] fp32; else unused
-    num_pairs,
-    max_blocks,
+    a_scale_ptr,
+    w_scale_ptr,
+    expert,
+    pair,
+    row_ok,
+    pid_n,
     N,
     K,
     stride_am,
@@ -355,28 +318,9 @@ def moe_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
-    """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
-
-    GATED: W's rows [0, N) are the gate and [N, 2N) the up projection, out = silu(gate) * up.
-    WEIGHTED: out is scaled by the pair's routing weight.
-    FP8_BLOCK: A is e4m3 with one scale per row and 128 columns, W e4m3 with one scale per
-    128 x 128 tile of each expert; each BLOCK_K step (BLOCK_K divides 128, so it lies in one
-    group) adds its e4m3 product times the two scales."""
-    pid = tl.program_id(0)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    # Row blocks in groups of GROUP_M sweep the columns together, sharing the weights in L2.
-    per_group = GROUP_M * blocks_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-    if pid_m * BLOCK_M >= tl.load(total_ptr):
-        return
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pair < num_pairs
+    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored per pair."""
+    expert = expert.to(tl.int64)
     a_row = (pair // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -415,6 +359,128 @@ def moe_gemm_kernel(
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,  # unless ONE_TOKEN: the aligned pairs (align_to_blocks)
+    block_expert_ptr,
+    total_ptr,
+    weights_ptr,  # WEIGHTED: the pairs' routing weights; ROUTE: where they are stored
+    a_scale_ptr,  # FP8_BLOCK: [rows of A, ceil(K/128)] fp32; else unused
+    w_scale_ptr,  # FP8_BLOCK: [E, ceil(rows of W/128), ceil(K/128)] fp32; else unused
+    logits_ptr,  # ROUTE: the token's router logits [E]
+    ids_ptr,  # ONE_TOKEN: the token's experts [TOP_K] (ROUTE stores them, else read)
+    sum_ptr,  # SUM_LAST: [tokens, N], each token's TOP_K pair rows added
+    counter_ptr,  # SUM_LAST: one int32 per column block, zero on entry
+    num_pairs,
+    max_blocks,
+    N,
+    K,
+    num_experts,
+    num_counters,  # ZERO_COUNTERS: how many of counter_ptr's int32 to zero
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
+    A_ROW_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    FP8_BLOCK: tl.constexpr,
+    ONE_TOKEN: tl.constexpr,
+    ROUTE: tl.constexpr,
+    SUM_LAST: tl.constexpr,
+    ZERO_COUNTERS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    TOP_K_PAD: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
+
+    GATED: W's rows [0, N) are the gate and [N, 2N) the up projection, out = silu(gate) * up.
+    WEIGHTED: out is scaled by the pair's routing weight.
+    FP8_BLOCK: A is e4m3 with one scale per row and 128 columns, W e4m3 with one scale per
+    128 x 128 tile of each expert; each BLOCK_K step (BLOCK_K divides 128, so it lies in one
+    group) adds its e4m3 product times the two scales.
+
+    ONE_TOKEN: a step of one token, whose TOP_K experts are distinct, so pair k is alone in row
+    block k (max_blocks = TOP_K) and nothing is aligned: the expert of block k is ids[k], or with
+    ROUTE (the first GEMM) every program routes the token itself (a softmax over E logits, far
+    cheaper than a launch of its own) and stores the weights and ids for the second.
+    SUM_LAST (decode-sized steps): the last program to finish a column block, counted on its
+    counter, adds each token's TOP_K rows of out in fp32 into sum_ptr, so no launch of
+    ``moe_sum_kernel`` follows. ZERO_COUNTERS: program 0 zeroes the next GEMM's
+    counters (a launch earlier on the stream, so they are zero before it starts)."""
+    pid = tl.program_id(0)
+    if ZERO_COUNTERS:
+        if pid == 0:
+            for c0 in range(0, num_counters, 128):
+                c = c0 + tl.arange(0, 128)
+                tl.store(counter_ptr + c, tl.zeros([128], tl.int32), mask=c < num_counters)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    # Row blocks in groups of GROUP_M sweep the columns together, sharing the weights in L2.
+    per_group = GROUP_M * blocks_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if ONE_TOKEN:
+        within = tl.arange(0, BLOCK_M)
+        pair = tl.where(within == 0, pid_m, num_pairs)
+        if ROUTE:
+            top_i = _route_rows(
+                logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K,
+                TOP_K_PAD, E_PAD, RENORMALIZE,
+            )  # fmt: skip
+            expert = tl.sum(tl.where(tl.arange(0, TOP_K_PAD)[None, :] == pid_m, top_i, 0))
+        else:
+            expert = tl.load(ids_ptr + pid_m)
+        _moe_tile(
+            a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
+            within == 0, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om, stride_asm,
+            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, BLOCK_M, BLOCK_N,
+            BLOCK_K,
+        )  # fmt: skip
+    elif pid_m * BLOCK_M < tl.load(total_ptr):
+        expert = tl.load(block_expert_ptr + pid_m)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        _moe_tile(
+            a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
+            pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
+            stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, BLOCK_M,
+            BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    if SUM_LAST:
+        # Every program of the column block counts, those past the pairs too. The barrier puts
+        # all of this program's stores before its count; the count's acquire-release ordering
+        # makes every counted program's stores visible to the program that counts last.
+        tl.debug_barrier()
+        if tl.atomic_add(counter_ptr + pid_n, 1) == max_blocks - 1:
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            ks = tl.arange(0, TOP_K_PAD)
+            mask = (ks[:, None] < TOP_K) & (cols[None, :] < N)
+            for token in range(0, num_pairs // TOP_K):
+                rows = token * TOP_K + ks
+                # .cg: from L2, where the other programs' rows are (never a stale L1 line).
+                x = tl.load(
+                    out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                    mask=mask, other=0.0, cache_modifier=".cg",
+                )  # fmt: skip
+                total = tl.sum(x.to(tl.float32), axis=0)
+                tl.store(
+                    sum_ptr + token * N + cols, total.to(sum_ptr.dtype.element_ty), mask=cols < N
+                )
 
 
 ROUTING_WARPS = 4
@@ -518,13 +584,14 @@ def align_to_blocks(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor
 def route_and_align(
     router_logits: Tensor, top_k: int, renormalize: bool, num_experts: int, block_m: int
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """``route`` then ``align_to_blocks`` in one launch, for at most ROUTE_ALIGN_MAX_TOKENS
-    tokens: (weights, ids, (sorted pairs, block experts, total))."""
+    """``route`` then ``align_to_blocks`` in one launch, for 2 to ROUTE_ALIGN_MAX_TOKENS tokens
+    (one token routes inside its first GEMM): (weights, ids, (sorted pairs, block experts,
+    total))."""
     router_logits = router_logits.contiguous()
     tokens = router_logits.shape[0]
-    if not 0 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
+    if not 1 < tokens <= ROUTE_ALIGN_MAX_TOKENS:
         raise ValueError(
-            f"route_and_align takes 1 to {ROUTE_ALIGN_MAX_TOKENS} tokens, not {tokens}"
+            f"route_and_align takes 2 to {ROUTE_ALIGN_MAX_TOKENS} tokens, not {tokens}"
         )
     device = router_logits.device
     num_pairs = tokens * top_k
@@ -534,14 +601,6 @@ def route_and_align(
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
-    if tokens == 1:
-        moe_route_one_kernel[(1,)](
-            router_logits, weights, ids, sorted_pairs, block_expert, total, num_experts, blocks,
-            TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-            E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize, BLOCK_M=block_m,
-            BLOCKS_PAD=triton.next_power_of_2(blocks), num_warps=ROUTE_ALIGN_WARPS,
-        )  # fmt: skip
-        return weights, ids, (sorted_pairs, block_expert, total)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)  # the scatter's
     tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)
     moe_route_align_kernel[(1,)](
@@ -555,22 +614,75 @@ def route_and_align(
     return weights, ids, (sorted_pairs, block_expert, total)
 
 
+@dataclass
+class OneTokenRouting:
+    """A step of one token (``moe_gemm_kernel``'s ONE_TOKEN): its expert ids [1, top_k] int32
+    and routing weights [1, top_k] fp32, which the first GEMM computes from ``router_logits``
+    (``route`` set) and the second reads."""
+
+    ids: Tensor
+    weights: Tensor
+    router_logits: Tensor
+    renormalize: bool
+
+
+@dataclass
+class SumInLastProgram:
+    """The top-k sum done by the second GEMM's last program per column block (SUM_LAST):
+    ``out`` [tokens, N] receives it; ``counters`` (int32, one per column block) are zeroed by
+    the first GEMM (ZERO_COUNTERS), so they need no memset launch of their own."""
+
+    out: Tensor
+    counters: Tensor
+
+
+def step_constexprs(
+    one_token: bool,
+    gated: bool,
+    sum_last: bool,
+    zero_counters: bool,
+    top_k: int,
+    experts: int,
+    renormalize: bool,
+) -> dict[str, int | bool]:
+    """``moe_gemm_kernel``'s constexprs for the step's size: ONE_TOKEN (routing in the gated
+    GEMM), SUM_LAST and ZERO_COUNTERS (decode-sized steps), and the routing's sizes."""
+    return {
+        "ONE_TOKEN": one_token, "ROUTE": one_token and gated, "SUM_LAST": sum_last,
+        "ZERO_COUNTERS": zero_counters, "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+        "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": bool(renormalize),
+    }  # fmt: skip
+
+
 def grouped_gemm(
     a: Tensor,
     w: Tensor,
     out: Tensor,
-    aligned: tuple[Tensor, Tensor, Tensor],
+    aligned: tuple[Tensor, Tensor, Tensor] | None,
     weights: Tensor | None,
     a_row_div: int,
     gated: bool,
     config: MoeConfig,
     scales: tuple[Tensor, Tensor] | None = None,
+    *,
+    top_k: int = 1,
+    one_token: OneTokenRouting | None = None,
+    sum_last: SumInLastProgram | None = None,
+    zero_counters: Tensor | None = None,
 ) -> None:
-    """``scales``: (A's per-row-group scales, W's tile scales) for block-FP8 operands."""
-    sorted_pairs, block_expert, total = aligned
+    """One grouped GEMM over the pairs ``aligned`` by ``align_to_blocks`` (None with
+    ``one_token``: pair k alone in row block k; a gated GEMM routes the token itself).
+    ``scales``: (A's per-row-group scales, W's tile scales) for block-FP8 operands. ``sum_last``:
+    also add each token's ``top_k`` rows of ``out`` (the second GEMM of a decode-sized step);
+    ``zero_counters``: zero those counters (the first GEMM, so the second finds them zero)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
-    blocks = block_expert.shape[0]
+    if one_token is not None:
+        blocks = top_k
+        sorted_pairs = block_expert = total = out  # not read
+    else:
+        sorted_pairs, block_expert, total = aligned
+        blocks = block_expert.shape[0]
     grid = (blocks * triton.cdiv(n, config.block_n),)
     if scales is None:
         a_scale = w_scale = out  # not read unless FP8_BLOCK
@@ -581,27 +693,104 @@ def grouped_gemm(
             # The kernel steps through K's scale groups at unit stride.
             raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
         scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+    route = one_token is not None and gated
+    if route:
+        weights = one_token.weights  # where the routing stores them
+        logits = one_token.router_logits
+    else:
+        logits = out  # not read
+    ids = out if one_token is None else one_token.ids
+    counters = zero_counters if sum_last is None else sum_last.counters
+    num_experts = w.shape[0]
     moe_gemm_kernel[grid](
         a, w, out, sorted_pairs, block_expert, total,
-        out if weights is None else weights,  # not read unless WEIGHTED
-        a_scale, w_scale,
-        out.shape[0], blocks, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        *scale_strides,
-        A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        out if weights is None else weights,  # not read unless WEIGHTED or ROUTE
+        a_scale, w_scale, logits, ids,
+        out if sum_last is None else sum_last.out,
+        out if counters is None else counters,
+        out.shape[0], blocks, n, k, num_experts,
+        0 if zero_counters is None else zero_counters.numel(),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scale_strides,
+        A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None and not route,
         FP8_BLOCK=scales is not None,
+        **step_constexprs(
+            one_token is not None, gated, sum_last is not None, zero_counters is not None, top_k,
+            num_experts, one_token is not None and one_token.renormalize,
+        ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
-def _route_and_align(
-    router_logits: Tensor, top_k: int, renormalize: bool, experts: int, config: MoeConfig
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor, Tensor]]:
-    """One launch for decode-sized steps, three above."""
-    if router_logits.shape[0] <= ROUTE_ALIGN_MAX_TOKENS:
-        return route_and_align(router_logits, top_k, renormalize, experts, config.block_m)
-    weights, ids = route(router_logits, top_k, renormalize)
-    return weights, ids, align_to_blocks(ids, experts, config.block_m)
+def _experts(
+    hidden: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    top_k: int,
+    renormalize: bool,
+    configs: tuple[MoeConfig, MoeConfig],
+    fp8_scales: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    """Routing, both grouped GEMMs and the top-k sum, in as few launches as the step's size
+    allows: one token routes inside the gate/up GEMM; up to ROUTE_ALIGN_MAX_TOKENS tokens route
+    and align in one launch, and their sum is done by the down GEMM's last programs; larger
+    steps route, align and scatter in three launches and sum in one. ``fp8_scales``: the
+    experts' block scales (w13's, w2's): the activations are quantized per token group before
+    each GEMM."""
+    from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
+
+    tokens, size = hidden.shape
+    experts, inter = w13.shape[0], w2.shape[2]
+    up_config, down_config = configs
+    device = hidden.device
+    num_pairs = tokens * top_k
+    one_token = None
+    if tokens == 1:
+        one_token = OneTokenRouting(
+            torch.empty(1, top_k, dtype=torch.int32, device=device),
+            torch.empty(1, top_k, dtype=torch.float32, device=device),
+            router_logits.contiguous(),
+            renormalize,
+        )
+        weights, ids, aligned = one_token.weights, one_token.ids, None
+    elif tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        weights, ids, aligned = route_and_align(
+            router_logits, top_k, renormalize, experts, up_config.block_m
+        )
+    else:
+        weights, ids = route(router_logits, top_k, renormalize)
+        aligned = align_to_blocks(ids, experts, up_config.block_m)
+    sum_last = None
+    if top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        sum_last = SumInLastProgram(
+            torch.empty(tokens, size, dtype=hidden.dtype, device=device),
+            torch.empty(triton.cdiv(size, down_config.block_n), dtype=torch.int32, device=device),
+        )
+    a, up_scales, down_scales = hidden, None, None
+    if fp8_scales is not None:
+        a, a_scale = per_token_group_quant_fp8(hidden)
+        up_scales = (a_scale, fp8_scales[0])
+    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=device)
+    grouped_gemm(
+        a, w13, act, aligned, None, top_k, True, up_config, up_scales, top_k=top_k,
+        one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
+    )  # fmt: skip
+    if aligned is not None and down_config.block_m != up_config.block_m:
+        aligned = align_to_blocks(ids, experts, down_config.block_m)
+    if fp8_scales is not None:
+        act, act_scale = per_token_group_quant_fp8(act)
+        down_scales = (act_scale, fp8_scales[1])
+    out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
+    grouped_gemm(
+        act, w2, out, aligned, weights, 1, False, down_config, down_scales, top_k=top_k,
+        one_token=one_token, sum_last=sum_last,
+    )  # fmt: skip
+    if sum_last is not None:
+        return sum_last.out
+    if top_k == 1:
+        return out
+    return moe_sum(out, tokens, top_k)
 
 
 def fused_moe(
@@ -626,19 +815,10 @@ def fused_moe(
     if configs is None:
         arch = device_arch(hidden.device)[0]
         configs = moe_configs(arch, tokens, experts, inter, size, top_k, hidden.dtype)
-    up_config, down_config = configs
-    hidden, w13, w2 = hidden.contiguous(), w13.contiguous(), w2.contiguous()
-    weights, ids, aligned = _route_and_align(router_logits, top_k, renormalize, experts, up_config)
-    num_pairs = tokens * top_k
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(hidden, w13, act, aligned, None, top_k, True, up_config)
-    if down_config.block_m != up_config.block_m:
-        aligned = align_to_blocks(ids, experts, down_config.block_m)
-    out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(act, w2, out, aligned, weights, 1, False, down_config)
-    if top_k == 1:
-        return out
-    return moe_sum(out, tokens, top_k)
+    return _experts(
+        hidden.contiguous(), router_logits, w13.contiguous(), w2.contiguous(), top_k,
+        renormalize, configs,
+    )  # fmt: skip
 
 
 def fused_moe_fp8_block(
@@ -658,7 +838,6 @@ def fused_moe_fp8_block(
     unquantized op's, depend on the token count alone (graph-safe)."""
     from kvik.quantization.fp8_moe import check_fp8_block_moe_shapes
     from kvik.triton_kernels.attention import device_arch
-    from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
 
     check_fp8_block_moe_shapes(hidden, router_logits, w13, w13_scale, w2, w2_scale, top_k)
     tokens, size = hidden.shape
@@ -668,25 +847,13 @@ def fused_moe_fp8_block(
     if configs is None:
         arch = device_arch(hidden.device)[0]
         configs = moe_configs(arch, tokens, experts, inter, size, top_k, w13.dtype)
-    up_config, down_config = configs
     for config in configs:
         if 128 % config.block_k:
             raise ValueError(
                 f"block-FP8 experts need a BLOCK_K that divides 128 (one scale group a step), "
                 f"got {config}"
             )
-    w13, w2 = w13.contiguous(), w2.contiguous()
-    w13_scale, w2_scale = w13_scale.contiguous(), w2_scale.contiguous()
-    weights, ids, aligned = _route_and_align(router_logits, top_k, renormalize, experts, up_config)
-    num_pairs = tokens * top_k
-    q, q_scale = per_token_group_quant_fp8(hidden.contiguous())
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(q, w13, act, aligned, None, top_k, True, up_config, (q_scale, w13_scale))
-    if down_config.block_m != up_config.block_m:
-        aligned = align_to_blocks(ids, experts, down_config.block_m)
-    act_q, act_scale = per_token_group_quant_fp8(act)
-    out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=hidden.device)
-    grouped_gemm(act_q, w2, out, aligned, weights, 1, False, down_config, (act_scale, w2_scale))
-    if top_k == 1:
-        return out
-    return moe_sum(out, tokens, top_k)
+    return _experts(
+        hidden.contiguous(), router_logits, w13.contiguous(), w2.contiguous(), top_k,
+        renormalize, configs, (w13_scale.contiguous(), w2_scale.contiguous()),
+    )  # fmt: skip
