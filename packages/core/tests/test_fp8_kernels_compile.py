@@ -489,7 +489,14 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
             types=signature,
             constexprs={
                 **step_constexprs(
-                    tokens == 1, gated, decode and not gated, decode and gated, 8, 128, True
+                    tokens == 1,
+                    gated,
+                    decode and not gated,
+                    decode and gated,
+                    8,
+                    128,
+                    True,
+                    tokens,
                 ),
                 "A_ROW_DIV": 8 if gated else 1,
                 "GATED": gated,

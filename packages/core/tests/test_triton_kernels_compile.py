@@ -424,8 +424,14 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
             types=signature,
             constexprs={
                 **step_constexprs(
-                    tokens == 1, gated, decode and not gated, decode and gated, top_k, experts,
+                    tokens == 1,
+                    gated,
+                    decode and not gated,
+                    decode and gated,
+                    top_k,
+                    experts,
                     True,
+                    tokens,
                 ),
                 "A_ROW_DIV": top_k if gated else 1,
                 "GATED": gated,

@@ -927,9 +927,10 @@ def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize:
     sorted_pairs = one_launch[2][0].cpu()
     real = sorted_pairs[sorted_pairs < ids.numel()].long()
     assert torch.equal(real.sort().values, torch.arange(ids.numel()))
-    # One token (routed inside its gate/up GEMM): a NaN row too gives real, distinct experts.
-    w13, w2 = randn(experts, 64, 32) * 0.2, randn(experts, 32, 32) * 0.2
-    for row in (1, 3):
+    # One token (routed inside its gate/up GEMM, by rank): route()'s experts and weights, NaN
+    # rows (all-equal probabilities: the lowest ids) included.
+    w13 = randn(experts, 64, 32) * 0.2
+    for row in range(5):
         one = OneTokenRouting(
             torch.empty(1, top_k, dtype=torch.int32, device=DEVICE),
             torch.empty(1, top_k, dtype=torch.float32, device=DEVICE),
@@ -942,6 +943,9 @@ def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize:
             top_k=top_k, one_token=one,
         )  # fmt: skip
         assert torch.equal(one.ids, ids[row : row + 1])
+        torch.testing.assert_close(
+            one.weights, weights[row : row + 1], rtol=1e-6, atol=1e-7, equal_nan=True
+        )
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,10 @@ from kvik.quantization.fp8_reference import quantize_weight_blocks
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
 from kvik.triton_kernels.fused_moe import (
+    ROUTE_ALIGN_MAX_TOKENS,
     MoeConfig,
+    OneTokenRouting,
+    SumInLastProgram,
     align_to_blocks,
     fused_moe,
     fused_moe_fp8_block,
@@ -76,28 +79,52 @@ def tune_gemm(
     tokens, experts, top_k, gated, first: list[MoeConfig], inputs, deadline: float
 ) -> tuple[MoeConfig, float]:
     """The fastest configuration of one grouped GEMM before ``deadline``, its milliseconds and
-    those of the first one timed (the table's current row)."""
-    hidden, w13, w2, weights, ids, act, out, scales = inputs
+    those of the first one timed (the table's current row). Each GEMM runs as the op runs it at
+    this size: one token routed inside the gate/up GEMM (and its pairs unaligned), up to
+    ROUTE_ALIGN_MAX_TOKENS tokens summed in the down GEMM (whose counters the op's gate/up GEMM
+    zeroes; here a memset before it, the same for every candidate)."""
+    hidden, w13, w2, weights, ids, act, out, scales, logits = inputs
     pool = candidates(tokens, experts, top_k, gated, w13.element_size())
     random.shuffle(pool)
+    one_token = None
+    if tokens == 1:
+        one_token = OneTokenRouting(ids.clone(), weights.clone(), logits, True)
+    sum_last = None
+    if top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS:
+        sum_last = SumInLastProgram(
+            torch.empty(tokens, w2.shape[1], dtype=out.dtype, device="cuda"),
+            torch.empty(256, dtype=torch.int32, device="cuda"),  # any down GEMM's column blocks
+        )
     aligned_by_m = {}
     best, best_ms, first_ms = None, float("inf"), None
     for config in first + pool:
         if best is not None and time.monotonic() > deadline:
             break
-        if config.block_m not in aligned_by_m:
-            aligned_by_m[config.block_m] = align_to_blocks(ids, experts, config.block_m)
-        aligned = aligned_by_m[config.block_m]
+        if one_token is not None:
+            aligned = None
+        else:
+            if config.block_m not in aligned_by_m:
+                aligned_by_m[config.block_m] = align_to_blocks(ids, experts, config.block_m)
+            aligned = aligned_by_m[config.block_m]
         if gated:
             run = partial(
-                grouped_gemm, hidden, w13, act, aligned, None, top_k, True, config, scales[0]
-            )
+                grouped_gemm, hidden, w13, act, aligned, None, top_k, True, config, scales[0],
+                top_k=top_k, one_token=one_token,
+                zero_counters=None if sum_last is None else sum_last.counters,
+            )  # fmt: skip
         else:
             a = act if scales[1] is None else scales[1][0]
-            run = partial(
+            down = partial(
                 grouped_gemm, a, w2, out, aligned, weights, 1, False, config,
-                None if scales[1] is None else (scales[1][1], scales[1][2]),
+                None if scales[1] is None else (scales[1][1], scales[1][2]), top_k=top_k,
+                one_token=one_token, sum_last=sum_last,
             )  # fmt: skip
+
+            def run(down=down) -> None:
+                if sum_last is not None:
+                    sum_last.counters.zero_()
+                down()
+
         try:
             ms = do_bench_cudagraph(run, rep=20)
         except Exception as e:  # a tile the compiler refuses (out of resources): skip it
@@ -151,7 +178,7 @@ def main() -> int:
             a, a_scale = per_token_group_quant_fp8(hidden)
             act_q, act_scale = per_token_group_quant_fp8(act)
             scales = ((a_scale, w13_scale), (act_q, act_scale, w2_scale))
-        inputs = (a, w13, w2, weights, ids, act, out, scales)
+        inputs = (a, w13, w2, weights, ids, act, out, scales, logits)
         current = fused_moe_config(arch, tokens, e, i, h, k, dtype)
         start = time.monotonic()
         up, up_ms, up_before = tune_gemm(

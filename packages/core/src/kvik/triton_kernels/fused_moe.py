@@ -291,6 +291,39 @@ def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.con
 
 
 @triton.jit
+def _route_one_rank(
+    logits_ptr,
+    num_experts,
+    k,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """The k-th of one token's top TOP_K experts and its routing weight, as ``_route_rows``
+    picks them (softmax in fp32, NaN as 0, the lowest expert among equals), but from each
+    expert's rank (how many come before it) rather than TOP_K rounds of arg-max: two reductions
+    over an [E, E] comparison instead of 2 * TOP_K dependent ones, at the head of every program
+    of the first GEMM, where their latency delays its weight loads."""
+    cols = tl.arange(0, E_PAD)
+    col_ok = cols < num_experts
+    x = tl.load(logits_ptr + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(p == p, p, 0.0)  # NaN counts as 0 (see _route_rows)
+    p = tl.where(col_ok, p, -1.0)  # below any probability: ranked last
+    # Expert j comes before expert e when its probability is higher, or equal with a lower id.
+    before = (p[None, :] > p[:, None]) | (
+        (p[None, :] == p[:, None]) & (cols[None, :] < cols[:, None])
+    )
+    rank = tl.sum(before.to(tl.int32), 1)
+    expert = tl.sum(tl.where(rank == k, cols, 0), 0)
+    weight = tl.sum(tl.where(rank == k, p, 0.0), 0)
+    if RENORMALIZE:
+        weight = weight / tl.sum(tl.where(rank < TOP_K, p, 0.0), 0)
+    return expert, weight
+
+
+@triton.jit
 def _moe_tile(
     a_ptr,
     w_ptr,
@@ -401,6 +434,7 @@ def moe_gemm_kernel(
     TOP_K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    TOKENS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -439,11 +473,12 @@ def moe_gemm_kernel(
         within = tl.arange(0, BLOCK_M)
         pair = tl.where(within == 0, pid_m, num_pairs)
         if ROUTE:
-            top_i = _route_rows(
-                logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K,
-                TOP_K_PAD, E_PAD, RENORMALIZE,
-            )  # fmt: skip
-            expert = tl.sum(tl.where(tl.arange(0, TOP_K_PAD)[None, :] == pid_m, top_i, 0))
+            expert, weight = _route_one_rank(
+                logits_ptr, num_experts, pid_m, TOP_K, E_PAD, RENORMALIZE
+            )
+            if pid_n == 0:  # one program per k stores the routing the second GEMM reads
+                tl.store(ids_ptr + pid_m, expert)
+                tl.store(weights_ptr + pid_m, weight)
         else:
             expert = tl.load(ids_ptr + pid_m)
         _moe_tile(
@@ -467,20 +502,24 @@ def moe_gemm_kernel(
         # makes every counted program's stores visible to the program that counts last.
         tl.debug_barrier()
         if tl.atomic_add(counter_ptr + pid_n, 1) == max_blocks - 1:
+            # Every token's rows in one load: a loop over the tokens would wait on L2 once each.
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tokens = tl.arange(0, TOKENS_PAD)
             ks = tl.arange(0, TOP_K_PAD)
-            mask = (ks[:, None] < TOP_K) & (cols[None, :] < N)
-            for token in range(0, num_pairs // TOP_K):
-                rows = token * TOP_K + ks
-                # .cg: from L2, where the other programs' rows are (never a stale L1 line).
-                x = tl.load(
-                    out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                    mask=mask, other=0.0, cache_modifier=".cg",
-                )  # fmt: skip
-                total = tl.sum(x.to(tl.float32), axis=0)
-                tl.store(
-                    sum_ptr + token * N + cols, total.to(sum_ptr.dtype.element_ty), mask=cols < N
-                )
+            rows = tokens[:, None] * TOP_K + ks[None, :]
+            row_ok = (tokens[:, None] < num_pairs // TOP_K) & (ks[None, :] < TOP_K)
+            # .cg: from L2, where the other programs' rows are (never a stale L1 line).
+            x = tl.load(
+                out_ptr + rows[:, :, None].to(tl.int64) * stride_om + cols[None, None, :],
+                mask=row_ok[:, :, None] & (cols < N)[None, None, :], other=0.0,
+                cache_modifier=".cg",
+            )  # fmt: skip
+            total = tl.sum(x.to(tl.float32), axis=1)
+            tl.store(
+                sum_ptr + tokens[:, None] * N + cols[None, :],
+                total.to(sum_ptr.dtype.element_ty),
+                mask=(tokens[:, None] < num_pairs // TOP_K) & (cols < N)[None, :],
+            )
 
 
 ROUTING_WARPS = 4
@@ -644,6 +683,7 @@ def step_constexprs(
     top_k: int,
     experts: int,
     renormalize: bool,
+    tokens: int,
 ) -> dict[str, int | bool]:
     """``moe_gemm_kernel``'s constexprs for the step's size: ONE_TOKEN (routing in the gated
     GEMM), SUM_LAST and ZERO_COUNTERS (decode-sized steps), and the routing's sizes."""
@@ -651,6 +691,8 @@ def step_constexprs(
         "ONE_TOKEN": one_token, "ROUTE": one_token and gated, "SUM_LAST": sum_last,
         "ZERO_COUNTERS": zero_counters, "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
         "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": bool(renormalize),
+        # SUM_LAST's tokens (a power of two, so a few compiled variants); 1 where unused.
+        "TOKENS_PAD": triton.next_power_of_2(tokens) if sum_last else 1,
     }  # fmt: skip
 
 
@@ -716,6 +758,7 @@ def grouped_gemm(
         **step_constexprs(
             one_token is not None, gated, sum_last is not None, zero_counters is not None, top_k,
             num_experts, one_token is not None and one_token.renormalize,
+            out.shape[0] // top_k,
         ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
