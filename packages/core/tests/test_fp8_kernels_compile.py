@@ -40,7 +40,7 @@ from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
     padded_rows,
 )
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
-    ROUTE_ALIGN_MAX_TOKENS,
+    SUM_LAST_MAX_TOKENS,
     moe_gemm_kernel,
     step_constexprs,
 )
@@ -480,7 +480,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
         "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
         "weights_ptr": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32",
     }  # fmt: skip
-    decode = tokens <= ROUTE_ALIGN_MAX_TOKENS
+    decode = tokens <= SUM_LAST_MAX_TOKENS
     for config, gated in ((up, True), (down, False)):
         assert 128 % config.block_k == 0  # one scale group a K step
         compiled = compiled_ok(

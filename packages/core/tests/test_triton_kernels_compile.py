@@ -39,16 +39,16 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     SCATTER_BLOCK,
     SCATTER_WARPS,
     SUM_BLOCK_N,
+    SUM_LAST_MAX_TOKENS,
     SUM_WARPS,
     align_constexprs,
-    max_row_blocks,
     moe_align_kernel,
     moe_gemm_kernel,
-    step_constexprs,
     moe_route_align_kernel,
     moe_routing_kernel,
     moe_scatter_kernel,
     moe_sum_kernel,
+    step_constexprs,
 )
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
@@ -416,7 +416,7 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
     signature = types(moe_gemm_kernel, dtype, sorted_ptr="*i32", block_expert_ptr="*i32",
                       total_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32",
                       counter_ptr="*i32")  # fmt: skip
-    decode = top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS
+    decode = top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS
     for config, gated in ((up, True), (down, False)):
         compiled = compiled_ok(
             moe_gemm_kernel,

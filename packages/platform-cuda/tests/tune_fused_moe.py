@@ -41,7 +41,7 @@ from kvik.quantization.fp8_reference import quantize_weight_blocks
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
 from kvik.triton_kernels.fused_moe import (
-    ROUTE_ALIGN_MAX_TOKENS,
+    SUM_LAST_MAX_TOKENS,
     MoeConfig,
     OneTokenRouting,
     SumInLastProgram,
@@ -81,7 +81,7 @@ def tune_gemm(
     """The fastest configuration of one grouped GEMM before ``deadline``, its milliseconds and
     those of the first one timed (the table's current row). Each GEMM runs as the op runs it at
     this size: one token routed inside the gate/up GEMM (and its pairs unaligned), up to
-    ROUTE_ALIGN_MAX_TOKENS tokens summed in the down GEMM (whose counters the op's gate/up GEMM
+    SUM_LAST_MAX_TOKENS tokens summed in the down GEMM (whose counters the op's gate/up GEMM
     zeroes; here a memset before it, the same for every candidate)."""
     hidden, w13, w2, weights, ids, act, out, scales, logits = inputs
     pool = candidates(tokens, experts, top_k, gated, w13.element_size())
@@ -90,7 +90,7 @@ def tune_gemm(
     if tokens == 1:
         one_token = OneTokenRouting(ids.clone(), weights.clone(), logits, True)
     sum_last = None
-    if top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS:
+    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS:
         sum_last = SumInLastProgram(
             torch.empty(tokens, w2.shape[1], dtype=out.dtype, device="cuda"),
             torch.empty(256, dtype=torch.int32, device="cuda"),  # any down GEMM's column blocks

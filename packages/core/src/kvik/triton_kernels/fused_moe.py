@@ -22,12 +22,12 @@ program past the device-side total returns at once.
 
 Decode steps take fewer launches, since at one token the experts' bytes take ~18 µs on the H200
 and every launch around them a few more (docs/benchmarks.md). Up to ``ROUTE_ALIGN_MAX_TOKENS``
-tokens: steps 1-3 are one launch (``moe_route_align_kernel``, one program: the tokens' routing as
+tokens, steps 1-3 are one launch (``moe_route_align_kernel``, one program: the tokens' routing as
 a [tokens, experts] tile, then the histogram, the runs and the scatter over the pairs it just
-wrote), and the sum is done by the down GEMM itself (SUM_LAST: the last program to finish a
-column block, counted with an atomic, adds that block's rows), so three launches in all. One
-token: two launches, the gate/up GEMM's programs each routing the token themselves (ONE_TOKEN:
-its top k experts are distinct, so pair k is alone in row block k and nothing is aligned).
+wrote). Up to ``SUM_LAST_MAX_TOKENS`` the down GEMM also does the sum (SUM_LAST: the last program
+to finish a column block, counted with an atomic, adds that block's rows). One token takes two
+launches in all: the gate/up GEMM's programs each route the token themselves (ONE_TOKEN: its top
+k experts are distinct, so pair k is alone in row block k and nothing is aligned).
 
 Block-FP8 experts (``fused_moe_fp8_block``) take the same launches with ``FP8_BLOCK`` set, plus
 two activation quantizations (per token, groups of 128: before the gate/up GEMM and before the
@@ -291,39 +291,6 @@ def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.con
 
 
 @triton.jit
-def _route_one_rank(
-    logits_ptr,
-    num_experts,
-    k,
-    TOP_K: tl.constexpr,
-    E_PAD: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-):
-    """The k-th of one token's top TOP_K experts and its routing weight, as ``_route_rows``
-    picks them (softmax in fp32, NaN as 0, the lowest expert among equals), but from each
-    expert's rank (how many come before it) rather than TOP_K rounds of arg-max: two reductions
-    over an [E, E] comparison instead of 2 * TOP_K dependent ones, at the head of every program
-    of the first GEMM, where their latency delays its weight loads."""
-    cols = tl.arange(0, E_PAD)
-    col_ok = cols < num_experts
-    x = tl.load(logits_ptr + cols, mask=col_ok, other=float("-inf")).to(tl.float32)
-    p = tl.exp(x - tl.max(x, 0))
-    p = p / tl.sum(p, 0)
-    p = tl.where(p == p, p, 0.0)  # NaN counts as 0 (see _route_rows)
-    p = tl.where(col_ok, p, -1.0)  # below any probability: ranked last
-    # Expert j comes before expert e when its probability is higher, or equal with a lower id.
-    before = (p[None, :] > p[:, None]) | (
-        (p[None, :] == p[:, None]) & (cols[None, :] < cols[:, None])
-    )
-    rank = tl.sum(before.to(tl.int32), 1)
-    expert = tl.sum(tl.where(rank == k, cols, 0), 0)
-    weight = tl.sum(tl.where(rank == k, p, 0.0), 0)
-    if RENORMALIZE:
-        weight = weight / tl.sum(tl.where(rank < TOP_K, p, 0.0), 0)
-    return expert, weight
-
-
-@triton.jit
 def _moe_tile(
     a_ptr,
     w_ptr,
@@ -473,12 +440,14 @@ def moe_gemm_kernel(
         within = tl.arange(0, BLOCK_M)
         pair = tl.where(within == 0, pid_m, num_pairs)
         if ROUTE:
-            expert, weight = _route_one_rank(
-                logits_ptr, num_experts, pid_m, TOP_K, E_PAD, RENORMALIZE
-            )
-            if pid_n == 0:  # one program per k stores the routing the second GEMM reads
-                tl.store(ids_ptr + pid_m, expert)
-                tl.store(weights_ptr + pid_m, weight)
+            # Every program stores the same weights and ids (for the second GEMM). Ranking the
+            # experts instead (two reductions over an [E, E] comparison rather than 2 * TOP_K
+            # small ones) measured 2-4 µs slower a call on the H200 (docs/benchmarks.md).
+            top_i = _route_rows(
+                logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K,
+                TOP_K_PAD, E_PAD, RENORMALIZE,
+            )  # fmt: skip
+            expert = tl.sum(tl.where(tl.arange(0, TOP_K_PAD)[None, :] == pid_m, top_i, 0))
         else:
             expert = tl.load(ids_ptr + pid_m)
         _moe_tile(
@@ -531,6 +500,10 @@ SCATTER_WARPS = 4
 #: Steps of at most this many tokens route and align in one launch (moe_route_align_kernel).
 ROUTE_ALIGN_MAX_TOKENS = 16
 ROUTE_ALIGN_WARPS = 4
+#: Steps of at most this many tokens add their top-k rows in the down GEMM (SUM_LAST). On the
+#: H200 it saved 0.5-5 µs a call at 1-2 tokens and cost 3-4 µs at 4 (each program's count
+#: before it exits); 8-16 tokens came out even (docs/benchmarks.md).
+SUM_LAST_MAX_TOKENS = 2
 
 
 @triton.jit
@@ -777,8 +750,8 @@ def _experts(
 ) -> Tensor:
     """Routing, both grouped GEMMs and the top-k sum, in as few launches as the step's size
     allows: one token routes inside the gate/up GEMM; up to ROUTE_ALIGN_MAX_TOKENS tokens route
-    and align in one launch, and their sum is done by the down GEMM's last programs; larger
-    steps route, align and scatter in three launches and sum in one. ``fp8_scales``: the
+    and align in one launch; larger steps route, align and scatter in three. Up to
+    SUM_LAST_MAX_TOKENS the down GEMM's last programs add the top-k rows, else a launch does. ``fp8_scales``: the
     experts' block scales (w13's, w2's): the activations are quantized per token group before
     each GEMM."""
     from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
@@ -805,7 +778,7 @@ def _experts(
         weights, ids = route(router_logits, top_k, renormalize)
         aligned = align_to_blocks(ids, experts, up_config.block_m)
     sum_last = None
-    if top_k > 1 and tokens <= ROUTE_ALIGN_MAX_TOKENS:
+    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS:
         sum_last = SumInLastProgram(
             torch.empty(tokens, size, dtype=hidden.dtype, device=device),
             torch.empty(triton.cdiv(size, down_config.block_n), dtype=torch.int32, device=device),
