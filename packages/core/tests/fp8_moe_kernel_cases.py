@@ -210,14 +210,23 @@ def test_fused_moe_fp8_block(dtype, tokens, experts, hidden, inter, top_k, renor
         assert relative_error(cpu, ref) < TOLERANCE[dtype]
 
 
-def test_fused_moe_fp8_block_with_other_tiles() -> None:
-    """Row blocks swept in groups, K steps of 64 (two a scale group) and the down GEMM on row
-    blocks of another height."""
-    tokens, experts, hidden, inter, top_k = 20, 8, 256, 128, 3
+@pytest.mark.parametrize(
+    ("tokens", "configs"),
+    [
+        (20, (MoeConfig(16, 32, 64, 2, 4, 2), MoeConfig(32, 64, 32, 1, 4, 2))),
+        (20, (MoeConfig(16, 64, 128, 2, 4, 2, 1), MoeConfig(32, 64, 64, 1, 4, 2, 1))),
+        (1, (MoeConfig(16, 64, 128, 1, 4, 2, 1), MoeConfig(16, 64, 128, 1, 4, 2, 1))),
+    ],
+    ids=["grouped", "swapped", "swapped-one-token"],
+)
+def test_fused_moe_fp8_block_with_other_tiles(tokens, configs) -> None:
+    """Row blocks swept in groups, K steps of 64 (two a scale group), the down GEMM on row
+    blocks of another height, and tiles computed transposed (swap_ab: the weight rows on the
+    MMA's M side)."""
+    experts, hidden, inter, top_k = 8, 256, 128, 3
     x = torch.randn(tokens, hidden).to(DEVICE)
     logits = torch.randn(tokens, experts).to(DEVICE)
     w13, s13, w2, s2 = random_experts(experts, hidden, inter)
-    configs = (MoeConfig(16, 32, 64, 2, 4, 2), MoeConfig(32, 64, 32, 1, 4, 2))
     out = fused_moe_fp8_block(x, logits, w13, s13, w2, s2, top_k, True, configs)
     ref = reference(x, logits, w13, s13, w2, s2, top_k, True)
     error = relative_error(out, ref)

@@ -7,6 +7,7 @@ fp8; ROCm's MI300X has the fnuz variant, which these kernels are not registered 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -472,10 +473,18 @@ def moe_aligned(gated: bool, experts: int = 128, inter: int = 768, hidden: int =
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tokens", FP8_MOE_TOKENS)
-def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
+@pytest.mark.parametrize("swap", [False, True], ids=["as-chosen", "swapped"])
+def test_fused_moe_fp8_block(arch: str, tokens: int, swap: bool) -> None:
     """The block-FP8 grouped GEMMs (e4m3 operands, fp32 block scales, bf16 out) at the
-    configurations kvik_cuda picks; on Hopper with fp8 wgmma where the row block allows it."""
-    up, down = fused_moe_config(arch, tokens, 128, 768, 2048, 8, torch.float8_e4m3fn)
+    configurations kvik_cuda picks, and those computed transposed (swap_ab) where the row
+    block is 16-32; on Hopper with fp8 wgmma where the row block (or, swapped, the column
+    block) allows it, and swapped never converting the e4m3 weights on the CUDA cores."""
+    configs = fused_moe_config(arch, tokens, 128, 768, 2048, 8, torch.float8_e4m3fn)
+    if swap:
+        if any(c.block_m > 32 or c.block_n % 64 for c in configs):
+            pytest.skip("swap_ab needs row blocks of 16-32 and column blocks of 64s")
+        configs = tuple(dataclasses.replace(c, swap_ab=1) for c in configs)
+    up, down = configs
     signature = types(moe_gemm_kernel, torch.bfloat16) | {
         "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "total_ptr": "*i32",
         "weights_ptr": "*fp32", "ids_ptr": "*i32", "counter_ptr": "*i32",
@@ -502,6 +511,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
                 "GATED": gated,
                 "WEIGHTED": not gated,
                 "FP8_BLOCK": True,
+                "SWAP_AB": bool(config.swap_ab),
                 "BLOCK_M": config.block_m,
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,
@@ -515,3 +525,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int) -> None:
             assert "cp.async" in compiled.asm["ptx"]  # loads pipelined in the stages asked for
             if config.block_m >= 64:
                 assert "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3" in compiled.asm["ptx"]
+            if config.swap_ab:
+                wgmma = f"wgmma.mma_async.sync.aligned.m64n{config.block_m}k32.f32.e4m3.e4m3"
+                assert wgmma in compiled.asm["ptx"]
+                assert "cvt.rn.f16x2.e4m3x2" not in compiled.asm["ptx"]

@@ -437,6 +437,7 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
                 "GATED": gated,
                 "WEIGHTED": not gated,
                 "FP8_BLOCK": False,  # block-FP8 experts: test_fp8_kernels_compile.py
+                "SWAP_AB": bool(config.swap_ab),
                 "BLOCK_M": config.block_m,
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,

@@ -1029,12 +1029,14 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
     [
         (MoeConfig(16, 32, 32, 4, 4, 2), MoeConfig(32, 16, 64, 2, 4, 2)),
         (MoeConfig(64, 64, 64, 8, 4, 3), MoeConfig(16, 64, 32, 3, 4, 3)),
+        (MoeConfig(16, 64, 32, 2, 4, 2, 1), MoeConfig(32, 64, 64, 1, 4, 2, 1)),
     ],
-    ids=["grouped", "tall"],
+    ids=["grouped", "tall", "swapped"],
 )
 def test_fused_moe_with_other_tiles(configs) -> None:
-    """Row blocks swept in groups, and the down GEMM on row blocks of another height (the pairs
-    aligned twice), as the platforms' configurations do."""
+    """Row blocks swept in groups, the down GEMM on row blocks of another height (the pairs
+    aligned twice), and tiles computed transposed (swap_ab), as the platforms' configurations
+    do."""
     tokens, experts, hidden, inter, top_k = (
         (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
     )

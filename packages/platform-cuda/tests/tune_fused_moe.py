@@ -25,6 +25,7 @@ device machine's output folder), else the package's own file. A JSON summary goe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -60,19 +61,36 @@ SHARED_MEMORY = 227 * 1024
 def candidates(
     tokens: int, experts: int, top_k: int, gated: bool, itemsize: int
 ) -> list[MoeConfig]:
-    """Tiles that fit in shared memory, with row blocks no taller than twice an expert's rows."""
+    """Tiles that fit in shared memory, with row blocks no taller than twice an expert's rows;
+    row blocks of 16-32 also computed transposed (swap_ab) where block_n fills wgmma's M side."""
     rows = max(1, tokens * top_k // experts)
     block_ms = [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * triton.next_power_of_2(rows)]
     found = []
-    for bm, bn, bk, gm, warps, stages in itertools.product(
-        block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5)
+    for bm, bn, bk, gm, warps, stages, swap in itertools.product(
+        block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5), (0, 1)
     ):
         tile_bytes = (bm * bk + (2 if gated else 1) * bk * bn) * itemsize
         if itemsize == 1 and 128 % bk:
             continue  # block-FP8: one 128-wide scale group per K step at most
+        if swap and (bm > 32 or bn % 64):
+            continue
         if stages * tile_bytes <= SHARED_MEMORY:
-            found.append(MoeConfig(bm, bn, bk, gm, warps, stages))
+            found.append(MoeConfig(bm, bn, bk, gm, warps, stages, swap))
     return found
+
+
+def swapped(config: MoeConfig) -> list[MoeConfig]:
+    """``config`` computed transposed, where it can be (see ``candidates``): timed first with
+    the table's row, since the pool is larger than a budget usually covers."""
+    if config.swap_ab or config.block_m > 32 or config.block_n % 64:
+        return []
+    return [dataclasses.replace(config, swap_ab=1)]
+
+
+def table_row(config: MoeConfig) -> list[int]:
+    """A configuration as the table stores it: six integers, a seventh (1) when swapped."""
+    row = [int(v) for v in vars(config).values()]
+    return row if config.swap_ab else row[:6]
 
 
 def tune_gemm(
@@ -182,12 +200,12 @@ def main() -> int:
         current = fused_moe_config(arch, tokens, e, i, h, k, dtype)
         start = time.monotonic()
         up, up_ms, up_before = tune_gemm(
-            tokens, e, k, True, [current[0]], inputs, start + per_tokens / 2
+            tokens, e, k, True, [current[0], *swapped(current[0])], inputs, start + per_tokens / 2
         )
         down, down_ms, down_before = tune_gemm(
-            tokens, e, k, False, [current[1]], inputs, start + per_tokens
+            tokens, e, k, False, [current[1], *swapped(current[1])], inputs, start + per_tokens
         )
-        rows[str(tokens)] = {"up": list(vars(up).values()), "down": list(vars(down).values())}
+        rows[str(tokens)] = {"up": table_row(up), "down": table_row(down)}
         if fp8:
             op = partial(
                 fused_moe_fp8_block, hidden, logits, w13, w13_scale, w2, w2_scale, k, True,
@@ -213,8 +231,7 @@ def main() -> int:
     for tokens in TOKENS:
         if str(tokens) not in rows:
             kept = fused_moe_config(arch, tokens, e, i, h, k, dtype)
-            rows[str(tokens)] = {"up": list(vars(kept[0]).values()),
-                                 "down": list(vars(kept[1]).values())}  # fmt: skip
+            rows[str(tokens)] = {"up": table_row(kept[0]), "down": table_row(kept[1])}
     rows = dict(sorted(rows.items(), key=lambda item: int(item[0])))
     data = json.loads(TABLE.read_text())
     key = dict(arch=arch, experts=e, intermediate=i, hidden=h, top_k=k, dtype=args.dtype)

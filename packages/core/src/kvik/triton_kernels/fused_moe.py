@@ -60,6 +60,10 @@ class MoeConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    #: 1: each tile computed transposed (``_moe_tile``'s SWAP_AB), for row blocks of 16-32
+    #: pairs, so they run on Hopper's wgmma (block_n a multiple of 64); 0 otherwise. A table
+    #: row's seventh entry, absent (0) in rows written before it existed.
+    swap_ab: int = 0
 
 
 #: (arch, num_tokens, num_experts, intermediate, hidden, top_k, dtype) -> (gate/up config, down
@@ -291,6 +295,23 @@ def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.con
 
 
 @triton.jit
+def _step_product(a, w, acc, a_scale, w_scale, FP8_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr):
+    """``acc`` plus one K step's product: a [BLOCK_M, BLOCK_K] by w [BLOCK_K, BLOCK_N], or with
+    SWAP_AB its transpose, w [BLOCK_N, BLOCK_K] by a [BLOCK_K, BLOCK_M]. FP8_BLOCK: the e4m3
+    product scaled by the rows' and the weight tile's scales before it joins the fp32 sum."""
+    if SWAP_AB:
+        if FP8_BLOCK:
+            acc += tl.dot(w, a) * w_scale[:, None] * a_scale[None, :]
+        else:
+            acc = tl.dot(w, a, acc, input_precision="ieee")
+    elif FP8_BLOCK:
+        acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+    else:
+        acc = tl.dot(a, w, acc, input_precision="ieee")  # fp32 without TF32
+    return acc
+
+
+@triton.jit
 def _moe_tile(
     a_ptr,
     w_ptr,
@@ -315,46 +336,66 @@ def _moe_tile(
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     FP8_BLOCK: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored per pair."""
+    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored per pair.
+
+    SWAP_AB computes the tile's transpose: the BLOCK_N weight rows are the MMA's M side (64 rows
+    a Hopper warpgroup) and the pairs its N side, so that a row block of 16 pairs still runs on
+    wgmma. Unswapped, 16 rows run on mma.sync, which has no e4m3 form on Hopper: the FP8 weights
+    were converted to f16 on the CUDA cores, 96 conversions a K step in the PTX (as the dense
+    few-rows kernel, kvik.triton_kernels.fp8_skinny, found)."""
     expert = expert.to(tl.int64)
     a_row = (pair // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
-    w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    if SWAP_AB:
+        a_ptrs = a_ptr + a_row[None, :] * stride_am + ks[:, None]
+        w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
+        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
     if FP8_BLOCK:
         a_scale_ptrs = a_scale_ptr + a_row * stride_asm
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (cols // 128) * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((N + cols) // 128) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = ks < K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if SWAP_AB:
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+        else:
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & col_ok[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_BLOCK:
             group = k * BLOCK_K // 128
             a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
             w_scale = tl.load(w_scale_ptrs + group, mask=col_ok, other=0.0)
-            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
         else:
-            acc = tl.dot(a, w, acc, input_precision="ieee")  # fp32 without TF32
+            a_scale = 0.0  # not read
+            w_scale = 0.0
+        acc = _step_product(a, w, acc, a_scale, w_scale, FP8_BLOCK, SWAP_AB)
         if GATED:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8_BLOCK:
                 w_up_scale = tl.load(w_up_scale_ptrs + group, mask=col_ok, other=0.0)
-                acc_up += tl.dot(a, w_up) * a_scale[:, None] * w_up_scale[None, :]
             else:
-                acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
+                w_up_scale = 0.0
+            acc_up = _step_product(a, w_up, acc_up, a_scale, w_up_scale, FP8_BLOCK, SWAP_AB)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -393,6 +434,7 @@ def moe_gemm_kernel(
     GATED: tl.constexpr,
     WEIGHTED: tl.constexpr,
     FP8_BLOCK: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr,
     SUM_LAST: tl.constexpr,
@@ -453,8 +495,8 @@ def moe_gemm_kernel(
         _moe_tile(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
             within == 0, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om, stride_asm,
-            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, BLOCK_M, BLOCK_N,
-            BLOCK_K,
+            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB, BLOCK_M,
+            BLOCK_N, BLOCK_K,
         )  # fmt: skip
     elif pid_m * BLOCK_M < tl.load(total_ptr):
         expert = tl.load(block_expert_ptr + pid_m)
@@ -462,8 +504,8 @@ def moe_gemm_kernel(
         _moe_tile(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
             pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
-            stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB,
+            BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     if SUM_LAST:
         # Every program of the column block counts, those past the pairs too. The barrier puts
@@ -727,7 +769,7 @@ def grouped_gemm(
         0 if zero_counters is None else zero_counters.numel(),
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None and not route,
-        FP8_BLOCK=scales is not None,
+        FP8_BLOCK=scales is not None, SWAP_AB=bool(config.swap_ab),
         **step_constexprs(
             one_token is not None, gated, sum_last is not None, zero_counters is not None, top_k,
             num_experts, one_token is not None and one_token.renormalize,
