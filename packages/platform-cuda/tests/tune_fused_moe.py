@@ -2,13 +2,14 @@
 
     python packages/platform-cuda/tests/tune_fused_moe.py [--experts 128] [--intermediate 768]
         [--hidden 2048] [--top-k 8] [--dtype bfloat16|float8_e4m3fn] [--tokens 1,2,4,...]
-        [--budget-s 480] [--out FILE]
+        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP];...']
 
 For each token count: random hidden states and router logits (routing close to uniform, as with
 unrelated tokens), the pairs aligned to each row-block size once, then every candidate
 configuration of the gate/up GEMM and of the down GEMM timed on its own (CUDA-graph replays,
-``triton.testing.do_bench_cudagraph``), in random order within the time budget (the current
-table's row and the default rule's choice first), and the fastest of each kept. With
+``triton.testing.do_bench_cudagraph``), in random order within the time budget (first the
+table's current row, that row swapped where it can be, and --try's configurations that the GEMM
+allows), and the fastest of each kept. With
 ``--dtype float8_e4m3fn`` the experts are block-FP8 (one scale per 128 x 128 tile, Qwen3-FP8's
 layout) and the GEMMs run on per-token-group quantized activations, as
 ``kvik.triton_kernels.fused_moe.fused_moe_fp8_block`` calls them (K steps of at most 128: one
@@ -69,14 +70,22 @@ def candidates(
     for bm, bn, bk, gm, warps, stages, swap in itertools.product(
         block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5), (0, 1)
     ):
-        tile_bytes = (bm * bk + (2 if gated else 1) * bk * bn) * itemsize
-        if itemsize == 1 and 128 % bk:
-            continue  # block-FP8: one 128-wide scale group per K step at most
-        if swap and (bm > 32 or bn % 64):
-            continue
-        if stages * tile_bytes <= SHARED_MEMORY:
-            found.append(MoeConfig(bm, bn, bk, gm, warps, stages, swap))
+        config = MoeConfig(bm, bn, bk, gm, warps, stages, swap)
+        if allowed(config, gated, itemsize):
+            found.append(config)
     return found
+
+
+def allowed(config: MoeConfig, gated: bool, itemsize: int) -> bool:
+    """Whether the op can run ``config``: its pipeline stages in shared memory, block-FP8's K
+    steps within one scale group, and a swapped tile's weight rows filling wgmma's M side."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    tile_bytes = (bm * bk + (2 if gated else 1) * bk * bn) * itemsize
+    if itemsize == 1 and 128 % bk:
+        return False  # block-FP8: one 128-wide scale group per K step at most
+    if config.swap_ab and (bm > 32 or bn % 64):
+        return False
+    return config.num_stages * tile_bytes <= SHARED_MEMORY
 
 
 def swapped(config: MoeConfig) -> list[MoeConfig]:
@@ -85,6 +94,20 @@ def swapped(config: MoeConfig) -> list[MoeConfig]:
     if config.swap_ab or config.block_m > 32 or config.block_n % 64:
         return []
     return [dataclasses.replace(config, swap_ab=1)]
+
+
+def parse_configs(text: str) -> list[MoeConfig]:
+    """``--try``'s configurations: six or seven integers each, separated by semicolons."""
+    configs = []
+    for part in filter(None, text.split(";")):
+        values = [int(v) for v in part.split(",")]
+        if len(values) not in (6, 7):
+            raise argparse.ArgumentTypeError(
+                f"a configuration is block_m,block_n,block_k,group_m,num_warps,num_stages[,swap_ab],"
+                f" not {part!r}"
+            )
+        configs.append(MoeConfig(*values))
+    return configs
 
 
 def table_row(config: MoeConfig) -> list[int]:
@@ -103,6 +126,7 @@ def tune_gemm(
     zeroes; here a memset before it, the same for every candidate)."""
     hidden, w13, w2, weights, ids, act, out, scales, logits = inputs
     pool = candidates(tokens, experts, top_k, gated, w13.element_size())
+    first = [c for c in first if allowed(c, gated, w13.element_size())]
     random.shuffle(pool)
     one_token = None
     if tokens == 1:
@@ -168,6 +192,14 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=480, help="seconds of tuning in all")
     parser.add_argument("--out", help="where the table goes (see above)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--try",
+        dest="tries",
+        type=parse_configs,
+        default=[],
+        help="configurations timed first for both GEMMs (after the table's row), e.g. "
+        "'128,128,64,16,8,3;16,64,128,1,4,4,1' (a seventh 1: swapped)",
+    )
     args = parser.parse_args()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -200,10 +232,22 @@ def main() -> int:
         current = fused_moe_config(arch, tokens, e, i, h, k, dtype)
         start = time.monotonic()
         up, up_ms, up_before = tune_gemm(
-            tokens, e, k, True, [current[0], *swapped(current[0])], inputs, start + per_tokens / 2
+            tokens,
+            e,
+            k,
+            True,
+            [current[0], *swapped(current[0]), *args.tries],
+            inputs,
+            start + per_tokens / 2,
         )
         down, down_ms, down_before = tune_gemm(
-            tokens, e, k, False, [current[1], *swapped(current[1])], inputs, start + per_tokens
+            tokens,
+            e,
+            k,
+            False,
+            [current[1], *swapped(current[1]), *args.tries],
+            inputs,
+            start + per_tokens,
         )
         rows[str(tokens)] = {"up": table_row(up), "down": table_row(down)}
         if fp8:
