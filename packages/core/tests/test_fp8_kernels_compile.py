@@ -512,6 +512,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int, swap: bool) -> None:
                 "WEIGHTED": not gated,
                 "FP8_BLOCK": True,
                 "SWAP_AB": bool(config.swap_ab),
+                "PAIRED": bool(gated and config.paired),
                 "BLOCK_M": config.block_m,
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,

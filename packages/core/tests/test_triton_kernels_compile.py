@@ -5,6 +5,7 @@ contributes no targets."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Any
 
@@ -411,8 +412,13 @@ MOE_SHAPES = [(1, 128, 768, 2048, 8), (64, 128, 768, 2048, 8), (4096, 128, 768, 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 @pytest.mark.parametrize(("tokens", "experts", "inter", "hidden", "top_k"), MOE_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
+@pytest.mark.parametrize("paired", [False, True], ids=["as-chosen", "paired"])
+def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -> None:
+    """The grouped GEMMs at the platform's configurations, and with gate and up as one product
+    (paired): on Hopper with wgmma from 64 rows, paired of twice the width."""
     up, down = moe_chooser(arch)(arch, tokens, experts, inter, hidden, top_k, dtype)
+    if paired:
+        up = dataclasses.replace(up, paired=1)
     signature = types(moe_gemm_kernel, dtype, sorted_ptr="*i32", block_expert_ptr="*i32",
                       total_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32",
                       counter_ptr="*i32")  # fmt: skip
@@ -438,6 +444,7 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
                 "WEIGHTED": not gated,
                 "FP8_BLOCK": False,  # block-FP8 experts: test_fp8_kernels_compile.py
                 "SWAP_AB": bool(config.swap_ab),
+                "PAIRED": bool(gated and config.paired),
                 "BLOCK_M": config.block_m,
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,
@@ -448,6 +455,12 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype) -> None:
         )
         if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
             assert "wgmma" in compiled.asm["ptx"]
+            if gated and config.paired:
+                # Warpgroups split the rows in 64s first, then the 2 * block_n columns.
+                groups = config.num_warps // 4
+                width = 2 * config.block_n // (groups // min(groups, config.block_m // 64))
+                if width <= 256:
+                    assert f"m64n{width}k16" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

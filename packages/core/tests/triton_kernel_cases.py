@@ -1030,13 +1030,15 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
         (MoeConfig(16, 32, 32, 4, 4, 2), MoeConfig(32, 16, 64, 2, 4, 2)),
         (MoeConfig(64, 64, 64, 8, 4, 3), MoeConfig(16, 64, 32, 3, 4, 3)),
         (MoeConfig(16, 64, 32, 2, 4, 2, 1), MoeConfig(32, 64, 64, 1, 4, 2, 1)),
+        (MoeConfig(16, 32, 32, 2, 4, 2, 0, 1), MoeConfig(32, 16, 64, 2, 4, 2)),
+        (MoeConfig(16, 64, 32, 2, 4, 2, 1, 1), MoeConfig(16, 64, 32, 2, 4, 2, 1, 1)),
     ],
-    ids=["grouped", "tall", "swapped"],
+    ids=["grouped", "tall", "swapped", "paired", "swapped-paired"],
 )
 def test_fused_moe_with_other_tiles(configs) -> None:
     """Row blocks swept in groups, the down GEMM on row blocks of another height (the pairs
-    aligned twice), and tiles computed transposed (swap_ab), as the platforms' configurations
-    do."""
+    aligned twice), tiles computed transposed (swap_ab), and gate and up as one product
+    (paired), as the platforms' configurations do."""
     tokens, experts, hidden, inter, top_k = (
         (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
     )

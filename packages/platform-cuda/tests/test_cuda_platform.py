@@ -211,9 +211,9 @@ def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
                 assert 128 % config.block_k == 0
 
 
-def test_moe_table_rows_take_an_optional_swap_entry(tmp_path) -> None:
-    """A table row is six integers, or seven with 1 for tiles computed transposed; every row of
-    the packaged table that is swapped has the shapes a swapped tile needs."""
+def test_moe_table_rows_take_optional_swap_and_paired_entries(tmp_path) -> None:
+    """A table row is six integers, then optionally swap_ab and paired; every row of the
+    packaged table that is swapped has the shapes a swapped tile needs."""
     import json
 
     from kvik_cuda.moe_tuning import TABLE, _tables
@@ -221,12 +221,12 @@ def test_moe_table_rows_take_an_optional_swap_entry(tmp_path) -> None:
     data = {"tables": [{
         "arch": "sm90", "experts": 4, "intermediate": 64, "hidden": 128, "top_k": 2,
         "dtype": "bfloat16",
-        "configs": {"1": {"up": [16, 64, 64, 1, 4, 3, 1], "down": [16, 32, 64, 1, 4, 3]}},
+        "configs": {"1": {"up": [16, 64, 64, 1, 4, 3, 1, 1], "down": [16, 32, 64, 1, 4, 3]}},
     }]}  # fmt: skip
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
     up, down = _tables(path)[("sm90", 4, 64, 128, 2, "bfloat16")][1]
-    assert (up.swap_ab, down.swap_ab) == (1, 0)
+    assert (up.swap_ab, up.paired, down.swap_ab, down.paired) == (1, 1, 0, 0)
     for rows in _tables(TABLE).values():
         for config in (c for pair in rows.values() for c in pair):
             assert not config.swap_ab or (config.block_m <= 32 and config.block_n % 64 == 0)

@@ -2,14 +2,14 @@
 
     python packages/platform-cuda/tests/tune_fused_moe.py [--experts 128] [--intermediate 768]
         [--hidden 2048] [--top-k 8] [--dtype bfloat16|float8_e4m3fn] [--tokens 1,2,4,...]
-        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP];...']
+        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP[,PAIRED]];...']
 
 For each token count: random hidden states and router logits (routing close to uniform, as with
 unrelated tokens), the pairs aligned to each row-block size once, then every candidate
 configuration of the gate/up GEMM and of the down GEMM timed on its own (CUDA-graph replays,
 ``triton.testing.do_bench_cudagraph``), in random order within the time budget (first the
-table's current row, that row swapped where it can be, and --try's configurations that the GEMM
-allows), and the fastest of each kept. With
+table's current row, that row swapped and paired where the GEMM allows, and --try's
+configurations it allows), and the fastest of each kept. With
 ``--dtype float8_e4m3fn`` the experts are block-FP8 (one scale per 128 x 128 tile, Qwen3-FP8's
 layout) and the GEMMs run on per-token-group quantized activations, as
 ``kvik.triton_kernels.fused_moe.fused_moe_fp8_block`` calls them (K steps of at most 128: one
@@ -67,10 +67,11 @@ def candidates(
     rows = max(1, tokens * top_k // experts)
     block_ms = [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * triton.next_power_of_2(rows)]
     found = []
-    for bm, bn, bk, gm, warps, stages, swap in itertools.product(
-        block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5), (0, 1)
-    ):
-        config = MoeConfig(bm, bn, bk, gm, warps, stages, swap)
+    for bm, bn, bk, gm, warps, stages, swap, paired in itertools.product(
+        block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5), (0, 1),
+        (0, 1) if gated else (0,),
+    ):  # fmt: skip
+        config = MoeConfig(bm, bn, bk, gm, warps, stages, swap, paired)
         if allowed(config, gated, itemsize):
             found.append(config)
     return found
@@ -85,15 +86,20 @@ def allowed(config: MoeConfig, gated: bool, itemsize: int) -> bool:
         return False  # block-FP8: one 128-wide scale group per K step at most
     if config.swap_ab and (bm > 32 or bn % 64):
         return False
+    if config.paired and not gated:
+        return False  # gate and up: the first GEMM's
     return config.num_stages * tile_bytes <= SHARED_MEMORY
 
 
-def swapped(config: MoeConfig) -> list[MoeConfig]:
-    """``config`` computed transposed, where it can be (see ``candidates``): timed first with
-    the table's row, since the pool is larger than a budget usually covers."""
-    if config.swap_ab or config.block_m > 32 or config.block_n % 64:
-        return []
-    return [dataclasses.replace(config, swap_ab=1)]
+def variants(config: MoeConfig, gated: bool, itemsize: int) -> list[MoeConfig]:
+    """``config`` swapped, paired, and both, where the GEMM allows them (see ``allowed``):
+    timed first with the table's row, since the pool is larger than a budget usually covers."""
+    found = []
+    for swap, paired in ((1, config.paired), (config.swap_ab, 1), (1, 1)):
+        other = dataclasses.replace(config, swap_ab=swap, paired=paired)
+        if other != config and other not in found and allowed(other, gated, itemsize):
+            found.append(other)
+    return found
 
 
 def parse_configs(text: str) -> list[MoeConfig]:
@@ -101,19 +107,20 @@ def parse_configs(text: str) -> list[MoeConfig]:
     configs = []
     for part in filter(None, text.split(";")):
         values = [int(v) for v in part.split(",")]
-        if len(values) not in (6, 7):
+        if len(values) not in (6, 7, 8):
             raise argparse.ArgumentTypeError(
-                f"a configuration is block_m,block_n,block_k,group_m,num_warps,num_stages[,swap_ab],"
-                f" not {part!r}"
+                "a configuration is block_m,block_n,block_k,group_m,num_warps,num_stages"
+                f"[,swap_ab[,paired]], not {part!r}"
             )
         configs.append(MoeConfig(*values))
     return configs
 
 
 def table_row(config: MoeConfig) -> list[int]:
-    """A configuration as the table stores it: six integers, a seventh (1) when swapped."""
+    """A configuration as the table stores it: six integers, then swap_ab and paired where
+    either is set."""
     row = [int(v) for v in vars(config).values()]
-    return row if config.swap_ab else row[:6]
+    return row if config.paired else row[:7] if config.swap_ab else row[:6]
 
 
 def tune_gemm(
@@ -127,6 +134,8 @@ def tune_gemm(
     hidden, w13, w2, weights, ids, act, out, scales, logits = inputs
     pool = candidates(tokens, experts, top_k, gated, w13.element_size())
     first = [c for c in first if allowed(c, gated, w13.element_size())]
+    if first:  # the table's row, its variants, then --try's
+        first = [first[0], *variants(first[0], gated, w13.element_size()), *first[1:]]
     random.shuffle(pool)
     one_token = None
     if tokens == 1:
@@ -198,7 +207,7 @@ def main() -> int:
         type=parse_configs,
         default=[],
         help="configurations timed first for both GEMMs (after the table's row), e.g. "
-        "'128,128,64,16,8,3;16,64,128,1,4,4,1' (a seventh 1: swapped)",
+        "'128,128,64,16,8,3;16,64,128,1,4,4,1,1' (a seventh 1: swapped, an eighth: paired)",
     )
     args = parser.parse_args()
     random.seed(args.seed)
@@ -232,22 +241,10 @@ def main() -> int:
         current = fused_moe_config(arch, tokens, e, i, h, k, dtype)
         start = time.monotonic()
         up, up_ms, up_before = tune_gemm(
-            tokens,
-            e,
-            k,
-            True,
-            [current[0], *swapped(current[0]), *args.tries],
-            inputs,
-            start + per_tokens / 2,
+            tokens, e, k, True, [current[0], *args.tries], inputs, start + per_tokens / 2
         )
         down, down_ms, down_before = tune_gemm(
-            tokens,
-            e,
-            k,
-            False,
-            [current[1], *swapped(current[1]), *args.tries],
-            inputs,
-            start + per_tokens,
+            tokens, e, k, False, [current[1], *args.tries], inputs, start + per_tokens
         )
         rows[str(tokens)] = {"up": table_row(up), "down": table_row(down)}
         if fp8:

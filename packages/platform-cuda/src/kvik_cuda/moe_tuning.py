@@ -4,8 +4,9 @@ rule for shapes the table does not hold.
 
 A table row is keyed by token count; a step takes the row of the smallest count at or above its
 own (the largest row past the end). Each row gives the gate/up and the down GEMM's
-``[block_m, block_n, block_k, group_m, num_warps, num_stages]``, and a seventh entry, 1, where
-the tiles are computed transposed (``MoeConfig.swap_ab``).
+``[block_m, block_n, block_k, group_m, num_warps, num_stages]``, then optionally ``swap_ab``
+(1: tiles computed transposed) and ``paired`` (1: gate and up as one product), as
+``MoeConfig`` has them.
 """
 
 from __future__ import annotations

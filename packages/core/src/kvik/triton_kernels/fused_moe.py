@@ -64,6 +64,9 @@ class MoeConfig:
     #: pairs, so they run on Hopper's wgmma (block_n a multiple of 64); 0 otherwise. A table
     #: row's seventh entry, absent (0) in rows written before it existed.
     swap_ab: int = 0
+    #: 1: the gate/up GEMM computes gate and up as one product of twice the width
+    #: (``_moe_tile``'s PAIRED); the down GEMM ignores it. A table row's eighth entry.
+    paired: int = 0
 
 
 #: (arch, num_tokens, num_experts, intermediate, hidden, top_k, dtype) -> (gate/up config, down
@@ -337,6 +340,7 @@ def _moe_tile(
     WEIGHTED: tl.constexpr,
     FP8_BLOCK: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PAIRED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -347,43 +351,57 @@ def _moe_tile(
     a Hopper warpgroup) and the pairs its N side, so that a row block of 16 pairs still runs on
     wgmma. Unswapped, 16 rows run on mma.sync, which has no e4m3 form on Hopper: the FP8 weights
     were converted to f16 on the CUDA cores, 96 conversions a K step in the PTX (as the dense
-    few-rows kernel, kvik.triton_kernels.fp8_skinny, found)."""
+    few-rows kernel, kvik.triton_kernels.fp8_skinny, found).
+
+    PAIRED (GATED): gate and up as one product of 2 * BLOCK_N columns, each column's gate and up
+    weight rows interleaved, split after the loop: one MMA of twice the width (m64n128 for
+    BLOCK_N = 64 on Hopper) reads the activations' tile from shared memory once, not twice."""
     expert = expert.to(tl.int64)
     a_row = (pair // A_ROW_DIV).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
+    # The weight rows of the product: the tile's columns, or PAIRED (GATED) each column's gate
+    # row and up row interleaved, 2 * BLOCK_N of them, so gate and up are one product.
+    if PAIRED:
+        j = tl.arange(0, 2 * BLOCK_N)
+        w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N
+        w_ok = pid_n * BLOCK_N + j // 2 < N
+    else:
+        w_rows = cols
+        w_ok = col_ok
     if SWAP_AB:
         a_ptrs = a_ptr + a_row[None, :] * stride_am + ks[:, None]
-        w_ptrs = w_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        w_ptrs = w_ptr + expert * stride_we + w_rows[:, None].to(tl.int64) * stride_wn + ks[None, :]
+        acc = tl.zeros([BLOCK_N * (1 + PAIRED), BLOCK_M], dtype=tl.float32)
     else:
         a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
-        w_ptrs = w_ptr + expert * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N * (1 + PAIRED)], dtype=tl.float32)
+    separate_up: tl.constexpr = GATED and not PAIRED
     acc_up = tl.zeros_like(acc)
     if FP8_BLOCK:
         a_scale_ptrs = a_scale_ptr + a_row * stride_asm
-        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (cols // 128) * stride_wsn
+        w_scale_ptrs = w_scale_ptr + expert * stride_wse + (w_rows // 128) * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((N + cols) // 128) * stride_wsn
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = ks < K - k * BLOCK_K
         if SWAP_AB:
             a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            w_mask = col_ok[:, None] & k_ok[None, :]
+            w_mask = w_ok[:, None] & k_ok[None, :]
         else:
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & col_ok[None, :]
+            w_mask = k_ok[:, None] & w_ok[None, :]
         w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_BLOCK:
             group = k * BLOCK_K // 128
             a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
-            w_scale = tl.load(w_scale_ptrs + group, mask=col_ok, other=0.0)
+            w_scale = tl.load(w_scale_ptrs + group, mask=w_ok, other=0.0)
         else:
             a_scale = 0.0  # not read
             w_scale = 0.0
         acc = _step_product(a, w, acc, a_scale, w_scale, FP8_BLOCK, SWAP_AB)
-        if GATED:
+        if separate_up:
             w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8_BLOCK:
                 w_up_scale = tl.load(w_up_scale_ptrs + group, mask=col_ok, other=0.0)
@@ -392,10 +410,13 @@ def _moe_tile(
             acc_up = _step_product(a, w_up, acc_up, a_scale, w_up_scale, FP8_BLOCK, SWAP_AB)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if GATED:
+    if separate_up:
         acc = acc * tl.sigmoid(acc) * acc_up
     if SWAP_AB:
         acc = tl.trans(acc)
+    if PAIRED:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+        acc = gate * tl.sigmoid(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -435,6 +456,7 @@ def moe_gemm_kernel(
     WEIGHTED: tl.constexpr,
     FP8_BLOCK: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    PAIRED: tl.constexpr,
     ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr,
     SUM_LAST: tl.constexpr,
@@ -495,8 +517,8 @@ def moe_gemm_kernel(
         _moe_tile(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
             within == 0, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om, stride_asm,
-            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB, BLOCK_M,
-            BLOCK_N, BLOCK_K,
+            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB, PAIRED,
+            BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     elif pid_m * BLOCK_M < tl.load(total_ptr):
         expert = tl.load(block_expert_ptr + pid_m)
@@ -505,7 +527,7 @@ def moe_gemm_kernel(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
             pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
             stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            PAIRED, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     if SUM_LAST:
         # Every program of the column block counts, those past the pairs too. The barrier puts
@@ -770,6 +792,7 @@ def grouped_gemm(
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None and not route,
         FP8_BLOCK=scales is not None, SWAP_AB=bool(config.swap_ab),
+        PAIRED=bool(gated and config.paired),
         **step_constexprs(
             one_token is not None, gated, sum_last is not None, zero_counters is not None, top_k,
             num_experts, one_token is not None and one_token.renormalize,
