@@ -816,9 +816,9 @@ def _experts(
     """Routing, both grouped GEMMs and the top-k sum, in as few launches as the step's size
     allows: one token routes inside the gate/up GEMM; up to ROUTE_ALIGN_MAX_TOKENS tokens route
     and align in one launch; larger steps route, align and scatter in three. Up to
-    SUM_LAST_MAX_TOKENS the down GEMM's last programs add the top-k rows, else a launch does. ``fp8_scales``: the
-    experts' block scales (w13's, w2's): the activations are quantized per token group before
-    each GEMM."""
+    SUM_LAST_MAX_TOKENS the down GEMM's last programs add the top-k rows, else a launch does.
+    ``fp8_scales``: the experts' block scales (w13's, w2's): the activations are quantized per
+    token group before each GEMM."""
     from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8
 
     tokens, size = hidden.shape
