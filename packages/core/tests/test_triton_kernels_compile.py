@@ -499,10 +499,7 @@ def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, bl
         moe_sum_kernel,
         arch,
         types=types(moe_sum_kernel, torch.bfloat16),
-        constexprs={
-            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
-            "BLOCK_N": SUM_BLOCK_N,
-        },
+        constexprs={"TOP_K": top_k, "BLOCK_N": SUM_BLOCK_N},
         num_warps=SUM_WARPS,
     )  # fmt: skip
     int_types = {n: "*i32" for n in moe_align_kernel.arg_names if n.endswith("_ptr")}

@@ -60,12 +60,15 @@ SHARED_MEMORY = 227 * 1024
 
 
 def candidates(
-    tokens: int, experts: int, top_k: int, gated: bool, itemsize: int
+    tokens: int, experts: int, top_k: int, gated: bool, itemsize: int, block_m: int | None = None
 ) -> list[MoeConfig]:
-    """Tiles that fit in shared memory, with row blocks no taller than twice an expert's rows;
-    row blocks of 16-32 also computed transposed (swap_ab) where block_n fills wgmma's M side."""
+    """Tiles that fit in shared memory, with row blocks no taller than twice an expert's rows
+    (or all ``block_m`` high); row blocks of 16-32 also computed transposed (swap_ab) where
+    block_n fills wgmma's M side."""
     rows = max(1, tokens * top_k // experts)
     block_ms = [m for m in (16, 32, 64, 128) if m == 16 or m <= 2 * triton.next_power_of_2(rows)]
+    if block_m is not None:
+        block_ms = [block_m]
     found = []
     for bm, bn, bk, gm, warps, stages, swap, paired in itertools.product(
         block_ms, (32, 64, 128, 256), (64, 128, 256), (1, 16), (4, 8), (2, 3, 4, 5), (0, 1),
@@ -130,18 +133,31 @@ def relative_error(result: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def tune_gemm(
-    tokens, experts, top_k, gated, first: list[MoeConfig], inputs, deadline: float
+    tokens,
+    experts,
+    top_k,
+    gated,
+    first: list[MoeConfig],
+    inputs,
+    deadline: float,
+    block_m: int | None = None,
 ) -> tuple[MoeConfig, float]:
     """The fastest configuration of one grouped GEMM before ``deadline``, its milliseconds and
     those of the first one timed (the table's current row). Each GEMM runs as the op runs it at
     this size: one token routed inside the gate/up GEMM (and its pairs unaligned), up to
     SUM_LAST_MAX_TOKENS tokens summed in the down GEMM (whose counters the op's gate/up GEMM
-    zeroes; here a memset before it, the same for every candidate)."""
+    zeroes; here a memset before it, the same for every candidate). ``block_m``: only row
+    blocks of that height (the down GEMM's, to match the gate/up GEMM's alignment)."""
     hidden, w13, w2, weights, ids, act, out, scales, logits = inputs
-    pool = candidates(tokens, experts, top_k, gated, w13.element_size())
-    first = [c for c in first if allowed(c, gated, w13.element_size())]
+    itemsize = w13.element_size()
+
+    def usable(config: MoeConfig) -> bool:
+        return allowed(config, gated, itemsize) and block_m in (None, config.block_m)
+
+    pool = candidates(tokens, experts, top_k, gated, itemsize, block_m)
+    first = [c for c in first if usable(c)]
     if first:  # the table's row, its variants, then --try's
-        first = [first[0], *variants(first[0], gated, w13.element_size()), *first[1:]]
+        first = [first[0], *filter(usable, variants(first[0], gated, itemsize)), *first[1:]]
     random.shuffle(pool)
     one_token = None
     if tokens == 1:
@@ -258,9 +274,13 @@ def main() -> int:
         up, up_ms, up_before = tune_gemm(
             tokens, e, k, True, [current[0], *args.tries], inputs, start + per_tokens / 2
         )
+        # The down GEMM keeps the gate/up GEMM's row blocks: with others the op aligns the pairs
+        # a second time, two launches (~14 µs at 256 tokens on the H200) that timing the GEMM
+        # alone does not see.
         down, down_ms, down_before = tune_gemm(
-            tokens, e, k, False, [current[1], *args.tries], inputs, start + per_tokens
-        )
+            tokens, e, k, False, [current[1], *args.tries], inputs, start + per_tokens,
+            block_m=None if tokens == 1 else up.block_m,
+        )  # fmt: skip
         rows[str(tokens)] = {"up": table_row(up), "down": table_row(down)}
         if fp8:
             op = partial(
