@@ -6,8 +6,8 @@ where they are routed, so a step replays under a CUDA graph (nothing is read bac
 1. ``moe_routing_kernel``: per token, softmax over the router logits in fp32, the top-k experts by
    repeated arg-max, their weights renormalised where the model says.
 2. ``moe_align_kernel`` (one program): tokens per expert (a histogram of the (token, k) pairs),
-   each expert's run padded to a multiple of the GEMM's row block, the runs' starts, the total, and
-   the expert of every row block (-1 past the total).
+   each expert's run padded to a multiple of the GEMM's row block, the runs' starts, the total,
+   the expert of every row block (-1 past the total), and every row marked as padding.
 3. ``moe_scatter_kernel``: each (token, k) pair takes the next slot of its expert's run (an atomic
    counter per expert). The order within a run is arbitrary, and harmless: every row of a tile
    computes the same sums in the same order whatever the other rows hold.
@@ -15,7 +15,7 @@ where they are routed, so a step replays under a CUDA graph (nothing is read bac
    projections, ``silu(gate) * up`` in fp32, stored per (token, k) pair.
 5. ``moe_gemm_kernel`` (weighted): those times the expert's down projection, scaled by the routing
    weight, stored per pair; the top-k rows of a token are then summed (``moe_sum_kernel``, in
-   fp32, one rounding).
+   fp32, one rounding; each thread adds its columns row by row).
 
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
@@ -210,11 +210,27 @@ def _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOC
 
 
 @triton.jit
+def _store_block_experts_and_padding(
+    ends, total, block_expert_ptr, sorted_ptr, num_pairs, max_blocks,
+    BLOCK_M: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
+):  # fmt: skip
+    """Every row block's expert, and every row marked as padding (the pair count): the scatter
+    that follows overwrites the rows that get a pair."""
+    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
+        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
+        first = _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M)
+        rows_of_blocks = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
+        padding = tl.full([BLOCKS_CHUNK, BLOCK_M], 0, tl.int32) + num_pairs
+        tl.store(sorted_ptr + rows_of_blocks, padding, mask=(blocks < max_blocks)[:, None])
+
+
+@triton.jit
 def moe_align_kernel(
     ids_ptr,
     cursor_ptr,
     block_expert_ptr,
     total_ptr,
+    sorted_ptr,
     num_pairs,
     num_experts,
     max_blocks,
@@ -231,10 +247,9 @@ def moe_align_kernel(
     ends, total = _store_expert_runs(
         counts, tl.arange(0, E_BINS), num_experts, cursor_ptr, total_ptr, BLOCK_M
     )
-    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
-        _store_block_experts(
-            ends, total, block_expert_ptr, b0 + tl.arange(0, BLOCKS_CHUNK), max_blocks, BLOCK_M
-        )
+    _store_block_experts_and_padding(
+        ends, total, block_expert_ptr, sorted_ptr, num_pairs, max_blocks, BLOCK_M, BLOCKS_CHUNK
+    )
 
 
 @triton.jit
@@ -276,13 +291,9 @@ def moe_route_align_kernel(
     ends, total = _store_expert_runs(
         counts, tl.arange(0, E_PAD), num_experts, cursor_ptr, total_ptr, BLOCK_M
     )
-    for b0 in range(0, max_blocks, BLOCKS_CHUNK):
-        blocks = b0 + tl.arange(0, BLOCKS_CHUNK)
-        first = _store_block_experts(ends, total, block_expert_ptr, blocks, max_blocks, BLOCK_M)
-        # Every row of these blocks starts as padding (the pair count), the scatter fills some.
-        rows_of_blocks = first[:, None] + tl.arange(0, BLOCK_M)[None, :]
-        padding = tl.full([BLOCKS_CHUNK, BLOCK_M], 0, tl.int32) + num_pairs
-        tl.store(sorted_ptr + rows_of_blocks, padding, mask=(blocks < max_blocks)[:, None])
+    _store_block_experts_and_padding(
+        ends, total, block_expert_ptr, sorted_ptr, num_pairs, max_blocks, BLOCK_M, BLOCKS_CHUNK
+    )
     tl.debug_barrier()  # the cursors and the padding are in place before the scatter
     slot = tl.atomic_add(cursor_ptr + expert, 1, mask=pair_ok)
     tl.store(sorted_ptr + slot, pairs, mask=pair_ok)
@@ -647,12 +658,12 @@ def align_to_blocks(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor
     num_pairs = ids.numel()
     blocks = max_row_blocks(num_pairs, num_experts, block_m)
     device = ids.device
-    sorted_pairs = torch.full((blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     moe_align_kernel[(1,)](
-        ids, cursor, block_expert, total, num_pairs, num_experts, blocks,
+        ids, cursor, block_expert, total, sorted_pairs, num_pairs, num_experts, blocks,
         **align_constexprs(num_experts, block_m), num_warps=ALIGN_WARPS,
     )  # fmt: skip
     moe_scatter_kernel[(triton.cdiv(num_pairs, SCATTER_BLOCK),)](
