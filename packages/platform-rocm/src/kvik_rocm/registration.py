@@ -16,9 +16,11 @@ from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import register_attention_configs
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
+from kvik.triton_kernels.fused_moe import fused_moe, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.rms_norm import embed_rms_norm_cat, fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_embedding
+from kvik_rocm.moe_tuning import fused_moe_config
 from kvik_rocm.tuning import attention_config
 
 KERNELS = {
@@ -30,6 +32,8 @@ KERNELS = {
     "kvik::argmax_rows": argmax_rows,
     "kvik::embed_rms_norm_cat": embed_rms_norm_cat,
     "kvik::eagle3_indices": eagle3_indices,
+    # bf16/fp16/fp32 experts; kvik::fused_moe_fp8_block stays unregistered (no e4m3fnuz yet).
+    "kvik::fused_moe": fused_moe,
 }
 
 
@@ -39,3 +43,4 @@ def register_kernels() -> None:
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op, "cuda", kernel)
     register_attention_configs("gfx", attention_config)
+    register_moe_configs("gfx", fused_moe_config)
