@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -13,15 +14,22 @@ import pytest
 from server_process import ServerProcess
 from tiny_models import build_tiny_model, save_tiny_tokenizer
 
-ENGINE = ["--num-kv-blocks", "80", "--max-model-len", "512"]
-#: Long enough that the streams are still generating when the test acts (a stream that had ended
-#: before the engine was killed made the death test fail on a loaded machine).
-STREAM_TOKENS = 480
+MAX_MODEL_LEN = 8192
+ENGINE = ["--num-kv-blocks", "1100", "--max-model-len", str(MAX_MODEL_LEN)]
+#: Long enough that the streams are still generating when the test acts: the tiny model decodes
+#: hundreds of tokens a second on the CPU, and 480-token streams could end before the kill (CI's
+#: runs at 5629f85 and 3d79170 failed the death test with a stream ended 'ok', the second while
+#: the other stream was still starting). 8,000 tokens take seconds.
+STREAM_TOKENS = MAX_MODEL_LEN - 192
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return save_tiny_tokenizer(build_tiny_model("llama", tmp_path_factory.mktemp("llama")))
+    folder = build_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = MAX_MODEL_LEN  # rotary is computed, not stored
+    (folder / "config.json").write_text(json.dumps(config))
+    return save_tiny_tokenizer(folder)
 
 
 def start_streams(server: ServerProcess, model, count: int) -> tuple[list, list[threading.Thread]]:
