@@ -266,33 +266,37 @@ def test_capture_sizes_and_modes():
     with pytest.raises(ValueError, match="modes 1 and 2 are not built"):
         CompilationConfig(mode=1)
     with pytest.raises(ValueError, match="enforce_eager"):
-        EngineArgs(enforce_eager=True, cudagraph_mode="full")._compilation_config(True)
+        EngineArgs(enforce_eager=True, cudagraph_mode="full")._compilation_config(True, 256)
     with pytest.raises(ValueError, match="enforce_eager"):
-        EngineArgs(enforce_eager=True, compilation_config='{"mode": 3}')._compilation_config(True)
+        EngineArgs(enforce_eager=True, compilation_config='{"mode": 3}')._compilation_config(
+            True, 256
+        )
     # vLLM's default where there are graphs: compiled, FULL for decodes, PIECEWISE for the rest.
-    gpu = EngineArgs()._compilation_config(True)
+    gpu = EngineArgs()._compilation_config(True, 256)
     assert (gpu.mode, gpu.cudagraph_mode, gpu.full_graphs, gpu.piecewise_graphs) == (
         3,
         "full_and_piecewise",
         True,
         True,
     )
-    eager = EngineArgs(enforce_eager=True)._compilation_config(True)
+    eager = EngineArgs(enforce_eager=True)._compilation_config(True, 256)
     assert (eager.mode, eager.cudagraph_mode) == (0, "none")
-    cpu = EngineArgs()._compilation_config(False)
+    cpu = EngineArgs()._compilation_config(False, 256)
     assert (cpu.mode, cpu.cudagraph_mode) == (0, "none")
-    full = EngineArgs(cudagraph_mode="full")._compilation_config(True)
+    full = EngineArgs(cudagraph_mode="full")._compilation_config(True, 256)
     assert (full.mode, full.full_graphs, full.piecewise_graphs) == (0, True, False)
     # The JSON: vLLM's keys, "level" for "mode", upper-case modes; one value given twice must agree.
     given = EngineArgs(
         compilation_config='{"level": 3, "cudagraph_mode": "PIECEWISE", "cache_dir": "/x", '
         '"cudagraph_capture_sizes": [4, 2]}'
-    )._compilation_config(True)
+    )._compilation_config(True, 256)
     assert (given.mode, given.cudagraph_mode, given.cache_dir) == (3, "piecewise", "/x")
     assert given.cudagraph_capture_sizes == [2, 4]
-    assert EngineArgs(compilation_config='{"mode": 0}')._compilation_config(
-        True
-    ).cudagraph_mode == ("full")
+    eager_model = EngineArgs(compilation_config='{"mode": 0}')._compilation_config(True, 256)
+    assert eager_model.cudagraph_mode == "full"
+    # The capture sizes stop at the max_num_seqs the platform resolved (512 on an H200).
+    assert gpu.cudagraph_capture_sizes[-1] == 256
+    assert EngineArgs()._compilation_config(True, 512).cudagraph_capture_sizes[-2:] == [496, 512]
     for text, message in (
         ('{"mode": 3', "not valid JSON"),
         ("[3]", "must be a JSON object"),
@@ -302,11 +306,11 @@ def test_capture_sizes_and_modes():
         ('{"cudagraph_capture_sizes": 8}', "must be a list"),
     ):
         with pytest.raises(ValueError, match=message):
-            EngineArgs(compilation_config=text)._compilation_config(True)
+            EngineArgs(compilation_config=text)._compilation_config(True, 256)
     with pytest.raises(ValueError, match="given twice"):
         EngineArgs(
             cudagraph_mode="full", compilation_config='{"cudagraph_mode": "none"}'
-        )._compilation_config(True)
+        )._compilation_config(True, 256)
 
 
 def test_padding_tokens_of_a_piecewise_step(tiny_model):

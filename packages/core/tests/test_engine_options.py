@@ -194,8 +194,8 @@ def test_an_unknown_llm_keyword_names_the_closest_option(capture_llm_engine_args
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_num_seqs": "4"}, "max_num_seqs must be an integer, got '4'"),
-        ({"max_num_seqs": True}, "max_num_seqs must be an integer, got True"),
+        ({"max_num_seqs": "4"}, "max_num_seqs must be an integer or None, got '4'"),
+        ({"max_num_seqs": True}, "max_num_seqs must be an integer or None, got True"),
         ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer, got 0"),
         ({"enforce_eager": 1}, "enforce_eager must be True or False, got 1"),
         ({"async_scheduling": "yes"}, "async_scheduling must be True or False or None"),

@@ -99,6 +99,17 @@ def test_hopper_reports_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     assert nvml.open == 0  # every nvmlInit had its nvmlShutdown
 
 
+def test_default_max_num_seqs_follows_the_gpus_memory_without_a_cuda_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake_nvml(monkeypatch, H100)
+    assert CudaPlatform.default_max_num_seqs() == 512  # 80 GiB: at least vLLM's 70 GiB
+    fake_nvml(monkeypatch, ("NVIDIA L4", (8, 9), 24 * GiB, 23 * GiB))
+    assert CudaPlatform.default_max_num_seqs() == 256
+    fake_nvml(monkeypatch, H100, init_error=FakeNvml.NVMLError("Driver Not Loaded"))
+    assert CudaPlatform.default_max_num_seqs() == 256  # base rule when NVML fails
+
+
 @pytest.mark.parametrize(
     ("capability", "sm", "generation"),
     [

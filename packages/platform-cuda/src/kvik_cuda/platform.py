@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvik.platforms.base import Platform
+from kvik.platforms.base import Platform, max_num_seqs_for_memory
 
 if TYPE_CHECKING:
     import torch
@@ -184,6 +184,15 @@ class CudaPlatform(Platform):
     @classmethod
     def free_memory_bytes(cls) -> int:
         return _first_gpu().free_memory_bytes
+
+    @classmethod
+    def default_max_num_seqs(cls) -> int:
+        # NVML's figure: torch's would make a CUDA context in the front end's process.
+        try:
+            total = cls.total_memory_bytes()
+        except RuntimeError:  # NvmlError, or no GPU that NVML sees
+            return super().default_max_num_seqs()
+        return max_num_seqs_for_memory(total)
 
     @classmethod
     def on_selected(cls) -> None:

@@ -75,7 +75,11 @@ class EngineArgs:
     max_model_len: int | None = option(
         None, "the longest sequence, prompt and output, in tokens (default: the model's context)"
     )
-    max_num_seqs: int = option(256, "the most requests in one step")
+    max_num_seqs: int | None = option(
+        None,
+        "the most requests in one step (default: the platform's; 512 on a GPU of 70 GiB or "
+        "more, else 256)",
+    )
     max_num_batched_tokens: int | None = option(
         None,
         f"the most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and at least "
@@ -198,11 +202,11 @@ class EngineArgs:
 
     def _check_ranges(self) -> None:
         _check_positive(
-            max_num_seqs=self.max_num_seqs,
             block_size=self.block_size,
             tensor_parallel_size=self.tensor_parallel_size,
         )
         _check_positive(
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
@@ -231,7 +235,8 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
         )
         platform = select_platform(self.device)
-        compilation = self._compilation_config(platform.graph_support != "none")
+        max_num_seqs = self.max_num_seqs or platform.default_max_num_seqs()
+        compilation = self._compilation_config(platform.graph_support != "none", max_num_seqs)
         model_config = load_model_config(
             self.model,
             dtype=self.dtype,
@@ -273,7 +278,7 @@ class EngineArgs:
                 gpu_memory_utilization=float(self.gpu_memory_utilization),
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
+                max_num_seqs=max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=model_config.max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
@@ -293,7 +298,9 @@ class EngineArgs:
         check_speculative_engine(config)
         return config
 
-    def _compilation_config(self, platform_has_graphs: bool) -> CompilationConfig:
+    def _compilation_config(
+        self, platform_has_graphs: bool, max_num_seqs: int
+    ) -> CompilationConfig:
         """The flags and ``compilation_config``'s JSON resolved into one CompilationConfig: where
         the platform has graphs and nothing says otherwise, vLLM's default (compiled, FULL graphs
         for decode steps and PIECEWISE for the others); eager elsewhere."""
@@ -322,7 +329,7 @@ class EngineArgs:
             level = 3 if mode in PIECEWISE_CUDAGRAPH_MODES else 0
         sizes = given.get("cudagraph_capture_sizes", sizes_flag)
         if sizes is None:
-            sizes = default_capture_sizes(self.max_num_seqs) if mode != "none" else []
+            sizes = default_capture_sizes(max_num_seqs) if mode != "none" else []
         return CompilationConfig(
             mode=level,
             cudagraph_mode=mode,

@@ -26,6 +26,21 @@ class StepGraphs(Protocol):
 #: The share of a device's free memory the KV cache gets by default (vLLM's gpu_memory_utilization).
 MEMORY_UTILIZATION = 0.9
 
+#: ``max_num_seqs`` when none is given; on devices of at least LARGE_DEVICE_BYTES (vLLM's
+#: threshold, 70 GiB), LARGE_DEVICE_MAX_NUM_SEQS. vLLM's offline engine takes 1024 there; on the
+#: H200 kvik measured 512 best (Qwen3-30B-A3B, 1000 x (1024 in, 128 out): 43,654 total tok/s at
+#: 512, 38,237 at 256, 38,058 at 1024, where the KV cache holds ~530 such sequences and the rest
+#: were preempted; docs/benchmarks.md, the seventeenth session).
+DEFAULT_MAX_NUM_SEQS = 256
+LARGE_DEVICE_MAX_NUM_SEQS = 512
+LARGE_DEVICE_BYTES = 70 * 2**30
+
+
+def max_num_seqs_for_memory(total_bytes: int) -> int:
+    """The default ``max_num_seqs`` for a device of ``total_bytes``: more sequences a step where
+    the memory holds their KV cache, so that a decode step's weight reads serve more of them."""
+    return LARGE_DEVICE_MAX_NUM_SEQS if total_bytes >= LARGE_DEVICE_BYTES else DEFAULT_MAX_NUM_SEQS
+
 
 class Platform:
     """A kind of device kvik can run on, provided by a platform plugin.
@@ -92,6 +107,13 @@ class Platform:
     def default_dtype(cls) -> str:
         """The dtype ``dtype="auto"`` means on this platform."""
         return cls.supported_dtypes[0]
+
+    @classmethod
+    def default_max_num_seqs(cls) -> int:
+        """``max_num_seqs`` when the user gives none. A platform whose devices can be large
+        answers ``max_num_seqs_for_memory`` of their memory, asked without making a device
+        context in the caller's process (the front end's)."""
+        return DEFAULT_MAX_NUM_SEQS
 
     @classmethod
     def on_selected(cls) -> None:
