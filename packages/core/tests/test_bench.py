@@ -155,6 +155,12 @@ def test_bench_throughput_writes_the_peer_fields(tiny_config, tmp_path) -> None:
     elapsed = result["elapsed_s"]
     assert result["output_tok_s"] == pytest.approx(24 / elapsed, rel=0.01)
     assert result["total_tok_s"] == pytest.approx((24 + 48) / elapsed, rel=0.01)
+    # The timed run's scheduler counts (the warm-up's left out): one prompt step and five more
+    # decode steps at least, with all four requests in one batch; nothing preempted.
+    counts = result["scheduler"]
+    assert 6 <= counts["num_steps"] <= 4 * 6
+    assert (counts["num_preemptions"], counts["num_prefill_chunks"]) == (0, 0)
+    assert counts["kv_cache_blocks"] >= 4 * 18 / counts["block_size"]
 
 
 def test_bench_latency_reports_mean_and_percentiles(tiny_config, tmp_path) -> None:

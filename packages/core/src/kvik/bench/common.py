@@ -227,6 +227,19 @@ def run_metadata(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     return metadata
 
 
+def scheduler_counts(llm: Any, before: Any = None) -> dict[str, int]:
+    """The engine's steps, preemptions and prefill chunks (since ``before``, an earlier
+    ``llm.stats``), and the KV cache's size: what tells a run that preempted (recomputing
+    prompts) from one that did not, when two runs of one workload differ."""
+    after = llm.stats
+    counts = {
+        name: getattr(after, name) - (getattr(before, name) if before is not None else 0)
+        for name in ("num_steps", "num_preemptions", "num_prefill_chunks")
+    }
+    kv = llm.engine.scheduler.kv
+    return counts | {"kv_cache_blocks": kv.num_blocks, "block_size": kv.block_size}
+
+
 def spec_decoding_counts(llm: Any) -> SpecDecodingStats | None:
     """The engine's cumulative speculative decoding counts (None: speculation is off)."""
     return llm.stats.spec_decoding

@@ -21,6 +21,7 @@ from kvik.bench.common import (
     random_workload,
     report_spec_decoding,
     run_metadata,
+    scheduler_counts,
     spec_decoding_counts,
     warmup_workload,
     write_json,
@@ -60,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
         device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         spec_before = spec_decoding_counts(llm)
+        stats_before = llm.stats
         start = time.perf_counter()
         produced = generate(llm, workload, ignore_eos=not args.no_ignore_eos, use_tqdm=True)
         elapsed = time.perf_counter() - start
@@ -71,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvik bench throughput: {short}", file=sys.stderr)
         return 1
     result = throughput_result(llm, args, workload, produced, elapsed)
+    result["scheduler"] = scheduler_counts(llm, stats_before)
     # The engine runs at most max_num_seqs requests at a time; the roofline's batches are as big.
     concurrency = llm.config.scheduler.max_num_seqs
     fields, line = roofline_fields(
