@@ -34,8 +34,10 @@ from kvik.triton_kernels.eagle3_indices import eagle3_indices_kernel  # noqa: E4
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
     ALIGN_BLOCKS_CHUNK,
     ALIGN_WARPS,
+    COUNT_CHUNK,
     ROUTE_ALIGN_MAX_TOKENS,
     ROUTE_ALIGN_WARPS,
+    ROUTING_ROWS,
     ROUTING_WARPS,
     SCATTER_BLOCK,
     SCATTER_WARPS,
@@ -44,6 +46,7 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     SUM_WARPS,
     align_constexprs,
     moe_align_kernel,
+    moe_count_kernel,
     moe_gemm_kernel,
     moe_route_align_kernel,
     moe_routing_kernel,
@@ -469,14 +472,29 @@ def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, bl
     compiled_ok(
         moe_routing_kernel,
         arch,
-        types=types(moe_routing_kernel, torch.bfloat16, weights_ptr="*fp32", ids_ptr="*i32"),
+        types=types(
+            moe_routing_kernel,
+            torch.bfloat16,
+            weights_ptr="*fp32",
+            ids_ptr="*i32",
+            counts_ptr="*i32",
+        ),
         constexprs={
             "TOP_K": top_k,
             "TOP_K_PAD": triton.next_power_of_2(top_k),
             "E_PAD": triton.next_power_of_2(experts),
             "RENORMALIZE": True,
+            "ROWS": ROUTING_ROWS,
+            "COUNT": True,
         },  # fmt: skip
         num_warps=ROUTING_WARPS,
+    )
+    compiled_ok(
+        moe_count_kernel,
+        arch,
+        types=types(moe_count_kernel, torch.float32, ids_ptr="*i32", counts_ptr="*i32"),
+        constexprs={"E_BINS": triton.next_power_of_2(experts), "CHUNK": COUNT_CHUNK},
+        num_warps=ALIGN_WARPS,
     )
     int_types = {n: "*i32" for n in moe_route_align_kernel.arg_names if n.endswith("_ptr")}
     tokens_pad = triton.next_power_of_2(ROUTE_ALIGN_MAX_TOKENS)

@@ -3,11 +3,12 @@
 Six launches for a prefill-sized step, each sized from the number of tokens alone, never from
 where they are routed, so a step replays under a CUDA graph (nothing is read back to the host):
 
-1. ``moe_routing_kernel``: per token, softmax over the router logits in fp32, the top-k experts by
-   repeated arg-max, their weights renormalised where the model says.
-2. ``moe_align_kernel`` (one program): tokens per expert (a histogram of the (token, k) pairs),
-   each expert's run padded to a multiple of the GEMM's row block, the runs' starts, the total,
-   the expert of every row block (-1 past the total), and every row marked as padding.
+1. ``moe_routing_kernel`` (32 tokens a program): per token, softmax over the router logits in
+   fp32, the top-k experts by repeated arg-max, their weights renormalised where the model says;
+   per program, a histogram of its pairs' experts (one row of partial counts).
+2. ``moe_align_kernel`` (one program): pairs per expert (the partial counts added up), each
+   expert's run padded to a multiple of the GEMM's row block, the runs' starts, the total, the
+   expert of every row block (-1 past the total), and every row marked as padding.
 3. ``moe_scatter_kernel``: each (token, k) pair takes the next slot of its expert's run (an atomic
    counter per expert). The order within a run is arbitrary, and harmless: every row of a tile
    computes the same sums in the same order whatever the other rows hold.
@@ -130,7 +131,7 @@ def _route_rows(
     """Route the tokens ``rows`` (those below num_tokens): per token, softmax over the router
     logits in fp32, the top k by repeated arg-max (the lowest expert among equals), renormalised
     where the model says; weights and expert ids stored at [token, k]. Returns the ids as
-    [rows, TOP_K_PAD] (zeros past TOP_K)."""
+    [rows, TOP_K_PAD] (zeros past TOP_K) and the tokens per expert [E_PAD]."""
     cols = tl.arange(0, E_PAD)
     row_ok = rows < num_tokens
     col_ok = cols < num_experts
@@ -164,7 +165,10 @@ def _route_rows(
     out_ok = row_ok[:, None] & (ks[None, :] < TOP_K)
     tl.store(weights_ptr + out, top_w, mask=out_ok)
     tl.store(ids_ptr + out, top_i, mask=out_ok)
-    return top_i
+    # The picked experts are the real columns marked -1 above: per expert, the tokens that
+    # picked it (one reduction over the rows; a histogram of the ids compiled to twice the code).
+    picked = (p < 0.0) & col_ok[None, :] & row_ok[:, None]
+    return top_i, tl.sum(picked.to(tl.int32), 0)
 
 
 @triton.jit
@@ -172,18 +176,39 @@ def moe_routing_kernel(
     logits_ptr,
     weights_ptr,
     ids_ptr,
+    counts_ptr,
+    num_tokens,
     num_experts,
     logits_stride,
     TOP_K: tl.constexpr,
     TOP_K_PAD: tl.constexpr,
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    COUNT: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    _route_rows(
-        logits_ptr, weights_ptr, ids_ptr, row + tl.arange(0, 1), row + 1, num_experts,
-        logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
+    """ROWS tokens a program. With COUNT, the program also stores how many of its pairs went to
+    each expert (row ``program`` of counts [programs, E_PAD]), which the alignment adds up
+    instead of reading every pair again."""
+    program = tl.program_id(0)
+    rows = program * ROWS + tl.arange(0, ROWS)
+    _, counts = _route_rows(
+        logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, num_experts, logits_stride, TOP_K,
+        TOP_K_PAD, E_PAD, RENORMALIZE,
     )  # fmt: skip
+    if COUNT:
+        tl.store(counts_ptr + program * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, counts_ptr, num_pairs, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """Row ``program`` of counts [programs, E_BINS]: the experts of CHUNK pairs (alignment
+    without the routing's counts: the tuning script's given ids)."""
+    program = tl.program_id(0)
+    offs = program * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
+    counts = tl.histogram(expert, E_BINS, mask=offs < num_pairs)
+    tl.store(counts_ptr + program * E_BINS + tl.arange(0, E_BINS), counts)
 
 
 @triton.jit
@@ -226,27 +251,33 @@ def _store_block_experts_and_padding(
 
 @triton.jit
 def moe_align_kernel(
-    ids_ptr,
+    counts_ptr,
     cursor_ptr,
     block_expert_ptr,
     total_ptr,
     sorted_ptr,
+    num_count_rows,
     num_pairs,
     num_experts,
     max_blocks,
     BLOCK_M: tl.constexpr,
     E_BINS: tl.constexpr,
-    CHUNK: tl.constexpr,
+    COUNT_ROWS: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
 ):
+    """One program: the pairs per expert (the rows of partial counts added up), then the runs,
+    the cursors, each row block's expert and the padding rows."""
+    bins = tl.arange(0, E_BINS)
     counts = tl.zeros([E_BINS], dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
-        counts += tl.histogram(expert, E_BINS, mask=offs < num_pairs)
-    ends, total = _store_expert_runs(
-        counts, tl.arange(0, E_BINS), num_experts, cursor_ptr, total_ptr, BLOCK_M
-    )
+    for start in range(0, num_count_rows, COUNT_ROWS):
+        rows = start + tl.arange(0, COUNT_ROWS)
+        partial = tl.load(
+            counts_ptr + rows[:, None] * E_BINS + bins[None, :],
+            mask=(rows < num_count_rows)[:, None],
+            other=0,
+        )
+        counts += tl.sum(partial, 0)
+    ends, total = _store_expert_runs(counts, bins, num_experts, cursor_ptr, total_ptr, BLOCK_M)
     _store_block_experts_and_padding(
         ends, total, block_expert_ptr, sorted_ptr, num_pairs, max_blocks, BLOCK_M, BLOCKS_CHUNK
     )
@@ -277,7 +308,7 @@ def moe_route_align_kernel(
     """``moe_routing_kernel``, ``moe_align_kernel``, the padding fill and ``moe_scatter_kernel``
     in one program, for at most TOKENS_PAD tokens (PAIRS_PAD >= TOKENS_PAD * TOP_K)."""
     # Routing, every token at once.
-    _route_rows(
+    _ = _route_rows(
         logits_ptr, weights_ptr, ids_ptr, tl.arange(0, TOKENS_PAD), num_tokens, num_experts,
         logits_stride, TOP_K, TOP_K_PAD, E_PAD, RENORMALIZE,
     )  # fmt: skip
@@ -518,7 +549,7 @@ def moe_gemm_kernel(
             # Every program stores the same weights and ids (for the second GEMM). Ranking the
             # experts instead (two reductions over an [E, E] comparison rather than 2 * TOP_K
             # small ones) measured 2-4 µs slower a call on the H200 (docs/benchmarks.md).
-            top_i = _route_rows(
+            top_i, _ = _route_rows(
                 logits_ptr, weights_ptr, ids_ptr, tl.arange(0, 1), 1, num_experts, 0, TOP_K,
                 TOP_K_PAD, E_PAD, RENORMALIZE,
             )  # fmt: skip
@@ -567,8 +598,14 @@ def moe_gemm_kernel(
 
 
 ROUTING_WARPS = 4
+#: Tokens a routing program takes: at 4096 tokens 128 programs, about one per SM of an H200 (one
+#: token a program took 19 µs there, in 4096 programs), and 128 rows of counts to add up.
+ROUTING_ROWS = 32
 ALIGN_WARPS = 8
-ALIGN_CHUNK = 1024
+#: Rows of partial counts the alignment adds a loop step (a [64, 128] tile for 128 experts).
+ALIGN_COUNT_ROWS = 64
+#: Pairs a counting program takes (alignment from ids alone).
+COUNT_CHUNK = 1024
 ALIGN_BLOCKS_CHUNK = 64
 SCATTER_BLOCK = 1024
 SCATTER_WARPS = 4
@@ -630,41 +667,74 @@ def align_constexprs(num_experts: int, block_m: int) -> dict[str, int]:
     return {
         "BLOCK_M": block_m,
         "E_BINS": triton.next_power_of_2(num_experts),
-        "CHUNK": ALIGN_CHUNK,
+        "COUNT_ROWS": ALIGN_COUNT_ROWS,
         "BLOCKS_CHUNK": ALIGN_BLOCKS_CHUNK,
     }
 
 
-def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
-    """(weights [T, top_k] fp32, expert ids [T, top_k] int32), as ``kvik.ops.moe_routing``."""
+def _launch_routing(
+    router_logits: Tensor, top_k: int, renormalize: bool, count: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     router_logits = router_logits.contiguous()
     tokens, experts = router_logits.shape
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
+    device = router_logits.device
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(experts)
+    programs = triton.cdiv(tokens, ROUTING_ROWS)
+    counts = torch.empty(programs, e_pad, dtype=torch.int32, device=device) if count else None
     if tokens:
-        moe_routing_kernel[(tokens,)](
-            router_logits, weights, ids, experts, router_logits.stride(0),
-            TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-            E_PAD=triton.next_power_of_2(experts), RENORMALIZE=renormalize,
+        moe_routing_kernel[(programs,)](
+            router_logits, weights, ids, ids if counts is None else counts, tokens, experts,
+            router_logits.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
+            E_PAD=e_pad, RENORMALIZE=renormalize, ROWS=ROUTING_ROWS, COUNT=count,
             num_warps=ROUTING_WARPS,
         )  # fmt: skip
+    return weights, ids, counts
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """(weights [T, top_k] fp32, expert ids [T, top_k] int32), as ``kvik.ops.moe_routing``."""
+    weights, ids, _ = _launch_routing(router_logits, top_k, renormalize, count=False)
     return weights, ids
 
 
-def align_to_blocks(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+def route_and_count(
+    router_logits: Tensor, top_k: int, renormalize: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``route``, and the pairs each routing program sent to each expert (counts [programs,
+    next_power_of_2(experts)] int32) for ``align_to_blocks``: one launch."""
+    weights, ids, counts = _launch_routing(router_logits, top_k, renormalize, count=True)
+    assert counts is not None
+    return weights, ids, counts
+
+
+def align_to_blocks(
+    ids: Tensor, num_experts: int, block_m: int, counts: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The (token, k) pairs of ``ids`` [T, top_k] grouped by expert into runs padded to
     ``block_m`` rows: (sorted pairs [max rows], holding num_pairs where padded; the expert of each
-    row block [max blocks], -1 past the end; the rows in use [1]), all on the device."""
+    row block [max blocks], -1 past the end; the rows in use [1]), all on the device.
+    ``counts``: ``route_and_count``'s partial counts of these ids (else a launch counts them)."""
     num_pairs = ids.numel()
     blocks = max_row_blocks(num_pairs, num_experts, block_m)
     device = ids.device
+    e_bins = triton.next_power_of_2(num_experts)
+    if counts is None:
+        programs = triton.cdiv(num_pairs, COUNT_CHUNK)
+        counts = torch.empty(programs, e_bins, dtype=torch.int32, device=device)
+        moe_count_kernel[(programs,)](
+            ids, counts, num_pairs, E_BINS=e_bins, CHUNK=COUNT_CHUNK, num_warps=ALIGN_WARPS
+        )
+    if counts.shape[1:] != (e_bins,) or counts.dtype != torch.int32:
+        raise ValueError(f"counts must be [programs, {e_bins}] int32, got {tuple(counts.shape)}")
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     total = torch.empty(1, dtype=torch.int32, device=device)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     moe_align_kernel[(1,)](
-        ids, cursor, block_expert, total, sorted_pairs, num_pairs, num_experts, blocks,
-        **align_constexprs(num_experts, block_m), num_warps=ALIGN_WARPS,
+        counts, cursor, block_expert, total, sorted_pairs, counts.shape[0], num_pairs,
+        num_experts, blocks, **align_constexprs(num_experts, block_m), num_warps=ALIGN_WARPS,
     )  # fmt: skip
     moe_scatter_kernel[(triton.cdiv(num_pairs, SCATTER_BLOCK),)](
         ids, cursor, sorted_pairs, num_pairs, BLOCK=SCATTER_BLOCK, num_warps=SCATTER_WARPS
@@ -841,7 +911,7 @@ def _experts(
     up_config, down_config = configs
     device = hidden.device
     num_pairs = tokens * top_k
-    one_token = None
+    one_token, counts = None, None
     if tokens == 1:
         one_token = OneTokenRouting(
             torch.empty(1, top_k, dtype=torch.int32, device=device),
@@ -855,8 +925,8 @@ def _experts(
             router_logits, top_k, renormalize, experts, up_config.block_m
         )
     else:
-        weights, ids = route(router_logits, top_k, renormalize)
-        aligned = align_to_blocks(ids, experts, up_config.block_m)
+        weights, ids, counts = route_and_count(router_logits, top_k, renormalize)
+        aligned = align_to_blocks(ids, experts, up_config.block_m, counts)
     sum_last = None
     if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS:
         sum_last = SumInLastProgram(
@@ -873,7 +943,7 @@ def _experts(
         one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
     )  # fmt: skip
     if aligned is not None and down_config.block_m != up_config.block_m:
-        aligned = align_to_blocks(ids, experts, down_config.block_m)
+        aligned = align_to_blocks(ids, experts, down_config.block_m, counts)
     if fp8_scales is not None:
         act, act_scale = per_token_group_quant_fp8(act)
         down_scales = (act_scale, fp8_scales[1])
