@@ -82,41 +82,53 @@ def compiled_ok(kernel, arch: str, **kwargs):
     return compiled
 
 
-def check_quantization(ptx: str) -> None:
+def check_quantization(ptx: str, round_in_software: bool = True) -> None:
     """IEEE division (as torch's), the rounding helper's subtraction of 1.5 * 2**23 kept (not
-    folded away), and fp32 -> e4m3 conversions that round to nearest even."""
+    folded away) where the kernel rounds in software (else absent: the cast rounds), and fp32 ->
+    e4m3 conversions that round to nearest even."""
     assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
-    assert "0fCB400000" in ptx
+    assert ("0fCB400000" in ptx) == round_in_software
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_per_token_group_quant(arch: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("software", [False, True], ids=["cast-rounds", "software-rounds"])
+def test_per_token_group_quant(arch: str, dtype: torch.dtype, software: bool) -> None:
     compiled = compiled_ok(
         per_token_group_quant_kernel,
         arch,
         types=types(per_token_group_quant_kernel, dtype),
-        constexprs={"GROUP": GROUP_SIZE, "GROUPS_PER_PROGRAM": GROUP_QUANT_GROUPS_PER_PROGRAM},
+        constexprs={
+            "GROUP": GROUP_SIZE,
+            "GROUPS_PER_PROGRAM": GROUP_QUANT_GROUPS_PER_PROGRAM,
+            "ROUND_IN_SOFTWARE": software,
+        },
         num_warps=GROUP_QUANT_WARPS,
         aligned=aligned(per_token_group_quant_kernel),
     )
-    check_quantization(compiled.asm["ptx"])
+    check_quantization(compiled.asm["ptx"], software)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("static", [False, True])
-def test_per_token_quant(arch: str, dtype: torch.dtype, static: bool) -> None:
+@pytest.mark.parametrize("software", [False, True], ids=["cast-rounds", "software-rounds"])
+def test_per_token_quant(arch: str, dtype: torch.dtype, static: bool, software: bool) -> None:
     compiled = compiled_ok(
         per_token_quant_kernel,
         arch,
         types=types(per_token_quant_kernel, dtype),
-        constexprs={"K": 4096, "STATIC_SCALE": static, "BLOCK": TOKEN_QUANT_BLOCK},
+        constexprs={
+            "K": 4096,
+            "STATIC_SCALE": static,
+            "BLOCK": TOKEN_QUANT_BLOCK,
+            "ROUND_IN_SOFTWARE": software,
+        },
         num_warps=TOKEN_QUANT_WARPS,
         aligned=aligned(per_token_quant_kernel),
     )
-    check_quantization(compiled.asm["ptx"])
+    check_quantization(compiled.asm["ptx"], software)
 
 
 GEMM_CONFIGS = {
@@ -530,3 +542,22 @@ def test_fused_moe_fp8_block(arch: str, tokens: int, swap: bool) -> None:
                 wgmma = f"wgmma.mma_async.sync.aligned.m64n{config.block_m}k32.f32.e4m3.e4m3"
                 assert wgmma in compiled.asm["ptx"]
                 assert "cvt.rn.f16x2.e4m3x2" not in compiled.asm["ptx"]
+
+
+def test_the_cast_rounds_only_on_nvidia_gpus_from_sm89(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where launches take ROUND_IN_SOFTWARE=False (the variant compiled above without the
+    rounding helper): NVIDIA GPUs whose e4m3 cast is cvt.rn.satfinite."""
+    from kvik.triton_kernels import fp8_quant
+
+    assert fp8_quant.rounds_in_software(torch.device("cpu"))  # the interpreter
+    monkeypatch.setattr(torch.version, "hip", None)
+    for capability, software in (
+        ((9, 0), False),
+        ((10, 0), False),
+        ((8, 9), False),
+        ((8, 0), True),
+    ):
+        monkeypatch.setattr(fp8_quant, "_capability", lambda index, c=capability: c)
+        assert fp8_quant.rounds_in_software(torch.device("cuda", 0)) == software
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert fp8_quant.rounds_in_software(torch.device("cuda", 0))

@@ -119,6 +119,12 @@ def compiled_ok(kernel, arch: str, **kwargs):
     return compiled
 
 
+def rounds_in_software_on(arch: str) -> bool:
+    """The ROUND_IN_SOFTWARE a launch on ``arch`` takes (kvik.triton_kernels.fp8_quant's
+    rounds_in_software): NVIDIA from sm_89 lets the cast round."""
+    return not (arch.startswith("sm") and int(arch[2:]) >= 89)
+
+
 #: The quantizing variants write e4m3 values and fp32 scales (kvik.quantization.activation).
 QUANTIZED_OUT = {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}
 
@@ -134,7 +140,13 @@ def test_rms_norm(arch: str, hidden: int, residual: bool, quantize: bool) -> Non
         rms_norm_kernel,
         arch,
         types=types(rms_norm_kernel, torch.bfloat16, eps="fp32", **overrides),
-        constexprs={"HAS_RESIDUAL": residual, "QUANTIZE": quantize, "BLOCK": block, "GROUP": 128},
+        constexprs={
+            "HAS_RESIDUAL": residual,
+            "QUANTIZE": quantize,
+            "BLOCK": block,
+            "GROUP": 128,
+            "ROUND_IN_SOFTWARE": rounds_in_software_on(arch),
+        },  # fmt: skip
         num_warps=num_warps,
     )
     # Quantized: IEEE division for the scales and the values (as per_token_group_quant_kernel).
@@ -205,7 +217,12 @@ def test_silu_and_mul(arch: str, quantize: bool) -> None:
         silu_and_mul_kernel,
         arch,
         types=types(silu_and_mul_kernel, torch.bfloat16, **(QUANTIZED_OUT if quantize else {})),
-        constexprs={"QUANTIZE": quantize, "BLOCK": SILU_BLOCK, "GROUP": 128},
+        constexprs={
+            "QUANTIZE": quantize,
+            "BLOCK": SILU_BLOCK,
+            "GROUP": 128,
+            "ROUND_IN_SOFTWARE": rounds_in_software_on(arch),
+        },  # fmt: skip
         num_warps=SILU_WARPS,
     )
     if "ptx" in compiled.asm:

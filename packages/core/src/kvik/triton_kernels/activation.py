@@ -11,7 +11,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvik.triton_kernels.fp8_quant import FP8_DTYPE, GROUP_SIZE, store_group_quantized
+from kvik.triton_kernels.fp8_quant import (
+    FP8_DTYPE,
+    GROUP_SIZE,
+    rounds_in_software,
+    store_group_quantized,
+)
 
 
 @triton.jit
@@ -24,6 +29,7 @@ def silu_and_mul_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,  # QUANTIZE: see fp8_quant.rounds_in_software
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -38,7 +44,7 @@ def silu_and_mul_kernel(
         groups = (inter + GROUP - 1) // GROUP
         store_group_quantized(
             y, out_ptr + row * inter, scale_ptr + row * groups, tl.program_id(1) * (BLOCK // GROUP),
-            inter, BLOCK // GROUP, GROUP,
+            inter, BLOCK // GROUP, GROUP, ROUND_IN_SOFTWARE,
         )  # fmt: skip
     else:
         tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -63,7 +69,8 @@ def _launch(x: Tensor, quantize: bool) -> tuple[Tensor, Tensor | None]:
         grid = (rows, triton.cdiv(inter, SILU_BLOCK))
         silu_and_mul_kernel[grid](
             x2, out, out if scales is None else scales, x2.stride(0), inter, QUANTIZE=quantize,
-            BLOCK=SILU_BLOCK, GROUP=GROUP_SIZE, num_warps=SILU_WARPS,
+            BLOCK=SILU_BLOCK, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
+            num_warps=SILU_WARPS,
         )  # fmt: skip
     if scales is not None:
         scales = scales.view(*x.shape[:-1], scales.shape[-1])

@@ -19,6 +19,7 @@ from kvik.triton_kernels.fp8_quant import (
     FP8_DTYPE,
     GROUP_SIZE,
     per_token_group_quant_fp8,
+    rounds_in_software,
     store_group_quantized,
 )
 
@@ -39,6 +40,7 @@ def rms_norm_kernel(
     QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
+    ROUND_IN_SOFTWARE: tl.constexpr,  # QUANTIZE: see fp8_quant.rounds_in_software
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -57,8 +59,9 @@ def rms_norm_kernel(
         y = (w * normed).to(x.dtype).to(tl.float32)  # the unquantized result, then quantized
         groups = (hidden + GROUP - 1) // GROUP
         store_group_quantized(
-            y, out_ptr + row * hidden, scale_ptr + row * groups, 0, hidden, BLOCK // GROUP, GROUP
-        )
+            y, out_ptr + row * hidden, scale_ptr + row * groups, 0, hidden, BLOCK // GROUP, GROUP,
+            ROUND_IN_SOFTWARE,
+        )  # fmt: skip
     else:
         tl.store(
             out_ptr + row * hidden + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
@@ -93,7 +96,8 @@ def _launch(
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, summed, out if scales is None else scales, x2.stride(0),
             res2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
-            BLOCK=block, GROUP=GROUP_SIZE, num_warps=num_warps,
+            BLOCK=block, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
+            num_warps=num_warps,
         )  # fmt: skip
     if scales is not None:
         scales = scales.view(*x.shape[:-1], scales.shape[-1])
