@@ -29,8 +29,9 @@ MEMORY_UTILIZATION = 0.9
 #: ``max_num_seqs`` when none is given; on devices of at least LARGE_DEVICE_BYTES (vLLM's
 #: threshold, 70 GiB), LARGE_DEVICE_MAX_NUM_SEQS. vLLM's offline engine takes 1024 there; on the
 #: H200 kvik measured 512 best (Qwen3-30B-A3B, 1000 x (1024 in, 128 out): 43,654 total tok/s at
-#: 512, 38,237 at 256, 38,058 at 1024, where the KV cache holds ~530 such sequences and the rest
-#: were preempted; docs/benchmarks.md, the seventeenth session).
+#: 512, 38,237 at 256, 38,058 at 1024, where the KV cache holds ~620 such sequences and the rest
+#: are preempted; a later default run gave 36,953, cause unknown: docs/benchmarks.md, the
+#: seventeenth session).
 DEFAULT_MAX_NUM_SEQS = 256
 LARGE_DEVICE_MAX_NUM_SEQS = 512
 LARGE_DEVICE_BYTES = 70 * 2**30
