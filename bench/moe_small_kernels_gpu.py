@@ -9,7 +9,7 @@ top 8):
   its rows with ``tl.sum``, defined here as ``sum_rows_at_once_kernel``), PyTorch's reduction
   over the [tokens, top_k, N] view and a copy of the same bytes (a floor); each checked against
   an fp32 sum first;
-- routing alone (``route``: 32 tokens a program) beside one token a program (its form to
+- routing alone (``route``: 8 or 32 tokens a program) beside one token a program (its form to
   a428624: the same kernel launched with ROWS=1), and the op's launches above 16 tokens:
   routing with its partial counts, alignment and scatter (``route_and_count`` then
   ``align_to_blocks``, 16 rows a block), beside the form to a428624 (routing one token a

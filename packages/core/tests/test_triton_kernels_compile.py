@@ -37,7 +37,8 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     COUNT_CHUNK,
     ROUTE_ALIGN_MAX_TOKENS,
     ROUTE_ALIGN_WARPS,
-    ROUTING_ROWS,
+    ROUTING_ROWS_FEW,
+    ROUTING_ROWS_MANY,
     ROUTING_WARPS,
     SCATTER_BLOCK,
     SCATTER_WARPS,
@@ -486,26 +487,21 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 @pytest.mark.parametrize(("experts", "top_k", "block_m"), [(128, 8, 16), (8, 2, 64), (60, 4, 32)])
 def test_fused_moe_routing_and_alignment(arch: str, experts: int, top_k: int, block_m: int) -> None:
-    compiled_ok(
-        moe_routing_kernel,
-        arch,
-        types=types(
+    for rows in (ROUTING_ROWS_FEW, ROUTING_ROWS_MANY):
+        compiled_ok(
             moe_routing_kernel,
-            torch.bfloat16,
-            weights_ptr="*fp32",
-            ids_ptr="*i32",
-            counts_ptr="*i32",
-        ),
-        constexprs={
-            "TOP_K": top_k,
-            "TOP_K_PAD": triton.next_power_of_2(top_k),
-            "E_PAD": triton.next_power_of_2(experts),
-            "RENORMALIZE": True,
-            "ROWS": ROUTING_ROWS,
-            "COUNT": True,
-        },  # fmt: skip
-        num_warps=ROUTING_WARPS,
-    )
+            arch,
+            types=types(
+                moe_routing_kernel, torch.bfloat16, weights_ptr="*fp32", ids_ptr="*i32",
+                counts_ptr="*i32",
+            ),
+            constexprs={
+                "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+                "E_PAD": triton.next_power_of_2(experts), "RENORMALIZE": True, "ROWS": rows,
+                "COUNT": True,
+            },
+            num_warps=ROUTING_WARPS,
+        )  # fmt: skip
     compiled_ok(
         moe_count_kernel,
         arch,

@@ -26,7 +26,6 @@ from kvik.triton_kernels.attention import TritonAttentionBackend, attention_conf
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
-    ROUTING_ROWS,
     MoeConfig,
     OneTokenRouting,
     align_to_blocks,
@@ -36,6 +35,7 @@ from kvik.triton_kernels.fused_moe import (
     route,
     route_and_align,
     route_and_count,
+    routing_rows,
 )
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
@@ -952,7 +952,8 @@ def test_routing_keeps_every_id_a_real_expert_on_nan_and_inf_logits(renormalize:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k"), [(1, 8, 2), (31, 60, 4), (33, 128, 8), (100, 6, 1)]
+    ("tokens", "experts", "top_k"),
+    [(1, 8, 2), (31, 60, 4), (33, 128, 8), (100, 6, 1), (1100, 16, 2)],  # 8, then 32 a program
 )
 def test_routing_counts_each_programs_pairs(tokens: int, experts: int, top_k: int) -> None:
     """route_and_count's ids and weights are route()'s, and its partial counts add up, per
@@ -961,10 +962,11 @@ def test_routing_counts_each_programs_pairs(tokens: int, experts: int, top_k: in
     weights, ids, counts = route_and_count(logits, top_k, True)
     ref_weights, ref_ids = route(logits, top_k, True)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_weights)
-    assert counts.shape == (-(-tokens // ROUTING_ROWS), triton.next_power_of_2(experts))
+    rows = routing_rows(tokens)
+    assert counts.shape == (-(-tokens // rows), triton.next_power_of_2(experts))
     expected = torch.bincount(ids.cpu().flatten().long(), minlength=counts.shape[1])
     assert torch.equal(counts.cpu().sum(0).long(), expected)
-    first = ids[:ROUTING_ROWS].cpu().flatten().long()  # the first program's own pairs
+    first = ids[:rows].cpu().flatten().long()  # the first program's own pairs
     assert torch.equal(counts[0].cpu().long(), torch.bincount(first, minlength=counts.shape[1]))
 
 
@@ -979,9 +981,9 @@ def test_align_groups_every_pair_once(
     # Only the odd experts get pairs: half of them stay empty.
     ids = (torch.randint(0, experts // 2, (tokens, top_k)) * 2 + 1).to(torch.int32).to(DEVICE)
     counts = None
-    if counted == "by-routing":  # route_and_count's layout: a row per 32 tokens
+    if counted == "by-routing":  # route_and_count's layout: a row per routing program
         e_bins = triton.next_power_of_2(experts)
-        rows = ids.cpu().long().split(ROUTING_ROWS)
+        rows = ids.cpu().long().split(routing_rows(tokens))
         counts = torch.stack([torch.bincount(r.flatten(), minlength=e_bins) for r in rows])
         counts = counts.to(torch.int32).to(DEVICE)
     aligned = align_to_blocks(ids, experts, block_m, counts)

@@ -3,7 +3,7 @@
 Six launches for a prefill-sized step, each sized from the number of tokens alone, never from
 where they are routed, so a step replays under a CUDA graph (nothing is read back to the host):
 
-1. ``moe_routing_kernel`` (32 tokens a program): per token, softmax over the router logits in
+1. ``moe_routing_kernel`` (8 or 32 tokens a program): per token, softmax over the router logits in
    fp32, the top-k experts by repeated arg-max, their weights renormalised where the model says;
    per program, a histogram of its pairs' experts (one row of partial counts).
 2. ``moe_align_kernel`` (one program): pairs per expert (the partial counts added up), each
@@ -598,9 +598,17 @@ def moe_gemm_kernel(
 
 
 ROUTING_WARPS = 4
-#: Tokens a routing program takes: at 4096 tokens 128 programs, about one per SM of an H200 (one
-#: token a program took 19 µs there, in 4096 programs), and 128 rows of counts to add up.
-ROUTING_ROWS = 32
+#: Tokens a routing program takes (``routing_rows``): few where a step has few tokens, so that
+#: its programs stay many and short; more above ROUTING_FEW_TOKENS, where one token a program
+#: took 19 µs at 4096 tokens on the H200 (4096 programs) and each program adds a row of counts
+#: for the alignment to read (128 rows at 4096 tokens). Not yet timed on a GPU.
+ROUTING_ROWS_FEW, ROUTING_ROWS_MANY, ROUTING_FEW_TOKENS = 8, 32, 1024
+
+
+def routing_rows(tokens: int) -> int:
+    return ROUTING_ROWS_FEW if tokens <= ROUTING_FEW_TOKENS else ROUTING_ROWS_MANY
+
+
 ALIGN_WARPS = 8
 #: Rows of partial counts the alignment adds a loop step (a [64, 128] tile for 128 experts).
 ALIGN_COUNT_ROWS = 64
@@ -681,13 +689,14 @@ def _launch_routing(
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
     e_pad = triton.next_power_of_2(experts)
-    programs = triton.cdiv(tokens, ROUTING_ROWS)
+    rows = routing_rows(tokens)
+    programs = triton.cdiv(tokens, rows)
     counts = torch.empty(programs, e_pad, dtype=torch.int32, device=device) if count else None
     if tokens:
         moe_routing_kernel[(programs,)](
             router_logits, weights, ids, ids if counts is None else counts, tokens, experts,
             router_logits.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-            E_PAD=e_pad, RENORMALIZE=renormalize, ROWS=ROUTING_ROWS, COUNT=count,
+            E_PAD=e_pad, RENORMALIZE=renormalize, ROWS=rows, COUNT=count,
             num_warps=ROUTING_WARPS,
         )  # fmt: skip
     return weights, ids, counts
@@ -702,8 +711,9 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
 def route_and_count(
     router_logits: Tensor, top_k: int, renormalize: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``route``, and the pairs each routing program sent to each expert (counts [programs,
-    next_power_of_2(experts)] int32) for ``align_to_blocks``: one launch."""
+    """``route``, and the pairs each routing program (``routing_rows(T)`` tokens) sent to each
+    expert (counts [programs, next_power_of_2(experts)] int32) for ``align_to_blocks``: one
+    launch."""
     weights, ids, counts = _launch_routing(router_logits, top_k, renormalize, count=True)
     assert counts is not None
     return weights, ids, counts
