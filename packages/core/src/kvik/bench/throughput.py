@@ -82,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     result.update(fields)
     report_spec_decoding(llm, spec_before, result, "kvik bench throughput")
+    counts = result["scheduler"]
     print(
         f"throughput: {result['output_tok_s']:,.1f} output tok/s, "
-        f"{result['total_tok_s']:,.1f} total tok/s; {line}",
+        f"{result['total_tok_s']:,.1f} total tok/s; {line}; {counts['num_steps']} steps, "
+        f"{counts['num_preemptions']} preemptions",
         file=sys.stderr,
     )
     write_json(result, args.output_json)
