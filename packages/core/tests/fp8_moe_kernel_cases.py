@@ -94,6 +94,13 @@ TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 1.5e-2}
 #: fp32: the median over tokens of each output row's relative error (rows without such a
 #: rounding flip, most of them, are exact to fp32's sums).
 ROW_TOLERANCE_FP32 = 1e-5
+#: The same median with tiles computed transposed (swap_ab) on an NVIDIA GPU: those run on
+#: Hopper's e4m3 wgmma, whose accumulator keeps about 14 mantissa bits within each K step (the
+#: DeepSeek-V3 report, section 3.3.2; the kernel promotes to fp32 once a 128-wide scale group),
+#: so every row carries ~1e-4 and some gated activations round to the other e4m3 neighbour.
+#: Seen on the H200: 3.7e-4 and 5.3e-4. (Unswapped 16-row tiles convert e4m3 to f16 for
+#: mma.sync, exact in fp32, and the interpreter multiplies in fp32.)
+ROW_TOLERANCE_FP8_MMA = 2e-3
 #: A planted bug must be at least this many tolerances off.
 BUG_FACTOR = 5
 
@@ -233,7 +240,9 @@ def test_fused_moe_fp8_block_with_other_tiles(tokens, configs) -> None:
     ref = reference(x, logits, w13, s13, w2, s2, top_k, True)
     error = relative_error(out, ref)
     assert error < TOLERANCE[torch.float32], f"relative error {error:.2e}"
-    assert median_row_error(out, ref) < ROW_TOLERANCE_FP32
+    on_fp8_mma = DEVICE.type == "cuda" and any(config.swap_ab for config in configs)
+    row_tolerance = ROW_TOLERANCE_FP8_MMA if on_fp8_mma else ROW_TOLERANCE_FP32
+    assert median_row_error(out, ref) < row_tolerance
 
 
 def test_fused_moe_fp8_block_refuses_bad_input() -> None:

@@ -208,3 +208,24 @@ def test_host_time_between_decode_steps_at_batch_1(models):  # noqa: F811 (fixtu
     median = statistics.median(host)
     print(f"host time per decode step at batch 1: median {median * 1e3:.3f} ms")
     assert median < 1e-3
+
+
+def test_graphs_hold_one_logits_buffer_and_stay_within_their_estimate(models):  # noqa: F811 (fixtures from test_gpu_e2e)
+    """Every FULL graph writes its logits into rows of one buffer (a graph's own output would
+    stay allocated as long as the graph: ~6 GiB for Qwen3's vocabulary at the sizes to 512), and
+    the memory the real capture took is within the figure the KV cache was sized around."""
+    # FULL and PIECEWISE graphs to 64, the KV cache sized by the memory profile.
+    llm = make_llm(
+        models("qwen3"), "bfloat16", max_num_seqs=64, num_kv_blocks=None, gpu_memory_utilization=0.3
+    )
+    runner = llm.engine.runner.step_runner
+    graphs = list(runner.graphs.values())
+    assert len(graphs) > 10
+    pointers = {captured.logits.untyped_storage().data_ptr() for captured in graphs}
+    assert len(pointers) == 1
+    assert runner.reserved_estimate > 0
+    mib = 1024**2
+    print(
+        f"captured {runner.capture_bytes / mib:.1f} MiB, estimated {runner.reserved_estimate / mib:.1f}"
+    )
+    assert runner.capture_bytes <= 1.25 * runner.reserved_estimate + 64 * mib

@@ -50,7 +50,7 @@ MiB = 1024**2
 @dataclass
 class CapturedStep:
     graph: torch.cuda.CUDAGraph
-    logits: Tensor  # [B, vocab] fp32, the graph's output
+    logits: Tensor  # [B, vocab] fp32, the graph's output: rows of the runner's one logits buffer
     size: int
 
 
@@ -75,11 +75,18 @@ class CudaGraphStepRunner(StepRunner):
         self._sizes: dict[int, list[int]] = {}
         self._piecewise_sizes: list[int] = []  # piecewise graphs captured, ascending
         self._pool = None
+        #: The FULL graphs' fp32 logits, all of them in the rows of this one buffer (outside the
+        #: pool): a graph's own output would stay allocated as long as the graph, and with a
+        #: vocabulary of 150k the 48 sizes to 512 would hold ~6 GiB of logits. One graph runs
+        #: at a time, and its logits are read (sampled) before the next replay on the stream.
+        self._logits: Tensor | None = None
+        self._logits_rows = 0
         #: FULL-graph replays so far, and per rows a request (tests and benchmarks check that
         #: graphs ran).
         self.num_replays = 0
         self.replays_by_rows: collections.Counter[int] = collections.Counter()
         self.capture_seconds = 0.0
+        self.reserved_estimate = 0  # reserved_memory_bytes's figure, for the capture's log line
         self.capture_bytes = 0
 
     def wrap_piece(self, piece, index: int, count: int):
@@ -125,7 +132,18 @@ class CudaGraphStepRunner(StepRunner):
 
     def _body(self, inputs) -> Tensor:
         hidden = self.eager_hidden(inputs)
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden)
+        rows, vocab = logits.shape
+        if self._logits is None or self._logits.shape[1] != vocab:
+            # Sized by the first (eager) run of the largest shape, before any capture: an
+            # allocation inside a capture would land in the pool.
+            assert not torch.cuda.is_current_stream_capturing()
+            self._logits = torch.empty(
+                self._logits_rows, vocab, dtype=torch.float32, device=logits.device
+            )
+        out = self._logits[:rows]
+        out.copy_(logits)
+        return out
 
     @torch.inference_mode()
     def _capture(self, query_len: int, size: int) -> CapturedStep:
@@ -142,6 +160,10 @@ class CudaGraphStepRunner(StepRunner):
 
     def _capture_all(self, shapes: list[tuple[int, int]]) -> dict[tuple[int, int], CapturedStep]:
         graphs = {}
+        if shapes:
+            self._logits_rows = max(query_len * size for query_len, size in shapes)
+            if self._logits is not None and self._logits.shape[0] < self._logits_rows:
+                self._logits = None
         # Most rows first: the pool then fits the rest.
         for query_len, size in sorted(shapes, key=lambda shape: shape[0] * shape[1], reverse=True):
             graphs[query_len, size] = self._capture(query_len, size)
@@ -157,51 +179,65 @@ class CudaGraphStepRunner(StepRunner):
         torch.cuda.synchronize()
 
     def reserved_memory_bytes(self) -> int:
+        """What the graphs will hold, from a trial on a one-block cache. The graphs share one pool
+        and are captured largest first, so the largest graph of each kind sets the pool's size
+        (and the FULL graphs' logits buffer), and each further graph adds only what the smallest
+        one adds after it (its own state, any pool memory the smaller shapes lay out otherwise):
+        the trial captures those two of each kind and counts the second's cost once a size."""
         full, piecewise = self.capture_shapes, self.piecewise_sizes
         if not full and not piecewise:
             return 0
         runner = self.runner
         by_rows = sorted(full, key=lambda shape: shape[0] * shape[1])
-        trial_sizes = sorted({*by_rows[-1:], *by_rows[:1]})
-        trial_pieces = sorted({*piecewise[-1:], *piecewise[:1]}, reverse=True)
         runner.initialize_kv_cache(1, warm_up=False)  # padding rows read block 0 only
         self._pool = torch.cuda.graph_pool_handle()
-        trial = None
+        trial = []  # the trial's graphs stay alive until every figure is read
+        costs = []  # (kind, sizes, the largest's bytes, the smallest's bytes)
         try:
-            torch.cuda.synchronize()
-            free_before = torch.cuda.mem_get_info()[0]
-            trial = self._capture_all(trial_sizes)
-            if trial_pieces:
-                self._capture_piecewise(trial_pieces)
-            free_after = torch.cuda.mem_get_info()[0]
+            free = _free_memory()
+            for kind, sizes, capture in (
+                ("FULL", by_rows, lambda shape: trial.append(self._capture_all([shape]))),
+                ("PIECEWISE", piecewise, lambda size: self._capture_piecewise([size])),
+            ):
+                if not sizes:
+                    continue
+                capture(sizes[-1])
+                largest, free = free - (after := _free_memory()), after
+                smallest = 0
+                if len(sizes) > 1:
+                    capture(sizes[0])
+                    smallest, free = free - (after := _free_memory()), after
+                costs.append((kind, sizes, max(0, largest), max(0, smallest)))
         finally:
-            trial = None  # noqa: F841  (release the graphs and their pool)
+            trial.clear()  # release the graphs and their pool
             if self.piecewise is not None:
                 self.piecewise.clear()
             self._pool = None
+            self._logits = None
             for layer in runner.attention_layers.values():
                 layer.kv_cache = None
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        # The pool is shared and captured largest first: the largest sizes set its size, and each
-        # graph object beyond them costs a little more; the trial's figure is scaled by the count.
-        measured = max(0, free_before - free_after)
-        num_trial = len(trial_sizes) + len(trial_pieces)
-        estimate = measured * (len(full) + len(piecewise)) // max(1, num_trial)
-        estimate = max(estimate, measured)
+        estimate = sum(
+            largest + smallest * (len(sizes) - 1) for _, sizes, largest, smallest in costs
+        )
+        for kind, sizes, largest, smallest in costs:
+            logger.info(
+                "CUDA graphs: a trial capture of the %s graphs for %s took %.1f MiB and for %s %.1f "
+                "MiB more", kind, sizes[-1], largest / MiB, sizes[0], smallest / MiB,
+            )  # fmt: skip
         logger.info(
-            "CUDA graphs: a trial capture of FULL sizes %s and PIECEWISE sizes %s took %.1f MiB; "
-            "%d FULL and %d PIECEWISE sizes are estimated at %.1f MiB",
-            trial_sizes, trial_pieces, measured / MiB, len(full), len(piecewise), estimate / MiB,
+            "CUDA graphs: %d FULL and %d PIECEWISE sizes are estimated at %.1f MiB",
+            len(full), len(piecewise), estimate / MiB,
         )  # fmt: skip
+        self.reserved_estimate = estimate
         return estimate
 
     def on_kv_cache_ready(self) -> None:
         if not self.capture_shapes and not self.piecewise_sizes:
             super().on_kv_cache_ready()
             return
-        torch.cuda.synchronize()
-        free_before = torch.cuda.mem_get_info()[0]
+        free_before = _free_memory()
         started = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
         self.graphs = self._capture_all(self.capture_shapes)
@@ -212,14 +248,16 @@ class CudaGraphStepRunner(StepRunner):
             self._capture_piecewise(self.piecewise_sizes)
             self._piecewise_sizes = sorted(self.piecewise.captured_sizes())
         self.capture_seconds = time.perf_counter() - started
-        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+        self.capture_bytes = max(0, free_before - _free_memory())
         logger.info(
             "captured %d FULL CUDA graphs (decode batch sizes %s, verification batch sizes %s) "
-            "and piecewise graphs of %d pieces for %d token counts (%s) in %.1f s, %.1f MiB",
+            "and piecewise graphs of %d pieces for %d token counts (%s) in %.1f s, %.1f MiB "
+            "(estimated before the KV cache was sized: %.1f MiB)",
             len(self.graphs), _span(self._sizes.get(1, [])),
             _span([s for q, sizes in self._sizes.items() if q > 1 for s in sizes]),
             len(self.piecewise.pieces) if self.piecewise else 0, len(self._piecewise_sizes),
             _span(self._piecewise_sizes), self.capture_seconds, self.capture_bytes / MiB,
+            self.reserved_estimate / MiB,
         )  # fmt: skip
 
 
@@ -237,6 +275,14 @@ def full_graph_shapes(runner, sizes: list[int]) -> list[tuple[int, int]]:
             if size <= limit and size * (1 + k) <= runner.max_num_tokens
         ]
     return shapes
+
+
+def _free_memory() -> int:
+    """The device's free bytes once the caching allocator has returned what nothing holds (an
+    eager run's activations), so that only what the graphs keep is counted."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
 
 
 def _span(sizes: list[int]) -> str:
