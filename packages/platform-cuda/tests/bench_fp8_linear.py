@@ -10,7 +10,10 @@ it (``kvik_cuda.fp8``: activation quantization included):
    copied until the copies exceed the L2 cache several times and the timed call walks all of them,
    so every weight byte comes from memory.
 
-``--sweep`` adds the tiled kernel's candidate tilings at M = 4096 and the few-rows kernel's at one
+``--shapes M:N:K ...`` times the first table at other shapes (decode batches of 128-512 rows on
+the models' projections, where the tiled kernel's 128-row tiles leave SMs idle; one weight, which
+may stay in the 60 MB L2 there, so compare those rows with each other); ``--sweep`` adds
+the tiled kernel's candidate tilings there and the few-rows kernel's at one
 row (kvik_cuda.tuning's ``*_CANDIDATES``); ``--rows 1 2 4 8 16`` times the decode shapes at other
 row counts. Ceilings: the H200's measured fp8 ``torch._scaled_mm`` rate and copy bandwidth
 (shared/KERNELS.md).
@@ -74,9 +77,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
 
-def large_rows(sweep: bool) -> list[tuple[str, Callable[[], torch.Tensor], float, torch.Tensor]]:
-    """(name, call, peak, reference) rows of the M = 4096 table."""
-    m, n, k = LARGE
+def large_rows(
+    sweep: bool, shape: tuple[int, int, int] = LARGE
+) -> list[tuple[str, Callable[[], torch.Tensor], float, torch.Tensor]]:
+    """(name, call, peak, reference) rows of the table at ``shape`` (M, N, K)."""
+    m, n, k = shape
     x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
     weight, block_scale = fp8_weight(n, k)
     channel_scale = torch.rand(n, device=DEVICE) * 1e-3 + 1e-4
@@ -115,6 +120,15 @@ def large_rows(sweep: bool) -> list[tuple[str, Callable[[], torch.Tensor], float
     blockwise = cublas_blockwise(x, weight, block_scale)
     if blockwise is not None:
         rows.append(("block fp8, cuBLAS blockwise", blockwise, PEAK_FP8_FLOPS, ref_block))
+    rows.append((
+        "block fp8, Triton GEMM (its config)",
+        lambda: fp8_block_linear(
+            x, weight, block_scale, None,
+            tuning.fp8_gemm_config(kvik_cuda.fp8.arch_of(DEVICE), m, n, k),
+        ),
+        PEAK_FP8_FLOPS,
+        ref_block,
+    ))  # fmt: skip
     if sweep:
         for name, config in tuning.FP8_GEMM_CANDIDATES.items():
             rows.append((
@@ -158,15 +172,15 @@ def cublas_blockwise(
     return run
 
 
-def print_large(sweep: bool) -> None:
-    m, n, k = LARGE
+def print_large(sweep: bool, shape: tuple[int, int, int] = LARGE) -> None:
+    m, n, k = shape
     flops = 2 * m * n * k
     print(
         f"\nM={m} N={n} K={k}, bf16 activations, quantization included; rel err against the"
         " fp32 product of unquantized activations (fp8 activation rounding alone: a few %)"
     )
     print(f"{'':36} {'ms':>8} {'TFLOP/s':>8} {'of peak':>8} {'rel err':>8}")
-    for name, call, peak, ref in large_rows(sweep):
+    for name, call, peak, ref in large_rows(sweep, shape):
         err = rel_err(call(), ref)
         ms = time_ms(call)
         tflops = flops / (ms * 1e-3) / 1e12
@@ -230,11 +244,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time the candidate tilings too")
     parser.add_argument("--rows", type=int, nargs="+", default=[1], help="decode row counts")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=lambda text: tuple(int(v) for v in text.split(":")),
+        default=[LARGE],
+        help="M:N:K of the throughput table (default 4096:8192:8192); e.g. a decode batch of "
+        "256 on Llama-3.1-8B's qkv, 256:6144:4096, or Qwen3-30B-A3B's o, 256:2048:4096",
+    )
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(DEVICE)
     print(f"{props.name}, sm{props.major}{props.minor}, {props.multi_processor_count} SMs, "
           f"torch {torch.__version__}, triton {triton.__version__}")  # fmt: skip
-    print_large(args.sweep)
+    for shape in args.shapes:
+        print_large(args.sweep, shape)
     print_decode(args.rows, args.sweep)
     sys.stdout.flush()
 

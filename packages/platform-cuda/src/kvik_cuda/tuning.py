@@ -76,6 +76,7 @@ FP8_GEMM_CANDIDATES = {
     "128x256 w8 s3": Fp8GemmConfig(128, 256, 8, 8, 3),
     "64x256 w4 s4": Fp8GemmConfig(64, 256, 8, 4, 4),
     "64x128 w4 s4": FP8_GEMM_MEDIUM,
+    "64x64 w4 s4": Fp8GemmConfig(64, 64, 8, 4, 4),
 }
 #: Up to this many rows a block-FP8 product runs on the few-rows kernel (CUDA cores, the
 #: activations quantized inside, one launch): its arithmetic grows with the rows while the weight
