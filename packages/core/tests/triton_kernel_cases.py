@@ -22,7 +22,12 @@ from kvik.attention.kv_quant import FP8_E4M3, quantize_kv
 from kvik.layers.rotary import RotaryEmbedding
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.argmax import argmax_rows
-from kvik.triton_kernels.attention import TritonAttentionBackend, attention_config, device_arch
+from kvik.triton_kernels.attention import (
+    MIN_DECODES_APART,
+    TritonAttentionBackend,
+    attention_config,
+    device_arch,
+)
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
@@ -601,6 +606,7 @@ def build_batch(
         max_query_len=int(query_lens.max()),
         max_seq_len=max(seq_lens),
         block_size=BLOCK_SIZE,
+        num_leading_decodes=next((r for r, (_, q) in enumerate(requests) if q != 1), len(requests)),
     )
     return metadata, cache.to(DEVICE)
 
@@ -620,6 +626,7 @@ def run_attention(
     splits: int | None = None,
     rotary: bool = False,
     kv_scales: tuple[float, float] | None = None,
+    decodes_apart: int = 0,
 ) -> None:
     """Write the new keys and attend, through the backend (splits None; with ``rotary``, its
     fused rotary-and-cache path) or the launchers with ``splits`` segments; compare output and
@@ -679,6 +686,7 @@ def run_attention(
             device=torch.device(DEVICE),
         )
         builder = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec)
+        assert builder.build(dev).decodes_apart == decodes_apart
         if rotary:
             rotary_emb = RotaryEmbedding(head_size, cos_sin.to(DEVICE), is_neox=True)
             impl.forward_with_rotary(
@@ -731,6 +739,31 @@ KV_HEADS = 2
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_mixed_batch(dtype: torch.dtype, head_size: int, group: int) -> None:
     run_attention(MIXED, KV_HEADS * group, KV_HEADS, head_size, dtype)
+
+
+# Many decodes ahead of prompt chunks (a prefill-heavy step at high concurrency), and a decode
+# among the chunks after them: the backend attends to the leading ones in a launch of their own.
+LEADING_DECODES = [(c, 1) for c in ((300, 1000, 4100, 45, 2500, 17, 64, 129) * 4)] + [
+    (0, 203), (300, 77), (77, 1), (17, 130)
+] if ON_GPU else [(c, 1) for c in (37, 5, 0, 16, 20, 3, 64, 9) * 2] + [(0, 13), (20, 7), (4, 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("window", [None, 12])
+def test_mixed_batch_with_leading_decodes(dtype: torch.dtype, group: int, window) -> None:
+    apart = next(r for r, (_, q) in enumerate(LEADING_DECODES) if q != 1)
+    assert apart >= MIN_DECODES_APART
+    run_attention(
+        LEADING_DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, window, decodes_apart=apart
+    )
+
+
+def test_mixed_batch_with_leading_decodes_over_an_fp8_cache() -> None:
+    apart = next(r for r, (_, q) in enumerate(LEADING_DECODES) if q != 1)
+    run_attention(
+        LEADING_DECODES, 8, KV_HEADS, 64, torch.float16, kv_scales=(0.5, 2.0), decodes_apart=apart
+    )
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)

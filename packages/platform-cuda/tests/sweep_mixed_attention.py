@@ -13,9 +13,10 @@ larger of the K/V bytes at 4.28 TB/s and the causal FLOP at 790 TFLOP/s.
 
     python packages/platform-cuda/tests/sweep_mixed_attention.py [--quick]
 
-``--quick`` sweeps block_m and tile_n only (4 warps, 3 stages, as now). For mixed steps the
-step is also timed as two launches (the decodes through the decode-only variant with split-KV,
-then the prompts), the change this sweep would justify in the backend.
+``--quick`` sweeps block_m and tile_n only (4 warps, 3 stages, as now). The configurations are
+timed as one launch over the whole step; mixed steps are also timed as the backend now runs them
+(``kvik.triton_kernels.attention.MIN_DECODES_APART``): the leading decodes through the decode-only
+variant with split-KV, then the prompts, a change made before it was timed, which this measures.
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ class AttentionMetadata:
     #: as decodes of their own (the Triton backend, when every request is one).
     token_requests: Tensor | None = None
     token_seq_lens: Tensor | None = None
+    #: How many requests at the front of the batch have one query token each (decodes), known
+    #: on the host: a backend may attend to them in a launch of their own, apart from the
+    #: step's prompt chunks (the Triton backend, where many decodes meet prompts).
+    num_leading_decodes: int = 0
 
 
 @dataclass(frozen=True)

@@ -101,6 +101,18 @@ class TritonMetadata:
     #: segments a decode step of as many requests gets, so its rows round as decode rows do and
     #: greedy outputs do not depend on speculation.
     rows_as_decodes: bool = False
+    #: A mixed step's leading decodes attended to in a launch of their own (the decode variant:
+    #: 16-row programs and split-KV, ``num_splits`` and the scratch are this launch's), the rest
+    #: in a second; 0: one launch. In one launch every request's programs take the prompt
+    #: chunks' 64 rows, of which a decode fills its group's heads (4 or 8 of 64), and on the H200
+    #: a step of 500 decodes and 7 prompts (Qwen3-30B-A3B) ran its attention at ~46% of the
+    #: K/V-read floor where decode steps reach 93% (docs/benchmarks.md).
+    decodes_apart: int = 0
+
+
+#: The fewest leading decodes a mixed step attends to apart (below, the second launch costs more
+#: than the narrower programs save).
+MIN_DECODES_APART = 16
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -132,8 +144,20 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             )
         if rows_as_decodes and t * splits > self.spec.max_num_seqs * MAX_KV_SPLITS:
             rows_as_decodes, splits = False, 1  # more rows than the scratch holds: as a chunk
+        apart = common.num_leading_decodes
+        if (
+            rows_as_decodes
+            or common.max_query_len == 1
+            or not (MIN_DECODES_APART <= apart < common.num_reqs)
+        ):
+            apart = 0
+        else:  # the decodes' launch has their rows only, and their split count
+            t = apart
+            splits = num_kv_splits(
+                apart, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
+            )
         if splits == 1:
-            return TritonMetadata(common, self.arch, 1, None, None, None, rows_as_decodes)
+            return TritonMetadata(common, self.arch, 1, None, None, None, rows_as_decodes, apart)
         n = t * h * splits
         return TritonMetadata(
             common,
@@ -143,6 +167,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.part_max[:n].view(t, h, splits),
             self.part_sum[:n].view(t, h, splits),
             rows_as_decodes,
+            apart,
         )
 
 
@@ -197,6 +222,9 @@ class TritonAttentionImpl(AttentionImpl):
     ) -> None:
         c = metadata.common
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        if metadata.decodes_apart:
+            self._attend_decodes_apart(query, kv_cache, metadata, output)
+            return
         as_decodes = metadata.rows_as_decodes
         paged_attention(
             query[:t].view(t, h, d),
@@ -219,6 +247,27 @@ class TritonAttentionImpl(AttentionImpl):
             self.v_scale,
             row_requests=c.token_requests if as_decodes else None,
         )
+
+    def _attend_decodes_apart(
+        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+    ) -> None:
+        """The leading decodes' rows in the decode variant, then the other requests over the
+        whole step's rows (their tokens start past the decodes')."""
+        c, n = metadata.common, metadata.decodes_apart
+        t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
+        config = functools.partial(attention_config, metadata.arch, d, h // hk)
+        paged_attention(
+            query[:n].view(n, h, d), kv_cache[0], kv_cache[1], output[:n].view(n, h, d),
+            c.query_start_loc[: n + 1], c.seq_lens[:n], c.block_table[:n], self.scale,
+            self.sliding_window, config(1, kv_cache.dtype), metadata.num_splits,
+            metadata.part_acc, metadata.part_max, metadata.part_sum, self.k_scale, self.v_scale,
+        )  # fmt: skip
+        paged_attention(
+            query[:t].view(t, h, d), kv_cache[0], kv_cache[1], output[:t].view(t, h, d),
+            c.query_start_loc[n:], c.seq_lens[n:], c.block_table[n:], self.scale,
+            self.sliding_window, config(c.max_query_len, kv_cache.dtype), 1,
+            k_scale=self.k_scale, v_scale=self.v_scale,
+        )  # fmt: skip
 
 
 class TritonAttentionBackend(AttentionBackend):

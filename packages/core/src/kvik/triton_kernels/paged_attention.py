@@ -110,6 +110,8 @@ def paged_attention_kernel(
         q_start = 0
     else:
         req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+        if req < 0:
+            return  # before the first request's rows (its tokens start past row 0)
         q_first = tl.load(query_start_loc_ptr + req)
         q_len = tl.load(query_start_loc_ptr + req + 1) - q_first
         q_start = (q_block - (q_first // BLOCK_Q + req)) * BLOCK_Q  # within the request
@@ -351,7 +353,9 @@ def paged_attention(
     row_requests: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
-    query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32. With
+    query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32; the requests'
+    tokens may start past row 0 of ``query`` (query_start_loc[0] > 0: the tail of a step whose
+    leading requests another launch takes), the rows before them untouched. With
     ``row_requests`` [T] int32, every token row is a decode of its own: ``seq_lens`` is then per
     row [T] (its position + 1) and its keys are its request's, ``block_table[row_requests[t]]``
     (a speculative verification's rows, computed exactly as decode rows are). With

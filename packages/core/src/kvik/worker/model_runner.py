@@ -403,6 +403,7 @@ class ModelRunner:
             decode_requests=decode_requests,
             token_requests=token_requests,
             token_seq_lens=token_seq_lens,
+            num_leading_decodes=leading_decodes(rows_of),
         )
         sampling_requests = [scheduled[r].request for r in sample_rows]
         inputs = StepInputs(
@@ -719,3 +720,9 @@ class _PromptLogprobsFinisher:
             output.prompt_logprobs[self.request.request_id] = [
                 self.state.prompt_logprobs[p] for p in range(self.request.num_prompt_tokens - 1)
             ]
+
+
+def leading_decodes(rows_of: np.ndarray) -> int:
+    """How many requests at the front of the step have one query row each."""
+    longer = np.flatnonzero(rows_of != 1)
+    return int(longer[0]) if len(longer) else len(rows_of)
