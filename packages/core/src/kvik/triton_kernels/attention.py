@@ -110,8 +110,9 @@ class TritonMetadata:
     decodes_apart: int = 0
 
 
-#: The fewest leading decodes a mixed step attends to apart (below, the second launch costs more
-#: than the narrower programs save).
+#: The fewest leading decodes a mixed step attends to apart: a few decodes beside a prompt are a
+#: small share of its attention, and the second launch has a cost of its own (a guess, not yet
+#: timed; packages/platform-cuda/tests/sweep_mixed_attention.py times the 500-decode case).
 MIN_DECODES_APART = 16
 
 
