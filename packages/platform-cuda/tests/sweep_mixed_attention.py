@@ -34,7 +34,11 @@ from kvik_cuda.tuning import attention_config
 HEAD_SIZE, BLOCK = 128, 16
 LAYOUTS = {"qwen3-30b-a3b": (32, 4), "llama-3.1-8b": (32, 8)}  # query heads, KV heads
 #: (decodes, their context, prompts, prompt length): workload C's two kinds of step.
-STEPS = {"prompts only": (0, 0, 8, 1024), "mixed": (500, 1100, 7, 1024)}
+STEPS = {
+    "prompts only": (0, 0, 8, 1024),
+    "mixed": (500, 1100, 7, 1024),
+    "one long prompt": (0, 0, 1, 8192),  # not C's: checks the prompt tiling at longer rows
+}
 PEAK_BYTES, PEAK_FLOPS = 4.28e12, 790e12
 
 

@@ -30,14 +30,17 @@ from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 def attention_config(
     arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
 ) -> AttentionConfig:
-    """The configuration on ``arch`` ("sm90", "sm100", ...): 64 keys a step, or 32 where a row
-    of the head is wider than 256 bytes (fp32 at 128, or head size 256), pipelined in 3 stages
-    (2 when wide) so the tiles fit Hopper's and Blackwell's shared memory."""
+    """The configuration on ``arch`` ("sm90", "sm100", ...): 64 keys a step for decodes' 16-row
+    programs, 32 for prompt chunks' 64-row programs or where a row of the head is wider than 256
+    bytes (fp32 at 128, or head size 256), pipelined in 3 stages (2 when wide) so the tiles fit
+    Hopper's and Blackwell's shared memory. On the H200, 32 keys ran prompt chunks of 1024 tokens
+    8% faster than 64 (sweep_mixed_attention.py, docs/benchmarks.md)."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
     wide = triton.next_power_of_2(head_size) * dtype.itemsize > 256
     block_m = block_rows(group, max_query_len)
-    return AttentionConfig(block_m, 32 if wide else 64, 4, 2 if wide else 3)
+    narrow = wide or block_m >= 64
+    return AttentionConfig(block_m, 32 if narrow else 64, 4, 2 if wide else 3)
 
 
 #: The longest inner dimension the one-row GEMV takes: past it, a program's loop over K is long and
