@@ -206,6 +206,28 @@ def test_greedy_with_preemption(kind, dtype, models, hf_models):
     check_greedy(prompts, outputs, hf_models(kind, dtype), dtype)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_with_decodes_apart_from_prompt_chunks(kind, models, hf_models, monkeypatch):
+    """Mixed steps of many decodes beside prompt chunks attend to the decodes in a launch of their
+    own (``MIN_DECODES_APART``); greedy outputs stay transformers'. 48 prompts of 20-40 tokens
+    under a 96-token budget keep ~25 requests decoding while the next prompts prefill."""
+    from kvik.triton_kernels.attention import MIN_DECODES_APART, TritonAttentionImpl
+
+    apart = []
+    attend_apart = TritonAttentionImpl._attend_decodes_apart
+
+    def counted(self, query, kv_cache, metadata, output):
+        apart.append(metadata.decodes_apart)
+        return attend_apart(self, query, kv_cache, metadata, output)
+
+    monkeypatch.setattr(TritonAttentionImpl, "_attend_decodes_apart", counted)
+    prompts = ragged_prompts(48, seed=8, low=20, high=40)
+    llm = make_llm(models(kind), "float32", max_num_batched_tokens=96)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert apart and max(apart) >= MIN_DECODES_APART, apart
+    check_greedy(prompts, outputs, hf_models(kind, "float32"), "float32")
+
+
 def _add(llm: LLM, request_id: str, prompt: list[int], params: SamplingParams):
     request = llm.input_processor.make_request(request_id, prompt, params, 0, 0.0)
     llm.engine.add_request(request)
