@@ -159,3 +159,23 @@ def test_eagle3_turns_compilation_off(method, graphs, expected, caplog):
     speculative_compilation(config)
     assert (config.compilation.mode, config.compilation.cudagraph_mode) == expected
     assert ("compilation mode 3 is turned off" in caplog.text) == (method == "eagle3")
+
+
+def test_max_num_batched_tokens_defaults_by_platform_and_use(tiny_llama, monkeypatch):
+    """The platform picks the default token budget, for a server or an offline run (the CUDA
+    platform answers 16384 offline on large GPUs); a given value or chunked prefill's absence
+    overrides it."""
+    from kvik.platforms.selection import select_platform
+
+    platform = select_platform("cpu")
+    monkeypatch.setattr(
+        platform,
+        "default_max_num_batched_tokens",
+        classmethod(lambda cls, serving: 1024 if serving else 4096),
+    )
+    offline = EngineArgs(model=tiny_llama, device="cpu").create_engine_config()
+    served = EngineArgs(model=tiny_llama, device="cpu").create_engine_config(serving=True)
+    assert offline.scheduler.max_num_batched_tokens == 4096
+    assert served.scheduler.max_num_batched_tokens == 1024
+    given = EngineArgs(model=tiny_llama, device="cpu", max_num_batched_tokens=300)
+    assert given.create_engine_config().scheduler.max_num_batched_tokens == 300

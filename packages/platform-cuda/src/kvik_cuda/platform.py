@@ -8,7 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvik.platforms.base import Platform, max_num_seqs_for_memory
+from kvik.platforms.base import (
+    Platform,
+    max_num_batched_tokens_for_memory,
+    max_num_seqs_for_memory,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -193,6 +197,14 @@ class CudaPlatform(Platform):
         except RuntimeError:  # NvmlError, or no GPU that NVML sees
             return super().default_max_num_seqs()
         return max_num_seqs_for_memory(total)
+
+    @classmethod
+    def default_max_num_batched_tokens(cls, serving: bool) -> int:
+        try:
+            total = cls.total_memory_bytes()
+        except RuntimeError:
+            return super().default_max_num_batched_tokens(serving)
+        return max_num_batched_tokens_for_memory(total, serving)
 
     @classmethod
     def on_selected(cls) -> None:

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         # The engine's configuration, checked here (the model, the platform, the parallel and
         # quantization settings): the app builds the engine in its lifespan, where an error is a
         # traceback and "Application startup failed".
-        options.create_engine_config()
+        options.create_engine_config(serving=True)
     except (ValueError, OSError) as e:
         print(f"kvik serve: {e}", file=sys.stderr)
         return 2

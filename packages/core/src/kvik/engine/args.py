@@ -36,8 +36,6 @@ from kvik.config import (
 from kvik.engine.options import check_value, option, option_specs, unknown_option_message
 from kvik.spec_decode.config import parse_speculative_config
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
 
 @dataclass
 class EngineArgs:
@@ -82,8 +80,8 @@ class EngineArgs:
     )
     max_num_batched_tokens: int | None = option(
         None,
-        f"the most tokens in one step (default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}, and at least "
-        "max_model_len when chunked prefill is off)",
+        "the most tokens in one step (default: the platform's; 16384 offline on a GPU of 70 GiB "
+        "or more, else 8192; and at least max_model_len when chunked prefill is off)",
     )
     enable_chunked_prefill: bool = option(
         True,
@@ -220,7 +218,9 @@ class EngineArgs:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, serving: bool = False) -> EngineConfig:
+        """The engine's configuration; ``serving``: for a server (``AsyncLLM``), whose defaults
+        favour latency where they differ (``Platform.default_max_num_batched_tokens``)."""
         from kvik.model_loader.loader import check_tensor_parallel, load_model_config
         from kvik.platforms.selection import select_platform
         from kvik.quantization.resolve import check_platform_supports
@@ -257,7 +257,7 @@ class EngineArgs:
         check_settings(structured_outputs)
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+            max_num_batched_tokens = platform.default_max_num_batched_tokens(serving)
             if not self.enable_chunked_prefill:
                 max_num_batched_tokens = max(max_num_batched_tokens, model_config.max_model_len)
         elif (

@@ -112,7 +112,7 @@ class AsyncLLM:
         cls, args: EngineArgs, stat_loggers: list[StatLogger] | None = None
     ) -> AsyncLLM:
         """Resolve the arguments, start the engine core process and wait until it is ready."""
-        config = await asyncio.to_thread(args.create_engine_config)
+        config = await asyncio.to_thread(args.create_engine_config, serving=True)
         engine = cls(config, stat_loggers)
         await engine.start()
         return engine
