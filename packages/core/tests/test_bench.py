@@ -150,6 +150,7 @@ def test_bench_throughput_writes_the_peer_fields(tiny_config, tmp_path) -> None:
     # seed are what is measured, recorded in fields of their own.
     assert result["engine_args"] == {"enforce_eager": True}
     assert result["engine_config"]["cudagraph_mode"] == "none"
+    assert result["engine_config"]["max_num_batched_tokens"] == 8192  # the CPU's default
     assert (result["load_format"], result["dtype"], result["seed"]) == ("dummy", "float32", 0)
     assert result["commit"] == git_commit(ROOT)  # the repository's HEAD (a checkout here)
     elapsed = result["elapsed_s"]

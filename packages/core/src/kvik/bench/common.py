@@ -202,6 +202,9 @@ def resolved_engine_config(llm: Any) -> dict[str, Any]:
         "cudagraph_mode": getattr(compilation, "cudagraph_mode", None),
         "async_scheduling": getattr(config, "async_scheduling", None),
         "max_num_seqs": getattr(getattr(config, "scheduler", None), "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(
+            getattr(config, "scheduler", None), "max_num_batched_tokens", None
+        ),
     }
 
 
