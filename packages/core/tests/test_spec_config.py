@@ -163,8 +163,7 @@ def test_eagle3_turns_compilation_off(method, graphs, expected, caplog):
 
 def test_max_num_batched_tokens_defaults_by_platform_and_use(tiny_llama, monkeypatch):
     """The platform picks the default token budget, for a server or an offline run (the CUDA
-    platform answers 16384 offline on large GPUs); a given value or chunked prefill's absence
-    overrides it."""
+    platform answers 16384 offline on large GPUs); a given value overrides it."""
     from kvik.platforms.selection import select_platform
 
     platform = select_platform("cpu")

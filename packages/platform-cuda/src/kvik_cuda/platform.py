@@ -190,19 +190,25 @@ class CudaPlatform(Platform):
         return _first_gpu().free_memory_bytes
 
     @classmethod
-    def default_max_num_seqs(cls) -> int:
-        # NVML's figure: torch's would make a CUDA context in the front end's process.
+    def _total_memory_for_defaults(cls) -> int | None:
+        """NVML's figure (torch's would make a CUDA context in the front end's process), or
+        None where NVML fails or sees no GPU: the defaults then follow the base rules."""
         try:
-            total = cls.total_memory_bytes()
+            return cls.total_memory_bytes()
         except RuntimeError:  # NvmlError, or no GPU that NVML sees
+            return None
+
+    @classmethod
+    def default_max_num_seqs(cls) -> int:
+        total = cls._total_memory_for_defaults()
+        if total is None:
             return super().default_max_num_seqs()
         return max_num_seqs_for_memory(total)
 
     @classmethod
     def default_max_num_batched_tokens(cls, serving: bool) -> int:
-        try:
-            total = cls.total_memory_bytes()
-        except RuntimeError:
+        total = cls._total_memory_for_defaults()
+        if total is None:
             return super().default_max_num_batched_tokens(serving)
         return max_num_batched_tokens_for_memory(total, serving)
 

@@ -197,14 +197,13 @@ def resolved_engine_config(llm: Any) -> dict[str, Any]:
     setting): whether CUDA graphs and asynchronous scheduling were on."""
     config = getattr(llm, "config", None)
     compilation = getattr(config, "compilation", None)
+    scheduler = getattr(config, "scheduler", None)
     return {
         "enforce_eager": getattr(config, "enforce_eager", None),
         "cudagraph_mode": getattr(compilation, "cudagraph_mode", None),
         "async_scheduling": getattr(config, "async_scheduling", None),
-        "max_num_seqs": getattr(getattr(config, "scheduler", None), "max_num_seqs", None),
-        "max_num_batched_tokens": getattr(
-            getattr(config, "scheduler", None), "max_num_batched_tokens", None
-        ),
+        "max_num_seqs": getattr(scheduler, "max_num_seqs", None),
+        "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", None),
     }
 
 
