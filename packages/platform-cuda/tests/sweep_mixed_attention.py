@@ -11,9 +11,10 @@ tile_n, num_warps, num_stages) that compiles is timed (CUDA-graph replays of one
 and checked against the configuration the platform uses now; the floor printed beside each is the
 larger of the K/V bytes at 4.28 TB/s and the causal FLOP at 790 TFLOP/s.
 
-    python packages/platform-cuda/tests/sweep_mixed_attention.py [--quick]
+    python packages/platform-cuda/tests/sweep_mixed_attention.py [--quick] [--full-step STEP ...]
 
-``--quick`` sweeps block_m and tile_n only (4 warps, 3 stages, as now). The configurations are
+``--quick`` sweeps block_m and tile_n only (4 warps, 3 stages); ``--full-step`` names the steps
+("prompts only", "mixed", "one long prompt") that still take every warp and stage count. The configurations are
 timed as one launch over the whole step; mixed steps are also timed as the backend now runs them
 (``kvik.triton_kernels.attention.MIN_DECODES_APART``): the leading decodes through the decode-only
 variant with split-KV, then the prompts, a change made before it was timed, which this measures.
@@ -21,8 +22,8 @@ variant with split-KV, then the prompts, a change made before it was timed, whic
 
 from __future__ import annotations
 
+import argparse
 import itertools
-import sys
 
 import torch
 import triton
@@ -158,11 +159,14 @@ def timed_split_launch(q, cache, table, lens, starts, decodes, group, prompt_con
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--full-step", action="append", default=[], choices=sorted(STEPS))
+    args = parser.parse_args()
     arch, _ = device_arch(torch.device("cuda"))
-    quick = "--quick" in sys.argv[1:]
     for name, (heads, kv_heads) in LAYOUTS.items():
         for step in STEPS:
-            sweep(name, heads, kv_heads, step, quick, arch)
+            sweep(name, heads, kv_heads, step, args.quick and step not in args.full_step, arch)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,74 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    tile,
+    n,
+    d,
+    d_valid,
+    q_pos,
+    seq_len,
+    bt_row,
+    k_head_ptr,
+    v_head_ptr,
+    k_stride_blk,
+    k_stride_slot,
+    v_stride_blk,
+    v_stride_slot,
+    scale_log2,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    MASKED: tl.constexpr,  # False: every key of the tile is in the sequence and seen by every row
+):
+    """One tile of keys into the online softmax: the updated (acc, row_max, row_sum)."""
+    k_pos = tile * TILE_N + n  # [TILE_N]
+    slot_in_block = k_pos % BLOCK_SIZE
+    if MASKED:
+        k_valid = k_pos < seq_len
+        block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        kv_mask = k_valid[None, :] & d_valid[:, None]
+    else:
+        block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        kv_mask = d_valid[:, None] & (n < TILE_N)[None, :]
+    k_ptrs = k_head_ptr + block[None, :] * k_stride_blk + slot_in_block[None, :] * k_stride_slot
+    v_ptrs = v_head_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
+    if MASKED or HEAD_PAD != HEAD_SIZE:
+        k = tl.load(k_ptrs + d[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
+        v = tl.load(v_ptrs + d[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, HEAD_PAD]
+    else:
+        k = tl.load(k_ptrs + d[:, None])
+        v = tl.load(v_ptrs + d[None, :])
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
+    if MASKED:
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            allowed &= k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
+        s = tl.where(allowed, s, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        # A row with nothing allowed yet keeps max -inf; subtract 0 there so exp2 gives 0, not NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    else:  # every score is finite, so the new maximum is too
+        new_max = tl.maximum(row_max, tl.max(s, axis=1))
+        safe_max = new_max
+    p = tl.exp2(s - safe_max[:, None])
+    alpha = tl.exp2(row_max - safe_max)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc, new_max, row_sum
+
+
 # num_reqs changes from step to step: unspecialised, so a new batch size never compiles a variant.
 @triton.jit(do_not_specialize=["num_reqs"])
 def paged_attention_kernel(
@@ -155,46 +223,27 @@ def paged_attention_kernel(
     if ROW_REQUESTS:
         table_req = tl.load(row_request_ptr + q_block)
     bt_row = block_table_ptr + table_req.to(tl.int64) * bt_stride
-    for tile in range(tile_lo, tile_hi):
-        k_pos = tile * TILE_N + n  # [TILE_N]
-        k_valid = k_pos < seq_len
-        block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        slot_in_block = k_pos % BLOCK_SIZE
-        kv_mask = k_valid[None, :] & d_valid[:, None]
-        k = tl.load(
-            k_cache_ptr
-            + block[None, :] * k_stride_blk
-            + slot_in_block[None, :] * k_stride_slot
-            + kv_head * k_stride_h
-            + d[:, None],
-            mask=kv_mask,
-            other=0.0,
-        )  # [HEAD_PAD, TILE_N]
-        v = tl.load(
-            v_cache_ptr
-            + block[:, None] * v_stride_blk
-            + slot_in_block[:, None] * v_stride_slot
-            + kv_head * v_stride_h
-            + d[None, :],
-            mask=tl.trans(kv_mask),
-            other=0.0,
-        )  # [TILE_N, HEAD_PAD]
-        if KV_FP8:
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
-        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if SLIDING_WINDOW > 0:
-            allowed &= k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW
-        s = tl.where(allowed, s, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(s, axis=1))
-        # A row with nothing allowed yet keeps max -inf; subtract 0 there so exp2 gives 0, not NaN.
-        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp2(s - safe_max[:, None])
-        alpha = tl.exp2(row_max - safe_max)
-        row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        row_max = new_max
+    k_head_ptr = k_cache_ptr + kv_head * k_stride_h
+    v_head_ptr = v_cache_ptr + kv_head * v_stride_h
+    # Tiles every row sees whole (their last key at or before the program's first query position,
+    # so within the sequence) need no mask: walked first, without the masks' loads and selects
+    # (most of a long prompt's tiles and all but a decode's last). The rest take the masks.
+    full_end = first_tile
+    if SLIDING_WINDOW == 0:
+        full_end = (context_len + q_start + 1) // TILE_N
+    unmasked_hi = tl.minimum(tl.maximum(full_end, tile_lo), tile_hi)
+    for tile in range(tile_lo, unmasked_hi):
+        acc, row_max, row_sum = _attend_tile(
+            acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
+            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, scale_log2,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, False,
+        )  # fmt: skip
+    for tile in range(unmasked_hi, tile_hi):
+        acc, row_max, row_sum = _attend_tile(
+            acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
+            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, scale_log2,
+            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, True,
+        )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale), before any normalisation
 
