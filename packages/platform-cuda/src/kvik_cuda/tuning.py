@@ -25,22 +25,32 @@ from kvik.triton_kernels.fp8_skinny import (
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
+#: From this many query tokens in a request's chunk, prompt programs take 128 rows and 64 keys a
+#: step: on the H200 a prompt of 8192 tokens ran 12% faster so (sweep_mixed_attention.py), where
+#: chunks of 1024 run fastest on 64-row programs.
+LONG_PROMPT_TOKENS = 2048
+
 
 @functools.cache
 def attention_config(
     arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
 ) -> AttentionConfig:
-    """The configuration on ``arch`` ("sm90", "sm100", ...): 64 keys a step for decodes' 16-row
-    programs, 32 for prompt chunks' 64-row programs or where a row of the head is wider than 256
-    bytes (fp32 at 128, or head size 256), pipelined in 3 stages (2 when wide) so the tiles fit
-    Hopper's and Blackwell's shared memory. On the H200, 32 keys ran prompt chunks of 1024 tokens
-    8% faster than 64 (sweep_mixed_attention.py, docs/benchmarks.md)."""
+    """The configuration on ``arch`` ("sm90", "sm100", ...), as swept on the H200
+    (docs/benchmarks.md): decodes' 16-row programs walk 64 keys a step with 2 warps in 3 stages
+    (89-94% of the bandwidth at batch 256, where 4 warps reached 77-83%); prompt chunks' 64-row
+    programs 32 keys in 2 stages, long prompts' (``LONG_PROMPT_TOKENS``) 128-row programs 64 keys
+    in 3. Where a row of the head is wider than 256 bytes (fp32 at 128, or head size 256): 32 keys,
+    4 warps and 2 stages, so the tiles fit Hopper's and Blackwell's shared memory."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
-    wide = triton.next_power_of_2(head_size) * dtype.itemsize > 256
     block_m = block_rows(group, max_query_len)
-    narrow = wide or block_m >= 64
-    return AttentionConfig(block_m, 32 if narrow else 64, 4, 2 if wide else 3)
+    if triton.next_power_of_2(head_size) * dtype.itemsize > 256:
+        return AttentionConfig(block_m, 32, 4, 2)
+    if block_m < 64:
+        return AttentionConfig(block_m, 64, 2, 3)
+    if max_query_len >= LONG_PROMPT_TOKENS:
+        return AttentionConfig(max(block_m, 128), 64, 4, 3)
+    return AttentionConfig(block_m, 32, 4, 2)
 
 
 #: The longest inner dimension the one-row GEMV takes: past it, a program's loop over K is long and
