@@ -331,7 +331,6 @@ def attention_types(
 ATTENTION_CASES = [
     (torch.bfloat16, 64, 3, 512, 1),
     (torch.bfloat16, 128, 1, 512, 1),
-    (torch.bfloat16, 128, 4, 4096, 1),  # a long prompt's chunk: 128-row programs on CUDA
     (torch.bfloat16, 256, 8, 512, 1),
     (torch.float32, 128, 3, 512, 1),
     (torch.float32, 256, 1, 512, 1),
@@ -344,7 +343,6 @@ ATTENTION_CASES = [
 # The same launches over an FP8 cache (--kv-cache-dtype fp8): prefills, decodes, split-KV decodes.
 FP8_ATTENTION_CASES = [
     (torch.bfloat16, 128, 4, 512, 1),
-    (torch.bfloat16, 128, 8, 4096, 1),
     (torch.bfloat16, 64, 3, 512, 1),
     (torch.bfloat16, 128, 4, 1, 1),
     (torch.bfloat16, 128, 8, 1, 8),

@@ -25,22 +25,18 @@ from kvik.triton_kernels.fp8_skinny import (
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
-#: From this many query tokens in a request's chunk, prompt programs take 128 rows and 64 keys a
-#: step: on the H200 a prompt of 8192 tokens ran 12% faster so (sweep_mixed_attention.py), where
-#: chunks of 1024 run fastest on 64-row programs.
-LONG_PROMPT_TOKENS = 2048
-
 
 @functools.cache
 def attention_config(
     arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
 ) -> AttentionConfig:
     """The configuration on ``arch`` ("sm90", "sm100", ...), as swept on the H200
-    (docs/benchmarks.md): decodes' 16-row programs walk 64 keys a step with 2 warps in 3 stages
-    (89-94% of the bandwidth at batch 256, where 4 warps reached 77-83%); prompt chunks' 64-row
-    programs 32 keys in 2 stages, long prompts' (``LONG_PROMPT_TOKENS``) 128-row programs 64 keys
-    in 3. Where a row of the head is wider than 256 bytes (fp32 at 128, or head size 256): 32 keys,
-    4 warps and 2 stages, so the tiles fit Hopper's and Blackwell's shared memory."""
+    (docs/benchmarks.md, the twentieth session): decodes' 16-row programs walk 64 keys a step with
+    2 warps in 3 stages (batch 256 at context 1152: 288 us a layer, 297 with 4 warps), prompt
+    chunks' 64-row programs 32 keys in 2 stages (8 prompts of 1024: 284 us, 313 in 3 stages;
+    128-row programs with 64 keys win only from ~8192-token chunks, by 2-3%). Where a row of the
+    head is wider than 256 bytes (fp32 at 128, or head size 256): 32 keys, 4 warps and 2 stages,
+    so the tiles fit Hopper's and Blackwell's shared memory."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
     block_m = block_rows(group, max_query_len)
@@ -48,8 +44,6 @@ def attention_config(
         return AttentionConfig(block_m, 32, 4, 2)
     if block_m < 64:
         return AttentionConfig(block_m, 64, 2, 3)
-    if max_query_len >= LONG_PROMPT_TOKENS:
-        return AttentionConfig(max(block_m, 128), 64, 4, 3)
     return AttentionConfig(block_m, 32, 4, 2)
 
 

@@ -225,19 +225,20 @@ def paged_attention_kernel(
     bt_row = block_table_ptr + table_req.to(tl.int64) * bt_stride
     k_head_ptr = k_cache_ptr + kv_head * k_stride_h
     v_head_ptr = v_cache_ptr + kv_head * v_stride_h
-    # Tiles every row sees whole (their last key at or before the program's first query position,
-    # so within the sequence) need no mask: walked first, without the masks' loads and selects
-    # (most of a long prompt's tiles and all but a decode's last). The rest take the masks.
-    full_end = first_tile
-    if SLIDING_WINDOW == 0:
+    # A prompt chunk's tiles that every row sees whole (their last key at or before the program's
+    # first query position, so within the sequence) need no mask: walked first, without the
+    # masks' loads and selects (on the H200, 8 prompts of 1024 tokens 11% faster). Decodes keep
+    # one masked loop: their reads bound them, and the second loop's pipeline cost them 1-8%.
+    unmasked_hi = tile_lo
+    if SLIDING_WINDOW == 0 and (not DECODE_ONLY):
         full_end = (context_len + q_start + 1) // TILE_N
-    unmasked_hi = tl.minimum(tl.maximum(full_end, tile_lo), tile_hi)
-    for tile in range(tile_lo, unmasked_hi):
-        acc, row_max, row_sum = _attend_tile(
-            acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
-            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, scale_log2,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, False,
-        )  # fmt: skip
+        unmasked_hi = tl.minimum(tl.maximum(full_end, tile_lo), tile_hi)
+        for tile in range(tile_lo, unmasked_hi):
+            acc, row_max, row_sum = _attend_tile(
+                acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
+                k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
+                scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, False,
+            )  # fmt: skip
     for tile in range(unmasked_hi, tile_hi):
         acc, row_max, row_sum = _attend_tile(
             acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
