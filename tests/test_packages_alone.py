@@ -242,6 +242,6 @@ def test_platform_installed_alone_with_its_extra(
     assert chosen["platform"] == extra
     assert chosen["backend"] == platform["attention_backends"][0]
     if extra == "cuda":
-        assert chosen["config"] == [16, 64, 4, 3]  # block_m, tile_n, warps, stages on sm90
+        assert chosen["config"] == [16, 64, 2, 3]  # block_m, tile_n, warps, stages on sm90
     if extra == "rocm":
         assert chosen["config"] == [16, 32, 4, 1]  # MI300X's narrower tiles, no pipelining
