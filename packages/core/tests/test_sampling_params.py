@@ -67,6 +67,11 @@ def test_greedy_below_vllms_temperature_threshold() -> None:
         ({"seed": -(2**63) - 1}, "seed must be an int in"),
         ({"allowed_token_ids": [True]}, "allowed_token_ids must be"),
         ({"bad_words": "word"}, "bad_words must be"),
+        ({"bad_words": ["x", ""]}, "bad_words must not hold an empty string"),
+        ({"stop": ""}, "stop must not hold an empty string"),
+        ({"stop": ["###", ""]}, "stop must not hold an empty string"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs must be a StructuredOut"),
+        ({"structured_outputs": "{}"}, "structured_outputs must be a StructuredOutputsParams"),
         ({"ignore_eos": 1}, "ignore_eos must be a bool"),
         ({"skip_special_tokens": None}, "skip_special_tokens must be a bool"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output must be"),
@@ -127,3 +132,21 @@ def test_validate_token_ids() -> None:
     ]:
         with pytest.raises(ValueError, match=rf"{name} must hold token ids in \[0, 10\)"):
             SamplingParams(**kwargs).validate_token_ids(10)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one of json, json_object, regex, choice, grammar; got none"),
+        ({"json": {}, "regex": "a"}, "got json, regex"),
+        ({"json": 5}, "structured_outputs.json must be a schema"),
+        ({"json_object": 1}, "structured_outputs.json_object must be a bool"),
+        ({"regex": "a", "disable_any_whitespace": "yes"}, "disable_any_whitespace must be a bool"),
+        ({"choice": []}, "structured_outputs.choice must not be empty"),
+    ],
+)
+def test_invalid_structured_outputs(kwargs: dict, message: str) -> None:
+    from kvik.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**kwargs)

@@ -59,10 +59,11 @@ class StructuredOutputsParams:
             raise ValueError(
                 f"structured_outputs.json must be a schema (dict or str), got {self.json!r}"
             )
-        if type(self.json_object) is not bool:
-            raise ValueError(
-                f"structured_outputs.json_object must be a bool, got {self.json_object!r}"
-            )
+        for name in ("json_object", "disable_any_whitespace"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(
+                    f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}"
+                )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -124,6 +125,9 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = _str_list("stop", self.stop)
+        if "" in self.stop:
+            # "" is found everywhere: the request would stop at its first token (as vLLM refuses).
+            raise ValueError("stop must not hold an empty string")
         self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = _int_list("allowed_token_ids", self.allowed_token_ids)
@@ -132,6 +136,9 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty when given")
         if self.bad_words is not None:
             self.bad_words = _str_list("bad_words", self.bad_words)
+            if "" in self.bad_words:
+                # "" would be banned as its space-prefixed form, " ": the space token itself.
+                raise ValueError("bad_words must not hold an empty string")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -190,6 +197,13 @@ class SamplingParams:
                     raise ValueError(f"logit_bias keys must be int token ids, got {token_id!r}")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise ValueError(
+                "structured_outputs must be a StructuredOutputsParams, got "
+                f"{type(self.structured_outputs).__name__}"
+            )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if type(getattr(self, name)) is not bool:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
