@@ -175,3 +175,67 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
         llm.generate([[5, 6], [7]], [params], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="priority must be a list of ints, one a prompt, got int"):
+        llm.generate([[5, 6]], params, priority=3, use_tqdm=False)
+    with pytest.raises(ValueError, match="got bytes"):
+        llm.generate(b"hi", params, use_tqdm=False)  # not the token ids [104, 105]
+    with pytest.raises(ValueError, match="'prompt_token_ids' must be a list of ints, got NoneType"):
+        llm.generate({"prompt_token_ids": None}, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_top_k_beyond_the_vocabulary_is_off(llm_and_hf):
+    """A top_k past the vocabulary keeps every token (it overflowed the sampler's int32 row, and
+    the request then failed every later step of the engine)."""
+    llm, _ = llm_and_hf
+    seeded = dict(temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    (off,) = llm.generate([[5, 6, 7]], SamplingParams(**seeded), use_tqdm=False)
+    for top_k in (llm.config.model.vocab_size, 2**40):
+        (out,) = llm.generate([[5, 6, 7]], SamplingParams(**seeded, top_k=top_k), use_tqdm=False)
+        assert out.outputs[0].token_ids == off.outputs[0].token_ids
+
+
+def test_an_allow_list_with_nothing_left_to_sample_is_refused(llm_and_hf):
+    """allowed_token_ids holding only EOS (2) or stop tokens, which min_tokens forbids: every
+    logit was -inf and the sampler returned token 0, outside the list."""
+    llm, _ = llm_and_hf
+    for params in (
+        SamplingParams(allowed_token_ids=[2], min_tokens=2),
+        SamplingParams(allowed_token_ids=[9, 2], stop_token_ids=[9], min_tokens=1),
+    ):
+        with pytest.raises(ValueError, match="allowed_token_ids .* are all forbidden"):
+            llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    # With EOS ignored, or some token left, it samples within the list.
+    for params in (
+        SamplingParams(allowed_token_ids=[2], min_tokens=2, ignore_eos=True, max_tokens=3),
+        SamplingParams(allowed_token_ids=[2, 9], min_tokens=2, temperature=1.0, max_tokens=3),
+    ):
+        (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert set(out.outputs[0].token_ids) <= set(params.allowed_token_ids)
+
+
+def test_an_error_mid_generate_aborts_that_calls_requests(llm_and_hf, monkeypatch):
+    """An exception (or Ctrl-C) while a batch runs aborts its requests: their KV blocks are free
+    and the next generate() runs only its own prompts, correctly."""
+    llm, _ = llm_and_hf
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    (expected,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    kv = llm.engine.kv_cache_manager
+    free = kv.num_free_blocks
+    step, calls = llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", interrupted_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[5, 6, 7], [8, 9] * 20], params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.engine.scheduler.has_unfinished_requests()
+    assert not llm.output_processor.requests
+    assert kv.num_free_blocks == free
+    (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids

@@ -78,6 +78,7 @@ class InputProcessor:
     def as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
         if isinstance(prompts, str | dict):
             return [prompts]
+        _refuse_bytes(prompts)
         if not isinstance(prompts, Sequence):
             raise ValueError(
                 "prompts must be a prompt (text, token ids or a dict) or a list of them, got "
@@ -123,9 +124,36 @@ class InputProcessor:
             )
         params.validate_token_ids(vocab)
         self._check_logprobs(params, vocab)
+        if params.top_k >= vocab:
+            # Every token is in the top k: the same as no top-k, and a k past the vocabulary
+            # would not fit the sampler's int32 row of top-k values.
+            params = replace(params, top_k=0)
+        if params.bad_words:
+            bad_words_token_ids = self.bad_words_token_ids(params)  # refuses text it cannot encode
+        else:
+            bad_words_token_ids = []
+        if params.allowed_token_ids is not None:
+            self._check_allowed_tokens(params, bad_words_token_ids)
         if params.structured_outputs is not None:
             self._check_structured_outputs(params)
         return text, token_ids, params
+
+    def _check_allowed_tokens(
+        self, params: SamplingParams, bad_words_token_ids: list[list[int]]
+    ) -> None:
+        """An allow-list whose every token the other parameters forbid at the first step would
+        leave nothing to sample (the sampler would return a token outside the list)."""
+        banned = {ids[0] for ids in bad_words_token_ids if len(ids) == 1}
+        if params.min_tokens > 0:
+            banned.update(params.stop_token_ids)
+            if not params.ignore_eos:
+                banned.update(self.eos_token_ids)
+        if banned.issuperset(params.allowed_token_ids):
+            raise ValueError(
+                f"allowed_token_ids {sorted(set(params.allowed_token_ids))} are all forbidden at "
+                "the first step (by bad_words, or as EOS or stop_token_ids while min_tokens="
+                f"{params.min_tokens} has not been reached): nothing would be left to sample"
+            )
 
     def _check_structured_outputs(self, params: SamplingParams) -> None:
         """A bad schema, regex or grammar is the caller's error (a 400 when served), caught here
@@ -141,7 +169,13 @@ class InputProcessor:
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, list | tuple):
+                    raise ValueError(
+                        "a dict prompt's 'prompt_token_ids' must be a list of ints, got "
+                        f"{type(token_ids).__name__}"
+                    )
+                return prompt.get("prompt"), list(token_ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -153,6 +187,7 @@ class InputProcessor:
                     "token ids, or tokenizer=<folder>"
                 )
             return prompt, encode_text(self.tokenizer, prompt)
+        _refuse_bytes(prompt)
         if isinstance(prompt, Sequence):
             return None, list(prompt)
         raise ValueError(
@@ -236,6 +271,15 @@ class InputProcessor:
             arrival_time=arrival_time,
             priority=priority,
             bad_words_token_ids=self.bad_words_token_ids(params) if params.bad_words else [],
+        )
+
+
+def _refuse_bytes(prompt: Any) -> None:
+    # bytes are a Sequence of ints: b"hi" would silently be the token ids [104, 105].
+    if isinstance(prompt, bytes | bytearray | memoryview):
+        raise ValueError(
+            f"a prompt must be a string, token ids or a dict, got {type(prompt).__name__} (decode "
+            "it to a string first)"
         )
 
 

@@ -88,6 +88,10 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
+        if priority is not None and not isinstance(priority, Sequence):
+            raise ValueError(
+                f"priority must be a list of ints, one a prompt, got {type(priority).__name__}"
+            )
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
@@ -101,19 +105,27 @@ class LLM:
         results: list[RequestOutput] = []
         states = []
         now = time.monotonic()
-        for (prompt_text, token_ids, params), prio in zip(processed, priorities):
-            parent_id = str(next(self._ids))
-            results.append(RequestOutput(parent_id, prompt_text, token_ids))
-            for index, (child_id, child_params) in enumerate(child_requests(parent_id, params)):
-                states.append(
-                    self.output_processor.add_request(
-                        child_id, prompt_text, token_ids, child_params, index
+        try:
+            for (prompt_text, token_ids, params), prio in zip(processed, priorities):
+                parent_id = str(next(self._ids))
+                results.append(RequestOutput(parent_id, prompt_text, token_ids))
+                for index, (child_id, child_params) in enumerate(child_requests(parent_id, params)):
+                    states.append(
+                        self.output_processor.add_request(
+                            child_id, prompt_text, token_ids, child_params, index
+                        )
                     )
-                )
-                self.engine.add_request(
-                    self.input_processor.make_request(child_id, token_ids, child_params, prio, now)
-                )
-        self._run_to_completion(len(states), use_tqdm)
+                    self.engine.add_request(
+                        self.input_processor.make_request(
+                            child_id, token_ids, child_params, prio, now
+                        )
+                    )
+            self._run_to_completion(len(states), use_tqdm)
+        except BaseException:
+            # An error or Ctrl-C mid-batch: abort this call's requests, so that they neither hold
+            # KV blocks nor run on in the next call.
+            self._abort([state.request_id for state in states])
+            raise
         by_parent = iter(results)
         result = None
         for state in states:
@@ -173,6 +185,15 @@ class LLM:
             if not state.finished:  # the caller stopped early: free the request's blocks
                 self.output_processor.abort(request_id)
                 self.engine.abort_requests([request_id])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        unfinished = [
+            request_id
+            for request_id in request_ids
+            if self.output_processor.abort(request_id) is not None
+        ]
+        if unfinished:
+            self.engine.abort_requests(unfinished)
 
     def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> None:
         with tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar:
