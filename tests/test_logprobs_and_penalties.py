@@ -181,6 +181,8 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
         llm.generate(b"hi", params, use_tqdm=False)  # not the token ids [104, 105]
     with pytest.raises(ValueError, match="'prompt_token_ids' must be a list of ints, got NoneType"):
         llm.generate({"prompt_token_ids": None}, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="messages must be a conversation .* got dict"):
+        llm.chat({"role": "user", "content": "hi"}, params, use_tqdm=False)  # was KeyError: 0
     assert not llm.engine.has_unfinished_requests()
 
 
@@ -239,3 +241,18 @@ def test_an_error_mid_generate_aborts_that_calls_requests(llm_and_hf, monkeypatc
     assert kv.num_free_blocks == free
     (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+
+
+def test_an_assistant_message_without_content_renders_as_empty_text():
+    """A tool-calling assistant's content None reaches string-content templates as "" (as vLLM
+    hands it to them): SmolLM2's template concatenated None and raised a TypeError."""
+    from kvik.engine.input_processor import flatten_text_parts
+
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": []},
+    ]
+    assert flatten_text_parts(messages) == [
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "tool_calls": []},
+    ]

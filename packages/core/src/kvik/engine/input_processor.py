@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvik.config import ModelConfig
+from kvik.model_loader.resolve import TOKENIZER_FILES
 from kvik.request import Request
 from kvik.sampling_params import SamplingParams
 
@@ -27,9 +28,7 @@ def load_tokenizer(name_or_path: str | Path) -> Any | None:
         from kvik.model_loader.gguf_loader import gguf_has_tokenizer, gguf_tokenizer
 
         return gguf_tokenizer(path) if gguf_has_tokenizer(path) else None
-    if not any(
-        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    ):
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 
@@ -340,10 +339,14 @@ def validate_conversation(conversation: Any) -> None:
 def flatten_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each message whose content is a list of text parts with its texts joined by newlines, as
     vLLM hands them to string-content templates: templates of text models (SmolLM2's, Llama's,
-    Qwen's) concatenate ``message['content']`` as a string and fail on a list."""
+    Qwen's) concatenate ``message['content']`` as a string and fail on a list. An assistant's
+    None content (a message of tool calls) is "", as vLLM renders it: such templates failed on
+    None with a TypeError."""
     return [
         {**m, "content": "\n".join(p["text"] for p in m["content"])}
         if isinstance(m.get("content"), list)
+        else {**m, "content": ""}
+        if m.get("content") is None
         else m
         for m in conversation
     ]

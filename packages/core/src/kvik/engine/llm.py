@@ -148,6 +148,11 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or to several."""
+        if not isinstance(messages, list):
+            raise ValueError(
+                "messages must be a conversation (a list of message dicts) or a list of them, got "
+                f"{type(messages).__name__}"
+            )
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             self.input_processor.apply_chat_template(
