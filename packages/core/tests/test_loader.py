@@ -33,12 +33,16 @@ def config_only(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_config_resolves_defaults(config_only: Path) -> None:
-    config = load_model_config(str(config_only), load_format="dummy", seed=3, tokenizer="tok")
+def test_config_resolves_defaults(config_only: Path, tmp_path_factory) -> None:
+    tok = tmp_path_factory.mktemp("tok")
+    (tok / "tokenizer.json").write_text("{}")
+    config = load_model_config(str(config_only), load_format="dummy", seed=3, tokenizer=str(tok))
     assert config.architecture == "LlamaForCausalLM"
     assert config.dtype == torch.float32
     assert config.max_model_len == 256
-    assert (config.seed, config.tokenizer, config.load_format) == (3, "tok", "dummy")
+    assert (config.seed, config.tokenizer, config.load_format) == (3, str(tok), "dummy")
+    with pytest.raises(ValueError, match="tokenizer 'tok' is neither a local folder"):
+        load_model_config(str(config_only), load_format="dummy", tokenizer="tok")
     assert config.generation_config == {"eos_token_id": [2, 7]}
 
 

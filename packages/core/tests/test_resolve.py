@@ -192,3 +192,28 @@ def test_hash_mismatch_leaves_nothing(
     with pytest.raises(RuntimeError, match=f"sha256 mismatch: expected {'0' * 64} got {actual}"):
         default_model_path(tmp_path)
     assert _files(tmp_path / ALIAS) == [".lock"]
+
+
+def test_tokenizer_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer option is a folder holding a tokenizer, a .gguf file or a hub id; anything
+    else is refused (a wrong path used to be ignored: the model ran without a tokenizer)."""
+    import huggingface_hub
+
+    from kvik.model_loader.resolve import resolve_tokenizer
+
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "t.gguf").write_bytes(b"GGUF")
+    assert resolve_tokenizer(str(tmp_path / "tok")) == str(tmp_path / "tok")
+    assert resolve_tokenizer(str(tmp_path / "t.gguf")) == str(tmp_path / "t.gguf")
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        resolve_tokenizer(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="is a file but not a .gguf file"):
+        resolve_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer '/no/such' is neither a local folder"):
+        resolve_tokenizer("/no/such")
+    monkeypatch.setattr(
+        huggingface_hub, "snapshot_download", lambda repo_id, allow_patterns: str(tmp_path / "tok")
+    )
+    assert resolve_tokenizer("org/tok") == str(tmp_path / "tok")

@@ -19,7 +19,7 @@ from kvik.model_loader.gguf_loader import (
     iter_gguf_weights,
 )
 from kvik.model_loader.kv_scales import take_kv_scales
-from kvik.model_loader.resolve import resolve_model
+from kvik.model_loader.resolve import resolve_model, resolve_tokenizer
 from kvik.model_loader.safetensors_loader import (
     iterate_safetensors,
     iterate_safetensors_slices,
@@ -51,6 +51,8 @@ def load_model_config(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     resolved = resolve_model(model)
+    if tokenizer is not None:
+        tokenizer = resolve_tokenizer(tokenizer)
     path = resolved.path
     if resolved.kind == "gguf":
         if load_format == "safetensors":

@@ -67,3 +67,40 @@ def _hub_download(repo_id: str) -> Path:
     if not (folder / "config.json").is_file():
         raise ValueError(f"hub repo {repo_id!r} has no config.json (kvik loads safetensors repos)")
     return folder
+
+
+#: Files of a folder that hold a tokenizer (``kvik.engine.input_processor.load_tokenizer``).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def resolve_tokenizer(name: str) -> str:
+    """The ``tokenizer`` option: a local folder holding a tokenizer, a ``.gguf`` file, or a hub id
+    ``org/name`` (its tokenizer files are downloaded). Raises ValueError saying what was tried,
+    rather than leave the model without a tokenizer."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not any((path / f).is_file() for f in TOKENIZER_FILES):
+            raise ValueError(
+                f"tokenizer folder {path} holds no tokenizer ({', '.join(TOKENIZER_FILES)})"
+            )
+        return str(path.resolve())
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"tokenizer {path} is a file but not a .gguf file: pass its folder")
+        return str(path.resolve())
+    if _HUB_ID.fullmatch(name):
+        from huggingface_hub import snapshot_download
+
+        patterns = ["tokenizer*", "special_tokens_map.json", "vocab.json", "merges.txt"]
+        try:
+            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "chat_template.*"]))
+        except Exception as e:  # no network, no such repo, gated, offline mode
+            raise ValueError(
+                f"tokenizer {name!r} is neither a local folder, a .gguf file nor a reachable hub "
+                f"id ({type(e).__name__}: {e})"
+            ) from e
+        return resolve_tokenizer(str(folder))
+    raise ValueError(
+        f"tokenizer {name!r} is neither a local folder, a .gguf file nor a hub id of the form "
+        "org/name"
+    )
