@@ -202,6 +202,8 @@ def test_an_unknown_llm_keyword_names_the_closest_option(capture_llm_engine_args
         ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of 'fcfs', 'priority'"),
         ({"dtype": "fp8"}, "dtype must be one of 'auto', .* or a torch.dtype, got 'fp8'"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"seed": -1}, r"seed must be in \[0, 2\*\*32\), got -1"),  # was NumPy's error
+        ({"seed": 2**32}, r"seed must be in \[0, 2\*\*32\)"),
         ({"cudagraph_capture_sizes": [1, "2"]}, "must be a list of integers or None"),
         ({"ops_dispatch": "native"}, "ops_dispatch must be one of 'torch_ops', 'direct'"),
     ],

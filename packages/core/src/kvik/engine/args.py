@@ -211,6 +211,9 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             optional=True,
         )
+        if not 0 <= self.seed < 2**32:
+            # What Python's, NumPy's and PyTorch's generators are all seeded with.
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}")
         if not 0 < self.gpu_memory_utilization <= 1:
