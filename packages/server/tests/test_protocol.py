@@ -37,6 +37,13 @@ def test_completion_prompts_of_every_openai_shape(prompt):
         {"stop_token_ids": [1, True]},  # a bool is not a token id
         {"stream_options": {"include_usage": True}},  # only with stream
         {"prompt": [[1, "x"]]},
+        # The engine's messages carry 64-bit ints: bigger ones are refused here (were 500s).
+        {"max_tokens": 2**63},
+        {"top_k": 2**70},
+        {"min_tokens": 2**64},
+        {"seed": -(2**63) - 1},
+        {"priority": 2**63},
+        {"best_of": 0},
     ],
 )
 def test_completion_request_rejects(fields):
@@ -55,6 +62,20 @@ def test_chat_request_needs_messages_and_unknown_fields_are_ignored():
     )
     assert request.stream_options.include_usage
     assert not hasattr(request, "some_future_field")
+
+
+@pytest.mark.parametrize("field", ["max_completion_tokens", "max_tokens", "top_k"])
+def test_chat_request_rejects_ints_past_int64(field):
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{field: 2**70})
+
+
+def test_responses_request_rejects_ints_past_int64():
+    from kvik_server.responses.protocol import ResponsesRequest
+
+    for field in ("max_output_tokens", "top_k", "seed", "priority"):
+        with pytest.raises(ValidationError):
+            ResponsesRequest(input="hi", **{field: 2**70})
 
 
 def test_tokenize_takes_exactly_one_input():

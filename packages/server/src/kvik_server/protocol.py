@@ -8,6 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
+#: The largest int a request may carry into the engine: its messages hold 64-bit integers, so a
+#: bigger one (``"max_tokens": 2**70``) would fail to serialise there, a 500 rather than a 400.
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -30,26 +35,26 @@ class SamplingFields(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    prompt_logprobs: int | None = Field(None, ge=-1)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    prompt_logprobs: int | None = Field(None, ge=-1, le=INT64_MAX)
     allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    priority: int = 0
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, and vLLM's extra field
     # (json, json_object, regex, choice, grammar): kvik_server.structured_outputs reads both.
     response_format: dict[str, Any] | None = None
@@ -66,7 +71,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     suffix: str | None = None
 
 
@@ -78,7 +83,7 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     chat_template: str | None = None

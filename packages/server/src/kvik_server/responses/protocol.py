@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from kvik_server.protocol import OpenAIModel
+from kvik_server.protocol import INT64_MAX, INT64_MIN, OpenAIModel
 
 
 class ResponsesRequest(OpenAIModel):
@@ -17,7 +17,7 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     stream: bool = False
@@ -27,9 +27,9 @@ class ResponsesRequest(OpenAIModel):
     user: str | None = None
     background: bool = False
     # vLLM's extras.
-    seed: int | None = None
-    top_k: int | None = Field(None, ge=-1)
-    priority: int = 0
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
