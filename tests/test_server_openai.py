@@ -218,8 +218,13 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
         ({"max_tokens": 2}, "prompt"),
         # Past the int64 seeds the engine's messages carry (was a 500).
-        ({"prompt": "hi", "seed": 2**70, "max_tokens": 2}, None),
-        ({"prompt": "hi", "priority": 10**30, "max_tokens": 2}, None),
+        ({"prompt": "hi", "seed": 2**70, "max_tokens": 2}, "seed"),
+        ({"prompt": "hi", "priority": 10**30, "max_tokens": 2}, "priority"),
+        # Past int64, the other ints the engine's messages carry were 500s too.
+        ({"prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+        ({"prompt": "hi", "top_k": 2**70, "max_tokens": 2}, "top_k"),
+        ({"prompt": "hi", "min_tokens": 2**70}, "min_tokens"),
+        ({"prompt": "hi", "best_of": 0}, "best_of"),  # was silently ignored
         # JSON can carry a lone UTF-16 surrogate; the tokenizer cannot (was a 500).
         ({"prompt": "hi \ud800", "max_tokens": 2}, None),
     ],
@@ -240,6 +245,12 @@ def test_bad_completion_requests_get_400(server, body, param):
         ({"chat_template": "{% for %}"}, "TemplateSyntaxError"),
         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "may not set"),
         ({"chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+        # Arguments transformers passes itself, and ones that fail in Python rather than in
+        # jinja: each was a 500.
+        ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),
+        ({"chat_template_kwargs": {"tools": 5}}, "may not set tools"),
+        ({"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs: TypeError"),
+        ({"chat_template": "{{ 1 / 0 }}"}, "ZeroDivisionError"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a string"),
         ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "name must be a string"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),

@@ -48,6 +48,9 @@ from kvik_server.tools.choice import (
 )
 from kvik_server.tools.messages import template_messages
 
+#: Template arguments that transformers passes itself, from the request's messages and tools.
+_REQUEST_TEMPLATE_KWARGS = frozenset({"messages", "tools"})
+
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
@@ -383,15 +386,40 @@ class ChatCompletions:
         if tools is None:
             tools = parse_tools(getattr(request, "tools", None))
         kwargs = dict(request.chat_template_kwargs or {})
+        taken = sorted(_REQUEST_TEMPLATE_KWARGS.intersection(kwargs))
+        if taken:
+            # The template gets these from the request's own fields; as kwargs they clashed with
+            # them inside transformers (a TypeError, a 500).
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(taken)}: they come from the "
+                "request's messages and tools",
+                param="chat_template_kwargs",
+            )
         if tools:
             kwargs["tools"] = [tool.as_openai() for tool in tools]
-        return self.engine.apply_chat_template(
-            template_messages([m.model_dump(exclude_none=True) for m in request.messages]),
-            chat_template=getattr(request, "chat_template", None) or self.chat_template,
-            add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message,
-            chat_template_kwargs=kwargs,
-        )
+        request_template = getattr(request, "chat_template", None)
+        try:
+            return self.engine.apply_chat_template(
+                template_messages([m.model_dump(exclude_none=True) for m in request.messages]),
+                chat_template=request_template or self.chat_template,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                chat_template_kwargs=kwargs,
+            )
+        except (ValueError, APIError):
+            raise
+        except Exception as e:
+            # A template of the request's own, or the model's given the request's template
+            # arguments, that fails in Python rather than in jinja ({{ 1 / 0 }}, a document that
+            # is not a dict): the request's fault, not the server's.
+            if request_template is None and not request.chat_template_kwargs:
+                raise
+            raise APIError(
+                f"the chat template failed with this request's "
+                f"{'chat_template' if request_template else 'chat_template_kwargs'}: "
+                f"{type(e).__name__}: {e}",
+                param="chat_template" if request_template else "chat_template_kwargs",
+            ) from None
 
     async def create(
         self, request: ChatCompletionRequest, arrival_time: float | None = None
