@@ -164,6 +164,18 @@ def test_bench_throughput_writes_the_peer_fields(tiny_config, tmp_path) -> None:
     assert counts["kv_cache_blocks"] >= 4 * 18 / counts["block_size"]
 
 
+@pytest.mark.parametrize("benchmark", ["throughput", "latency"])
+def test_bench_refuses_requests_longer_than_the_context(tiny_config, benchmark, capsys) -> None:
+    """Prompt plus output past max_model_len is refused before the run (the engine cut each
+    output short, and the run failed at its end: 'request 0 produced 2 tokens, expected 6')."""
+    argv = ["bench", benchmark, *engine_options(tiny_config), "--max-model-len", "32"]
+    argv += ["--input-len", "30", "--output-len", "6"]
+    assert main(argv) == 2
+    assert "30 prompt and 6 output tokens needs 36 tokens, more than max_model_len=32" in (
+        capsys.readouterr().err
+    )
+
+
 def test_bench_latency_reports_mean_and_percentiles(tiny_config, tmp_path) -> None:
     out = tmp_path / "latency.json"
     argv = ["bench", "latency", *engine_options(tiny_config), "--batch-size", "2"]

@@ -65,6 +65,18 @@ def random_workload(
     return Workload(prompts, output_lens)
 
 
+def check_fits(workload: Workload, max_model_len: int) -> None:
+    """Refuse, before anything runs, a request whose prompt and output exceed the model's context:
+    the engine would cut its output short and the run would fail at its end."""
+    for prompt, output_len in zip(workload.prompts, workload.output_lens):
+        if len(prompt) + output_len > max_model_len:
+            raise ValueError(
+                f"a request of {len(prompt)} prompt and {output_len} output tokens needs "
+                f"{len(prompt) + output_len} tokens, more than max_model_len={max_model_len}: "
+                "lower --input-len / --output-len (or --range-ratio), or raise --max-model-len"
+            )
+
+
 def warmup_workload(
     num_prompts: int, input_len: int, vocab_size: int, seed: int, output_len: int = 4
 ) -> Workload:

@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from kvik.bench.common import (
     base_result,
+    check_fits,
     mean,
     percentiles,
     random_workload,
@@ -59,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
             )
             for i in range(args.num_iters_warmup + args.num_iters)
         ]
+        for batch in batches:
+            check_fits(batch, llm.config.model.max_model_len)
         device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         latencies = []
         spec_before = None

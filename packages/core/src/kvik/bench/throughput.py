@@ -18,6 +18,7 @@ from kvik.bench.common import (
     Workload,
     add_workload_arguments,
     base_result,
+    check_fits,
     random_workload,
     report_spec_decoding,
     run_metadata,
@@ -54,10 +55,12 @@ def run(args: argparse.Namespace) -> int:
         workload = random_workload(
             args.num_prompts, args.input_len, args.output_len, vocab, args.seed, args.range_ratio
         )
+        check_fits(workload, llm.config.model.max_model_len)
         if args.num_warmup_prompts > 0:
             warmup = warmup_workload(
                 args.num_warmup_prompts, args.input_len, vocab, args.seed, args.warmup_output_len
             )
+            check_fits(warmup, llm.config.model.max_model_len)
             generate(llm, warmup, ignore_eos=True, use_tqdm=False)
         device = engine_device_limits(llm)  # the CPU's probe runs here, before the clock
         spec_before = spec_decoding_counts(llm)
