@@ -49,3 +49,23 @@ def test_slow_path_matches_the_fast_path_in_a_bounded_window(tokenizer) -> None:
     # re-decodes the output so far.
     assert len(slow_tokenizer.lengths) == 2 * len(ids)
     assert max(slow_tokenizer.lengths) <= 16
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    """A stop string in the first min_tokens tokens does not end the request (as vLLM): min_tokens
+    was ignored for stop strings, while it held back stop and EOS tokens."""
+    from kvik.engine.output_processor import OutputProcessor
+    from kvik.sampling_params import SamplingParams
+    from kvik.scheduler.output import EngineCoreOutput
+
+    ids = tokenizer.encode(" a b a b a b", add_special_tokens=False)
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    for min_tokens, text in ((0, " a"), (3, " a b a"), (len(ids), " a b a b a b")):
+        processor = OutputProcessor(tokenizer)
+        params = SamplingParams(stop=[" b"], min_tokens=min_tokens, max_tokens=len(ids))
+        state = processor.add_request("r", None, prompt, params)
+        for token_id in ids:
+            processor.process_outputs([EngineCoreOutput("r", [token_id])])
+            if state.finished:
+                break
+        assert state.text == text

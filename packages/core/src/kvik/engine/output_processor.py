@@ -148,7 +148,9 @@ class OutputProcessor:
                 continue
             chunk = state.detokenizer.step(token_id)
             state.text += chunk
-            if params.stop and chunk:
+            # As vLLM: stop strings count only once the output is longer than min_tokens (stop
+            # and EOS tokens are masked until then).
+            if params.stop and chunk and len(state.token_ids) > params.min_tokens:
                 found = find_stop_string(
                     state.text, len(chunk), params.stop, params.include_stop_str_in_output
                 )
