@@ -183,6 +183,14 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
         llm.generate({"prompt_token_ids": None}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="messages must be a conversation .* got dict"):
         llm.chat({"role": "user", "content": "hi"}, params, use_tqdm=False)  # was KeyError: 0
+    hi = [{"role": "user", "content": "hi"}]
+    for kwargs, message in (  # TypeErrors from transformers and jinja2 before
+        ({"chat_template_kwargs": 5}, "chat_template_kwargs must be a dict, got int"),
+        ({"chat_template": 5}, "chat_template must be a string"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt must be a bool"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm.chat(hi, params, use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
 
 

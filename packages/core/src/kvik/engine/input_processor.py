@@ -203,6 +203,20 @@ class InputProcessor:
     ) -> dict[str, Any]:
         """Render a conversation with the model's (or the given) chat template into a prompt."""
         validate_conversation(conversation)
+        for name, value in (
+            ("add_generation_prompt", add_generation_prompt),
+            ("continue_final_message", continue_final_message),
+        ):
+            if type(value) is not bool:
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ValueError(
+                f"chat_template must be a string (a Jinja template), got {type(chat_template).__name__}"
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise ValueError(
+                f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}"
+            )
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if continue_final_message and conversation[-1]["role"] != "assistant":
