@@ -225,6 +225,8 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"prompt": "hi", "top_k": 2**70, "max_tokens": 2}, "top_k"),
         ({"prompt": "hi", "min_tokens": 2**70}, "min_tokens"),
         ({"prompt": "hi", "best_of": 0}, "best_of"),  # was silently ignored
+        # This server schedules fcfs: a priority was silently ignored.
+        ({"prompt": "hi", "priority": 1, "max_tokens": 2}, "priority"),
         # JSON can carry a lone UTF-16 surrogate; the tokenizer cannot (was a 500).
         ({"prompt": "hi \ud800", "max_tokens": 2}, None),
     ],
@@ -251,6 +253,7 @@ def test_bad_completion_requests_get_400(server, body, param):
         ({"chat_template_kwargs": {"tools": 5}}, "may not set tools"),
         ({"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs: TypeError"),
         ({"chat_template": "{{ 1 / 0 }}"}, "ZeroDivisionError"),
+        ({"priority": -1}, "--scheduling-policy priority"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a string"),
         ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "name must be a string"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),

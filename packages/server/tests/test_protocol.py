@@ -99,3 +99,19 @@ def test_error_bodies_have_openais_shape():
         }
     }
     assert error_body("no key", 401)["error"]["type"] == "AuthenticationError"
+
+
+def test_priority_needs_the_priority_policy():
+    from types import SimpleNamespace
+
+    from kvik_server.errors import APIError
+    from kvik_server.serving import check_priority
+
+    def engine(policy):
+        return SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(policy=policy)))
+
+    check_priority(engine("fcfs"), 0)
+    check_priority(engine("priority"), -5)
+    with pytest.raises(APIError, match="--scheduling-policy priority") as error:
+        check_priority(engine("fcfs"), 3)
+    assert error.value.param == "priority"

@@ -100,6 +100,17 @@ def sampling_params(
     )
 
 
+def check_priority(engine: AsyncLLM, priority: int) -> None:
+    """A priority other than 0 needs a server that schedules by it: under fcfs it was silently
+    ignored (vLLM refuses it too)."""
+    if priority != 0 and engine.config.scheduler.policy != "priority":
+        raise APIError(
+            f"priority {priority} needs a server started with --scheduling-policy priority; this "
+            f"one schedules {engine.config.scheduler.policy}",
+            param="priority",
+        )
+
+
 class _Choice:
     """What has been sent of one streamed choice so far (its outputs are deltas)."""
 
@@ -201,6 +212,7 @@ class Completions:
             raise APIError("best_of > 1 is not supported", param="best_of")
         if request.suffix is not None:
             raise APIError("suffix is not supported", param="suffix")
+        check_priority(self.engine, request.priority)
         params = sampling_params(self.engine, request, request.max_tokens, 16, request.logprobs)
         if request.echo and request.logprobs is not None and params.prompt_logprobs != -1:
             # The echoed prompt's tokens get logprobs too (vLLM's echo): its top `logprobs`.
@@ -434,6 +446,7 @@ class ChatCompletions:
         )
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs to be true", param="top_logprobs")
+        check_priority(self.engine, request.priority)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
         params = sampling_params(self.engine, request, max_tokens, None, logprobs)

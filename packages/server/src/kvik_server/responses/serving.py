@@ -23,7 +23,13 @@ from kvik_server.responses.items import (
 )
 from kvik_server.responses.protocol import ResponsesRequest
 from kvik_server.responses.store import ResponseStore, StoredResponse
-from kvik_server.serving import ChatCompletions, _chain, _start_all, sampling_params
+from kvik_server.serving import (
+    ChatCompletions,
+    _chain,
+    _start_all,
+    check_priority,
+    sampling_params,
+)
 from kvik_server.tools.choice import (
     ToolOptions,
     ToolPlan,
@@ -47,6 +53,7 @@ class Responses:
     async def create(
         self, request: ResponsesRequest, arrival_time: float | None = None
     ) -> dict[str, Any] | AsyncIterator[str]:
+        check_priority(self.engine, request.priority)
         tools = parse_tools(request.tools, nested=False)
         plan = plan_tools(
             tools,
