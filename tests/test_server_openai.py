@@ -227,6 +227,9 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"prompt": "hi", "best_of": 0}, "best_of"),  # was silently ignored
         # This server schedules fcfs: a priority was silently ignored.
         ({"prompt": "hi", "priority": 1, "max_tokens": 2}, "priority"),
+        # vLLM's old guided fields were ignored: the output was silently unconstrained.
+        ({"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+        ({"prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
         # JSON can carry a lone UTF-16 surrogate; the tokenizer cannot (was a 500).
         ({"prompt": "hi \ud800", "max_tokens": 2}, None),
     ],
@@ -254,6 +257,7 @@ def test_bad_completion_requests_get_400(server, body, param):
         ({"chat_template_kwargs": {"documents": 5}}, "chat_template_kwargs: TypeError"),
         ({"chat_template": "{{ 1 / 0 }}"}, "ZeroDivisionError"),
         ({"priority": -1}, "--scheduling-policy priority"),
+        ({"guided_regex": "[0-9]+"}, 'structured_outputs {"regex": ...}'),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a string"),
         ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "name must be a string"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
@@ -266,6 +270,17 @@ def test_bad_chat_requests_get_400(server, body, message):
     response = post_json(server, "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     assert message in response.json()["error"]["message"]
+
+
+def test_completions_without_special_tokens(server):
+    """add_special_tokens=false reaches the engine as token ids without them (it was ignored)."""
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "echo": True}
+    bare = post_json(server, "/v1/completions", body | {"add_special_tokens": False}).json()
+    tokens = post_json(server, "/tokenize", {"prompt": "Hello", "add_special_tokens": False})
+    assert bare["usage"]["prompt_tokens"] == tokens.json()["count"]
+    assert bare["choices"][0]["text"].startswith("Hello")
+    plain = post_json(server, "/v1/completions", body).json()
+    assert plain["choices"][0]["text"] == bare["choices"][0]["text"]  # the tokenizer adds none
 
 
 def test_text_parts_are_joined_as_vllm_joins_them(client):

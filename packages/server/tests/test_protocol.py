@@ -115,3 +115,25 @@ def test_priority_needs_the_priority_policy():
     with pytest.raises(APIError, match="--scheduling-policy priority") as error:
         check_priority(engine("fcfs"), 3)
     assert error.value.param == "priority"
+
+
+def test_completions_honour_add_special_tokens():
+    """add_special_tokens=false tokenizes text prompts without the BOS (it was ignored)."""
+    from types import SimpleNamespace
+
+    from kvik_server.serving import Completions
+
+    class Tokenizer:
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [ord(c) for c in text]
+
+    completions = Completions(SimpleNamespace(tokenizer=Tokenizer()), "m")
+    plain = CompletionRequest(prompt=["ab", "c"])
+    assert completions._prompts(plain) == ["ab", "c"]  # the engine tokenizes, BOS and all
+    bare = CompletionRequest(prompt=["ab", "c"], add_special_tokens=False)
+    assert completions._prompts(bare) == [
+        {"prompt": "ab", "prompt_token_ids": [97, 98]},
+        {"prompt": "c", "prompt_token_ids": [99]},
+    ]
+    ids = CompletionRequest(prompt=[5, 6], add_special_tokens=False)
+    assert completions._prompts(ids) == [[5, 6]]

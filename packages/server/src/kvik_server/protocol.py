@@ -59,6 +59,12 @@ class SamplingFields(OpenAIModel):
     # (json, json_object, regex, choice, grammar): kvik_server.structured_outputs reads both.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's old structured-output fields, refused rather than ignored (kvik_server.
+    # structured_outputs): ignored, a client written for them got unconstrained output.
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> SamplingFields:
@@ -73,6 +79,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=INT64_MAX)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt's BOS (and such)
 
 
 class ChatMessage(OpenAIModel):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.input_processor import encode_text
 from kvik.outputs import CompletionOutput, Logprob, RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik_server.errors import APIError, error_body
@@ -37,7 +38,7 @@ from kvik_server.protocol import (
     Usage,
     random_id,
 )
-from kvik_server.structured_outputs import structured_outputs_params
+from kvik_server.structured_outputs import refuse_old_guided_fields, structured_outputs_params
 from kvik_server.tools.choice import (
     FunctionTool,
     ToolOptions,
@@ -62,6 +63,7 @@ def sampling_params(
     logprobs: int | None,
 ) -> SamplingParams:
     """The request's SamplingParams over the model's generation_config defaults, as vLLM does."""
+    refuse_old_guided_fields(request)
     if request.logit_bias is not None:
         try:
             logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
@@ -198,12 +200,26 @@ class Completions:
     def _prompts(self, request: CompletionRequest) -> list[Any]:
         prompt = request.prompt
         if isinstance(prompt, str):
-            return [prompt]
-        if not prompt:
+            prompts: list[Any] = [prompt]
+        elif not prompt:
             raise APIError("prompt must not be empty", param="prompt")
-        if isinstance(prompt[0], int):
+        elif isinstance(prompt[0], int):
             return [prompt]
-        return list(prompt)
+        else:
+            prompts = list(prompt)
+        if request.add_special_tokens or self.engine.tokenizer is None:
+            return prompts
+        # Text tokenized here, without the special tokens the engine's encoding adds (it was
+        # ignored: a BOS was added all the same).
+        return [
+            {
+                "prompt": p,
+                "prompt_token_ids": encode_text(self.engine.tokenizer, p, add_special_tokens=False),
+            }
+            if isinstance(p, str)
+            else p
+            for p in prompts
+        ]
 
     async def create(
         self, request: CompletionRequest, arrival_time: float | None = None

@@ -23,6 +23,27 @@ _STRUCTURED_OUTPUTS_KEYS = (
 )
 
 
+#: vLLM's old fields (removed there in favour of ``structured_outputs``) and their new keys.
+OLD_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def refuse_old_guided_fields(request: Any) -> None:
+    """A request with vLLM's old ``guided_*`` fields is refused: ignored, like any unknown field,
+    its output was silently unconstrained."""
+    for name, key in OLD_GUIDED_FIELDS.items():
+        if getattr(request, name, None) is not None:
+            raise APIError(
+                f"{name} is not supported (vLLM's old field); give structured_outputs "
+                f'{{"{key}": ...}} or response_format instead',
+                param=name,
+            )
+
+
 def structured_outputs_params(
     response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None
 ) -> StructuredOutputsParams | None:
