@@ -183,6 +183,10 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
         llm.generate({"prompt_token_ids": None}, params, use_tqdm=False)
     with pytest.raises(ValueError, match="messages must be a conversation .* got dict"):
         llm.chat({"role": "user", "content": "hi"}, params, use_tqdm=False)  # was KeyError: 0
+    changed = SamplingParams(max_tokens=2)
+    changed.top_p = 5.0  # set after construction: checked again, not sampled with
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 5.0"):
+        llm.generate([[5, 6], [7, 8]], [params, changed], use_tqdm=False)
     hi = [{"role": "user", "content": "hi"}]
     for kwargs, message in (  # TypeErrors from transformers and jinja2 before
         ({"chat_template_kwargs": 5}, "chat_template_kwargs must be a dict, got int"),

@@ -95,6 +95,9 @@ class InputProcessor:
     ) -> tuple[str | None, list[int], SamplingParams]:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        # A checked copy: fields set after construction (sp.top_p = 5, sp.stop = "###") are
+        # normalised and checked as at construction, and the caller's object is left as it is.
+        params = replace(params)
         if self.tokenizer is None:
             for name in ("stop", "bad_words"):
                 if getattr(params, name):
