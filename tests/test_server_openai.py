@@ -213,9 +213,12 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"prompt": "hi", "best_of": 2}, "best_of"),
         ({"prompt": "hi", "suffix": "x"}, "suffix"),
         ({"prompt": [], "max_tokens": 2}, "prompt"),
-        ({"prompt": [[1, 2], [300]], "max_tokens": 2}, None),
+        ({"prompt": [[1, 2], [300]], "max_tokens": 2}, "prompt"),
         ({"prompt": "x" * 300, "max_tokens": 2}, None),
         ({"prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+        # The engine's errors name the field in param too (it was null).
+        ({"prompt": "hi", "logit_bias": {"999": 1}}, "logit_bias"),
+        ({"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"max_tokens": 2}, "prompt"),
         # Past the int64 seeds the engine's messages carry (was a 500).
         ({"prompt": "hi", "seed": 2**70, "max_tokens": 2}, "seed"),

@@ -137,3 +137,21 @@ def test_completions_honour_add_special_tokens():
     ]
     ids = CompletionRequest(prompt=[5, 6], add_special_tokens=False)
     assert completions._prompts(ids) == [[5, 6]]
+
+
+@pytest.mark.parametrize(
+    "message, param",
+    [
+        ("logit_bias must hold token ids in [0, 256), got [999]", "logit_bias"),
+        ("prompt_logprobs=-1 asks for 256 logprobs a position", "prompt_logprobs"),
+        ("invalid structured_outputs.regex: not a regex", "structured_outputs"),
+        ("message 2 has role 'robot'", "messages.2"),
+        ("the given chat_template failed: TemplateSyntaxError", "chat_template"),
+        ("the prompt has 300 tokens but max_model_len is 256", None),
+        ("text must be valid Unicode", None),
+    ],
+)
+def test_engine_errors_name_their_field(message, param):
+    from kvik_server.app import _value_error_param
+
+    assert _value_error_param(message) == param

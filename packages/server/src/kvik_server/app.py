@@ -6,6 +6,7 @@ import asyncio
 import gc
 import hmac
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -277,11 +278,30 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, e: ValueError) -> JSONResponse:
-        return reply(str(e), 400)
+        return reply(str(e), 400, _value_error_param(str(e)))
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return reply(str(e), 503)
+
+
+#: Request fields that the engine's ValueErrors name first ("logit_bias must hold token ids ...").
+_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
+    ChatCompletionRequest.model_fields
+)
+_LEADING_FIELD = re.compile(r"^(?:invalid |the given )?([a-z_]+)\b(?:\.[a-z_]+)?")
+_MESSAGE = re.compile(r"^message (\d+)\b")
+
+
+def _value_error_param(message: str) -> str | None:
+    """The request field an engine ValueError is about, where its message starts with one (the
+    engine does not know the request's fields, only its own, which share their names)."""
+    if match := _MESSAGE.match(message):
+        return f"messages.{match.group(1)}"
+    match = _LEADING_FIELD.match(message)
+    if match and match.group(1) in _REQUEST_FIELDS:
+        return match.group(1)
+    return None
 
 
 class AuthMiddleware:
