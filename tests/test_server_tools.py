@@ -319,6 +319,9 @@ def test_responses_errors_are_400s(server, client):
         ),
         ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": [], "model": model}, "input must not be empty"),
+        # Logprobs were ignored: the reply came without them.
+        ({"input": "hi", "top_logprobs": 2}, "logprobs are not supported"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "logprobs are not"),
     ]
     for extra, message in bad:
         with pytest.raises(openai.BadRequestError, match=message):

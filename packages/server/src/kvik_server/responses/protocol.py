@@ -26,6 +26,8 @@ class ResponsesRequest(OpenAIModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's extras.
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)

@@ -54,6 +54,16 @@ class Responses:
         self, request: ResponsesRequest, arrival_time: float | None = None
     ) -> dict[str, Any] | AsyncIterator[str]:
         check_priority(self.engine, request.priority)
+        for name, asked in (
+            ("top_logprobs", bool(request.top_logprobs)),
+            ("include", "message.output_text.logprobs" in (request.include or [])),
+        ):
+            if asked:
+                # Ignored, the reply came without them (its output_text's logprobs empty).
+                raise APIError(
+                    "logprobs are not supported by /v1/responses (/v1/chat/completions has them)",
+                    param=name,
+                )
         tools = parse_tools(request.tools, nested=False)
         plan = plan_tools(
             tools,
