@@ -152,16 +152,24 @@ def test_logprobs_beyond_max_logprobs_are_refused(llm_and_hf, tiny_model):
         LLM(str(tiny_model("llama")), max_logprobs=-2)
 
 
-def test_priorities_and_seeds_at_the_int64_edges(llm_and_hf):
+def test_priorities_and_seeds_at_the_int64_edges(llm_and_hf, tiny_model):
     """Priorities and seeds cross to the engine core as 64-bit signed integers: one past them is
-    refused before any prompt is added, and the edges work (child seeds of n > 1 wrap)."""
+    refused before any prompt is added, and the edges work (child seeds of n > 1 wrap). A
+    priority needs priority scheduling (as vLLM: under fcfs it was silently ignored)."""
     llm, _ = llm_and_hf
     params = SamplingParams(max_tokens=2)
     with pytest.raises(ValueError, match="priority must be in"):
         llm.generate([[5, 6], [7, 8]], params, priority=[0, 2**63], use_tqdm=False)
+    with pytest.raises(ValueError, match="priority 3 needs an LLM made with scheduling_policy="):
+        llm.generate([[5, 6], [7, 8]], params, priority=[0, 3], use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+    llm.generate([[5, 6]], params, priority=[0], use_tqdm=False)  # 0 is every request's default
+    by_priority = LLM(
+        str(tiny_model("llama")), dtype="float32", num_kv_blocks=64, enforce_eager=True,
+        scheduling_policy="priority",
+    )  # fmt: skip
     edge = SamplingParams(max_tokens=2, temperature=1.0, seed=2**63 - 1, n=2)
-    (out,) = llm.generate([[5, 6]], edge, priority=[-(2**63)], use_tqdm=False)
+    (out,) = by_priority.generate([[5, 6]], edge, priority=[-(2**63)], use_tqdm=False)
     assert [len(o.token_ids) for o in out.outputs] == [2, 2]
 
 

@@ -97,6 +97,13 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts")
         for prio in priorities:
             check_priority(prio)
+        if any(priorities) and self.config.scheduler.policy != "priority":
+            # As vLLM: under fcfs a priority would be silently ignored.
+            raise ValueError(
+                f"priority {next(p for p in priorities if p)} needs an LLM made with "
+                f"scheduling_policy='priority'; this one schedules by "
+                f"{self.config.scheduler.policy!r}"
+            )
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
         processed = [
             self.input_processor.process(prompt, params)
