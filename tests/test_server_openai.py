@@ -165,10 +165,14 @@ def test_prompt_logprobs_and_echo_with_logprobs(server, client, offline):
         model=model, prompt="The cat", max_tokens=4, temperature=0, echo=True, logprobs=1,
         stream=True,
     )  # fmt: skip
-    first = next(iter(stream)).choices[0]
-    stream.close()
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    first = chunks[0]
     assert first.text == "The cat" and first.logprobs.token_logprobs[0] is None
     assert first.logprobs.token_logprobs[1:] == pytest.approx(prompt_values, abs=1e-4)
+    # The generated tokens' offsets follow the echoed prompt's, as unstreamed (they restarted
+    # at 0).
+    offsets = [offset for c in chunks if c.logprobs for offset in c.logprobs.text_offset]
+    assert offsets == logprobs["text_offset"]
     chat = http.post(
         "/v1/chat/completions",
         json={"model": model, "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0},

@@ -355,6 +355,9 @@ class Completions:
                                 out.prompt_token_ids, prompt_logprobs.get(i), request.logprobs
                             )
                         yield _sse(self._chunk(request_id, index, echo, echo_logprobs, None))
+                        # The generated text's offsets follow the echoed prompt's, as they do
+                        # unstreamed (they restarted at 0).
+                        choice.text_len += len(echo)
                 offset = choice.text_len
                 choice.advance(delta)
                 if not _worth_a_chunk(delta):
