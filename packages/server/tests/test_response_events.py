@@ -83,3 +83,29 @@ def test_store_is_bounded_lru():
     empty = ResponseStore(0)
     empty.put("x", StoredResponse({}, []))
     assert empty.get("x") is None
+
+
+def test_a_stream_whose_engine_died_says_503():
+    """The engine's death mid-stream is an error event with code 503, as the other routes' streams
+    say (it was a 500)."""
+    import asyncio
+
+    from kvik.engine.async_llm import EngineDeadError
+    from kvik_server.responses.protocol import ResponsesRequest
+    from kvik_server.responses.serving import Responses, _Response
+    from kvik_server.tools.choice import ToolPlan
+
+    async def events():
+        raise EngineDeadError("the engine core process died")
+        yield
+
+    async def run() -> list[str]:
+        response = _Response(
+            ResponsesRequest(input="hi"), "resp_1", {"type": "text"}, ToolPlan([], "none"), [], "m"
+        )
+        stream = Responses.__new__(Responses)._stream(response, events(), parser=None)
+        return [event async for event in stream]
+
+    error = decode(asyncio.run(run()))[-1]
+    assert error["type"] == "error" and error["code"] == "503"
+    assert "engine core" in error["message"]

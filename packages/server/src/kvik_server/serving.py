@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvik.engine.async_llm import AsyncLLM
+from kvik.engine.async_llm import AsyncLLM, EngineDeadError
 from kvik.engine.input_processor import encode_text
 from kvik.outputs import CompletionOutput, Logprob, RequestOutput
 from kvik.sampling_params import SamplingParams
@@ -183,13 +183,18 @@ async def _sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     except APIError as e:
         yield _sse(error_body(e.message, e.status, e.param))
     except Exception as e:
-        from kvik.engine.async_llm import EngineDeadError
-
-        status = (
-            503 if isinstance(e, EngineDeadError) else 400 if isinstance(e, ValueError) else 500
-        )
-        yield _sse(error_body(str(e), status))
+        yield _sse(error_body(str(e), error_status(e)))
     yield "data: [DONE]\n\n"
+
+
+def error_status(error: Exception) -> int:
+    """The status of an error raised after a stream began: 503 when the engine is down, 400 for
+    the request's fault, 500 for the server's."""
+    if isinstance(error, APIError):
+        return error.status
+    if isinstance(error, EngineDeadError):
+        return 503
+    return 400 if isinstance(error, ValueError) else 500
 
 
 class Completions:

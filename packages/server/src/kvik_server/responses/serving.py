@@ -28,6 +28,7 @@ from kvik_server.serving import (
     _chain,
     _start_all,
     check_priority,
+    error_status,
     sampling_params,
 )
 from kvik_server.tools.choice import (
@@ -158,7 +159,8 @@ class Responses:
             yield emit.event("error", code=str(e.status), message=e.message, param=e.param)
             return
         except Exception as e:
-            yield emit.event("error", code="500", message=str(e), param=None)
+            # The engine's death is a 503, as a stream of the other routes says (it was a 500).
+            yield emit.event("error", code=str(error_status(e)), message=str(e), param=None)
             return
         for event in emit.close_all():
             yield event
