@@ -5,8 +5,10 @@ num_stages) at the split count the backend would choose, against the configurati
 then, with ``--splits``, the split-KV counts instead (1 to 16, the reduction included) at small
 batches, each timed as a CUDA graph of 32 launches (as a decode step replays them: without the
 host's launch time), against the count ``num_kv_splits`` picks for max_model_len 4096 and 131072.
+``--kv-fp8`` runs either sweep on an FP8 (e4m3) cache, as ``--kv-cache-dtype fp8`` stores it: half
+the bytes to read, so the bandwidth figures count one byte an element.
 
-    python packages/platform-cuda/tests/sweep_decode_attention.py [--splits]
+    python packages/platform-cuda/tests/sweep_decode_attention.py [--splits] [--kv-fp8]
 """
 
 from __future__ import annotations
@@ -32,14 +34,32 @@ MAX_MODEL_LEN = 131072
 SPLIT_CASES = [(1, 640), (1, 4096), (4, 640), (16, 640), (64, 640)]
 
 
+#: The cache's dtype (``--kv-fp8``: e4m3) and the scales an FP8 cache is read with.
+KV_FP8 = "--kv-fp8" in sys.argv[1:]
+
+
 def main() -> None:
     arch, num_sms = device_arch(torch.device("cuda"))
+    print(f"cache: {'fp8 (e4m3)' if KV_FP8 else 'bf16'}")
     if "--splits" in sys.argv[1:]:
         for batch, context in SPLIT_CASES:
             split_sweep(batch, context, arch, num_sms)
         return
     for batch, context in CASES:
         sweep(batch, context, arch, num_sms)
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    """The bytes of K and V a decode step's attention reads."""
+    return 2 * batch * context * KV_HEADS * HEAD_SIZE * (1 if KV_FP8 else 2)
+
+
+def kv_scales() -> dict[str, Tensor]:
+    """``paged_attention``'s scale arguments for the sweep's cache (none for bf16)."""
+    if not KV_FP8:
+        return {}
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    return {"k_scale": one, "v_scale": one}
 
 
 def decode_inputs(batch: int, context: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -49,6 +69,8 @@ def decode_inputs(batch: int, context: int) -> tuple[Tensor, Tensor, Tensor, Ten
     blocks_per_req = -(-context // BLOCK)
     num_blocks = batch * blocks_per_req
     cache = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD_SIZE, dtype=torch.bfloat16, device=dev)
+    if KV_FP8:
+        cache = cache.to(torch.float8_e4m3fn)
     table = torch.randperm(num_blocks, device=dev).view(batch, blocks_per_req).int()
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
     starts = torch.arange(batch + 1, dtype=torch.int32, device=dev)
@@ -60,7 +82,7 @@ def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     """µs a launch (with its reduction) at each split count, under a CUDA graph."""
     q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     config = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
-    nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
+    nbytes = kv_bytes(batch, context)
     picks = {n: num_kv_splits(batch, KV_HEADS, n, num_sms) for n in (4096, MAX_MODEL_LEN)}
     reference, line = None, []
     for splits in (1, 2, 4, 8, 16):
@@ -69,7 +91,7 @@ def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
         def run(splits: int = splits, out: Tensor = out) -> None:
             paged_attention(
                 q, cache[0], cache[1], out, starts, seq_lens, table, HEAD_SIZE**-0.5, None,
-                config, splits,
+                config, splits, **kv_scales(),
             )  # fmt: skip
 
         run()  # compiles, and allocates nothing inside the capture below but the scratch
@@ -90,14 +112,14 @@ def split_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
 def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     out = torch.empty_like(q)
-    nbytes = 2 * batch * context * KV_HEADS * HEAD_SIZE * 2
+    nbytes = kv_bytes(batch, context)
     splits = num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
     now = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
 
     def run(config: AttentionConfig) -> None:
         paged_attention(
             q, cache[0], cache[1], out, starts, seq_lens, table, HEAD_SIZE**-0.5, None, config,
-            splits,
+            splits, **kv_scales(),
         )  # fmt: skip
 
     results = {}

@@ -204,6 +204,13 @@ def paged_attention_kernel(
     if KV_FP8:
         # q . (k * k_scale) = (q . k) * k_scale: the key scale joins the softmax scale.
         scale_log2 = scale_log2 * tl.load(k_scale_ptr)
+        if q_ptr.dtype.element_ty == tl.bfloat16:
+            # e4m3 widens to fp16 in one instruction a pair; to bf16 it takes one more an element
+            # on Hopper. So bf16 queries take the fp16 products instead, pre-scaled (in log2
+            # units, ~0.13x the raw values) so that fp16's range holds them; e4m3 keys and values
+            # are exact in fp16, and its 10-bit mantissa rounds the queries finer than bf16's.
+            q = (q.to(tl.float32) * scale_log2).to(tl.float16)
+            scale_log2 = 1.0
 
     # Keys this program can see: up to its last query position, from the window's start.
     kv_end = tl.minimum(seq_len, context_len + q_start + BLOCK_Q)
