@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import replace
@@ -54,6 +55,9 @@ class InputProcessor:
         self.model_config = model_config
         self.tokenizer = load_tokenizer(model_config.tokenizer or model_config.path)
         self.eos_token_ids = model_config.eos_token_ids()
+        # A request's bad words are encoded when it is validated and again for each of its
+        # n requests: once per distinct list.
+        self._bad_word_sequences = functools.lru_cache(maxsize=256)(self._encode_bad_words)
 
     def _check_logprobs(self, params: SamplingParams, vocab: int) -> None:
         """vLLM's max_logprobs: a request's logprobs (-1: the whole vocabulary) within the
@@ -259,13 +263,16 @@ class InputProcessor:
 
     def bad_words_token_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word as token ids, alone and after a space (how it appears mid-text)."""
-        sequences: list[list[int]] = []
-        for word in params.bad_words or ():
+        return [list(ids) for ids in self._bad_word_sequences(tuple(params.bad_words or ()))]
+
+    def _encode_bad_words(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        sequences: list[tuple[int, ...]] = []
+        for word in words:
             for text in (word.lstrip(), " " + word.lstrip()):
-                ids = encode_text(self.tokenizer, text, add_special_tokens=False)
+                ids = tuple(encode_text(self.tokenizer, text, add_special_tokens=False))
                 if ids and ids not in sequences:
                     sequences.append(ids)
-        return sequences
+        return tuple(sequences)
 
     def make_request(
         self,
