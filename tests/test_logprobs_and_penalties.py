@@ -263,6 +263,53 @@ def test_an_error_mid_generate_aborts_that_calls_requests(llm_and_hf, monkeypatc
     assert out.outputs[0].token_ids == expected.outputs[0].token_ids
 
 
+def test_generate_hides_the_heap_from_the_collector_only_while_it_steps(llm_and_hf, monkeypatch):
+    """While generate() steps, what was alive before is frozen (a full collection walks only what
+    the steps make); after it, even on an error, nothing stays frozen: the caller's garbage from
+    before the call is collectable again. A caller that froze objects itself is left alone."""
+    import gc
+    import weakref
+
+    llm, _ = llm_and_hf
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    class Node:
+        pass
+
+    def garbage_cycle() -> weakref.ref:
+        node = Node()
+        node.self = node
+        return weakref.ref(node)
+
+    step, frozen_in_steps = llm.engine.step, []
+
+    def recording_step():
+        frozen_in_steps.append(gc.get_freeze_count())
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    assert gc.get_freeze_count() == 0
+    dead_before = garbage_cycle()
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert frozen_in_steps and min(frozen_in_steps) > 0
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert dead_before() is None
+    assert "".join(llm.stream([5, 6, 7], params)) is not None
+    assert gc.get_freeze_count() == 0
+
+    gc.freeze()  # the caller's own freeze: generate() neither adds to it nor thaws it
+    try:
+        before = gc.get_freeze_count()
+        frozen_in_steps.clear()
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        # (Frozen objects that die leave the count, so it only falls.)
+        assert all(0 < count <= before for count in frozen_in_steps)
+        assert 0 < gc.get_freeze_count() <= before
+    finally:
+        gc.unfreeze()
+
+
 def test_an_assistant_message_without_content_renders_as_empty_text():
     """A tool-calling assistant's content None reaches string-content templates as "" (as vLLM
     hands it to them): SmolLM2's template concatenated None and raised a TypeError."""

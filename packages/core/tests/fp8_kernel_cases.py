@@ -412,6 +412,20 @@ def test_cublas_blockwise_where_it_takes_the_case(rows: int) -> None:
     check(out, ref_block_linear(x, weight, weight_scale.cpu(), bias), torch.bfloat16)
 
 
+@pytest.mark.parametrize("rows", [300, 301, 130, 7])
+def test_cublas_blockwise_on_quantized_input(rows: int) -> None:
+    """The same on activations a producer quantized (row-major scales, which cuBLAS takes
+    column-major): padded rows or not, the reference's product."""
+    m, n, k = (rows, 6144, 4096) if ON_GPU else (rows % 8 + 1, 256, 512)
+    x, weight = activations(m, k, torch.bfloat16), fp8_weight(n, k)
+    weight_scale = block_scales(n, k).to(DEVICE)
+    q, scales = per_token_group_quant_fp8(x)
+    poison_allocator()
+    config = CublasBlockwise(gemm_config(m, n, k))
+    out = fp8_block_linear_quantized(q, scales, weight, weight_scale, None, torch.bfloat16, config)
+    check(out, ref_block_linear(x, weight, weight_scale.cpu(), None), torch.bfloat16)
+
+
 def test_block_linear_keeps_leading_dims() -> None:
     m, n, k = LINEAR_SHAPES[1]
     x, weight, weight_scale = (

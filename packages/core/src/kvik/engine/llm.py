@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import inspect
 import itertools
 import time
@@ -186,7 +188,9 @@ class LLM:
         sent = 0
         try:
             while not state.finished:
-                _, to_abort = self.output_processor.process_outputs(self.engine.step())
+                # Frozen a step at a time: the caller runs between yields.
+                with heap_frozen():
+                    _, to_abort = self.output_processor.process_outputs(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 ready = state.streamable_text_len()
@@ -208,12 +212,36 @@ class LLM:
             self.engine.abort_requests(unfinished)
 
     def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> None:
-        with tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar:
+        with (
+            tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar,
+            heap_frozen(),
+        ):
             while self.engine.has_unfinished_requests():
                 changed, to_abort = self.output_processor.process_outputs(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 bar.update(sum(state.finished for state in changed))
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """The objects alive now out of the cyclic collector's sight while the engine steps.
+
+    A full collection walks every tracked object: with torch, transformers and a compiled model
+    loaded that is millions, a pause of 0.3-0.5 s that the H200 showed in the middle of a batch's
+    decoding (twice in one 1,029-step run of workload B, 5% of its time). Frozen, a collection
+    walks only what the steps made. The engine's own process and the server freeze their start-up
+    for good; an LLM shares its process with its caller, whose garbage must stay collectable, so it
+    freezes only while it runs and thaws after (both O(1)). A caller that froze objects itself
+    keeps charge of the collector: nothing is frozen or thawed then."""
+    if gc.get_freeze_count() or not gc.isenabled():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _signature_from_engine_args() -> inspect.Signature:

@@ -190,15 +190,15 @@ def cublas_block_matmul_quantized(
 ) -> Tensor:
     """``cublas_block_matmul`` on quantized rows: the rows padded to a multiple of 4 with zeros
     (their scales the floor, as zeros quantize) and the scales copied column-major, the layout
-    cuBLAS takes."""
+    cuBLAS takes: one copy where no row is padded (a decode step's usual case; filling the whole
+    buffer first cost one more launch per product)."""
     m = q.shape[0]
     padded = -(-m // CUBLAS_BLOCKWISE_ROW_MULTIPLE) * CUBLAS_BLOCKWISE_ROW_MULTIPLE
-    if padded != m:
+    if padded == m:
+        columns = scales.t().contiguous()
+    else:
         q = torch.cat([q, q.new_zeros(padded - m, q.shape[1])])
-    columns = torch.full(
-        (scales.shape[1], padded), SCALE_FLOOR, dtype=torch.float32, device=scales.device
-    )
-    columns[:, :m] = scales.t()
+        columns = F.pad(scales.t(), (0, padded - m), value=SCALE_FLOOR)
     out = F.scaled_mm(
         q, weight.t(), columns.t(), F.ScalingType.BlockWise1x128, weight_scale.t(),
         F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
