@@ -63,3 +63,48 @@ def test_slow_consumer_gets_every_token(model, kind):
     # The rest arrived while the consumer slept, in one more output at most (none where the engine
     # had finished before the first was handed out: CI saw that once), and the last says finished.
     assert all(outputs <= 2 and finished for _, outputs, finished in results), results
+
+
+def test_a_request_the_core_cannot_take_fails_alone(model):
+    """A request whose fields do not decode in the engine core (here sent corrupted on purpose)
+    fails with EngineRequestError naming why; the core runs on: a request beside it and one after
+    it complete, and the engine stays healthy."""
+    import msgspec
+
+    from kvik.engine.async_llm import EngineRequestError
+    from kvik.engine.core_proc import EngineCoreRequest, encode
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run() -> tuple[str, list[int], list[int], bool]:
+        args = EngineArgs(model=str(model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+        engine = await AsyncLLM.create(args)
+        client_add = engine.client.add_request
+
+        def add_corrupted(request):
+            if request.request_id != "bad":
+                return client_add(request)
+            fields = msgspec.to_builtins(EngineCoreRequest.from_request(request))
+            fields[1] = ["not a token id"]
+            engine.client._send(encode("add", fields))
+
+        engine.client.add_request = add_corrupted
+
+        async def tokens(request_id: str) -> list[int]:
+            prompt = {"prompt_token_ids": PROMPTS[0]}
+            async for out in engine.generate(prompt, params, request_id):
+                if out.finished:
+                    return list(out.outputs[0].token_ids)
+            raise AssertionError("no finished output")
+
+        try:
+            results = await asyncio.gather(tokens("bad"), tokens("beside"), return_exceptions=True)
+            after = await tokens("after")
+            return results[0], results[1], after, engine.is_healthy
+        finally:
+            await engine.shutdown()
+
+    error, beside, after, healthy = asyncio.run(run())
+    assert isinstance(error, EngineRequestError), error
+    assert "refused the request" in str(error) and "prompt_token_ids" in str(error)
+    assert len(beside) == 4 and after == beside and healthy

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import kvik
 from kvik.engine.args import EngineArgs
-from kvik.engine.async_llm import AsyncLLM, EngineDeadError
+from kvik.engine.async_llm import AsyncLLM, EngineDeadError, EngineRequestError
 from kvik.engine.input_processor import encode_text
 from kvik_server.errors import APIError, error_body
 from kvik_server.metrics import PrometheusStatLogger
@@ -283,6 +283,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(request: Request, e: EngineDeadError) -> JSONResponse:
         return reply(str(e), 503)
+
+    @app.exception_handler(EngineRequestError)
+    async def engine_refused(request: Request, e: EngineRequestError) -> JSONResponse:
+        return reply(str(e), 500)
 
 
 #: Request fields that the engine's ValueErrors name first ("logit_bias must hold token ids ...").

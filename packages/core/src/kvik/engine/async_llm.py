@@ -17,7 +17,7 @@ from typing import Any, Literal, Protocol
 
 from kvik.config import EngineConfig
 from kvik.engine.args import EngineArgs
-from kvik.engine.core_client import EngineCoreClient, EngineDeadError
+from kvik.engine.core_client import EngineCoreClient, EngineDeadError, EngineRequestError
 from kvik.engine.core_proc import EngineCoreOutputs
 from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
 from kvik.engine.output_processor import OutputProcessor, RequestState
@@ -28,6 +28,7 @@ from kvik.scheduler.output import SchedulerStats
 __all__ = [
     "AsyncLLM",
     "EngineDeadError",
+    "EngineRequestError",
     "IterationStats",
     "FinishedRequestStats",
     "OutputKind",
@@ -151,7 +152,8 @@ class AsyncLLM:
         """Stream one request's progress. Each RequestOutput holds the completions that changed
         (text, tokens and logprobs as ``output_kind`` says; text held back while it may still be
         the start of a stop string); the last one has ``finished`` set. Raises ValueError for
-        invalid input and EngineDeadError when the engine is down. Leaving the iteration early
+        invalid input, EngineDeadError when the engine is down and EngineRequestError when the
+        engine core could not take this request (it runs on). Leaving the iteration early
         aborts the request. ``arrival_time`` (``time.monotonic()``; default now): when the request
         arrived, e.g. when its HTTP request came in, before its body was read and validated, so
         that the latency metrics count what the client waited for."""
@@ -272,8 +274,10 @@ class AsyncLLM:
             if parent_id is None:
                 continue
             stream = self._streams[parent_id]
+            if state.finish_reason == "error":  # the core refused it: its consumer raises
+                stream.queue.put_nowait(EngineRequestError(str(state.stop_reason)))
             # A "final" consumer is woken once, when its last completion finishes.
-            if stream.kind != "final" or stream.finished:
+            elif stream.kind != "final" or stream.finished:
                 stream.queue.put_nowait(state)
             if state.finished:
                 self._parent_of.pop(state.request_id)

@@ -35,6 +35,11 @@ class EngineDeadError(RuntimeError):
     """The engine core process is gone (or never came up); no request can be served."""
 
 
+class EngineRequestError(RuntimeError):
+    """The engine core could not take one request (the core's log says why, in full); the core
+    and its other requests run on."""
+
+
 class EngineCoreClient:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config

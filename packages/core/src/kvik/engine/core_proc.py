@@ -6,7 +6,9 @@ Wire format (msgspec msgpack), each message a ``(kind, payload)`` pair:
 - core -> front end: ``("ready", {"pid", "rank_pids", "num_kv_blocks", "platform", "device",
   "dtype"})`` once the engine is built (``device`` as torch names it, e.g. "NVIDIA H200"),
   ``("outputs", EngineCoreOutputs)`` after every step (and after aborts), ``("error", message)``
-  before the process exits on an exception.
+  before the process exits on an exception. A request the core cannot take (it does not decode,
+  or the engine refuses it) ends alone: an output with finish_reason ``"error"`` and the reason as
+  its stop_reason.
 
 The loop blocks on its input socket while there is no work, so an idle engine costs no CPU; it
 wakes once a second to leave if its parent has died, and to fail (an ``error`` message, then exit)
@@ -18,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import time
 import traceback
@@ -71,6 +74,30 @@ class EngineCoreRequest(msgspec.Struct, array_like=True):
             priority=self.priority,
             bad_words_token_ids=self.bad_words_token_ids,
         )
+
+
+def _request_id(payload: msgspec.Raw) -> str | None:
+    """The id of an ``add`` payload that does not decode as an EngineCoreRequest (its first
+    field), or None if there is none to read."""
+    try:
+        fields = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str):
+        return fields[0]
+    return None
+
+
+def _named_fields(message: str) -> str:
+    """msgspec's message about an EngineCoreRequest with the field's name for its position
+    (the struct travels as an array: ``$[1][0]`` is ``prompt_token_ids[0]``)."""
+    names = EngineCoreRequest.__struct_fields__
+
+    def name(match: re.Match) -> str:
+        index = int(match.group(1))
+        return names[index] if index < len(names) else match.group(0)
+
+    return re.sub(r"\$\[(\d+)\]", name, message, count=1)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
@@ -175,7 +202,7 @@ class EngineCoreProc:
         while self.running and self.input.poll(0):
             kind, payload = _input_decoder.decode(self.input.recv())
             if kind == "add":
-                self.engine.add_request(_request_decoder.decode(payload).to_request())
+                self._add(payload)
             elif kind == "abort":
                 ids = _ids_decoder.decode(payload)
                 self.pending.extend(self.engine.abort_requests(ids))
@@ -184,6 +211,19 @@ class EngineCoreProc:
                 self.running = False
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
+
+    def _add(self, payload: msgspec.Raw) -> None:
+        """Add one request; one the core cannot take (its fields do not decode, or the engine
+        refuses it) fails alone, with an ``error`` finish whose stop_reason says why, instead of
+        ending the process and every other request with it."""
+        try:
+            self.engine.add_request(_request_decoder.decode(payload).to_request())
+        except Exception as e:
+            logger.exception("the engine core refused a request")
+            request_id = _request_id(payload)
+            if request_id is not None:
+                reason = f"the engine core refused the request: {_named_fields(str(e))}"
+                self.pending.append(EngineCoreOutput(request_id, [], "error", reason))
 
     def _parent_alive(self) -> bool:
         if os.getppid() == self.parent_pid:

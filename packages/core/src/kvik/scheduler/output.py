@@ -60,7 +60,7 @@ class TokenLogprobs:
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (reason: stop_reason)
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     # One entry per new token, when the request asked for logprobs.
