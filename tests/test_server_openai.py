@@ -18,6 +18,8 @@ from kvik import LLM, SamplingParams
 
 KEY = "test-key"
 ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "256", "--max-body-bytes", "65536"]
+#: The module's server runs chat templates sent with requests (the tests send some).
+TRUSTING = ["--trust-request-chat-template"]
 PROMPTS = ["Hello world", "The cat", "1, 2, 3,", "abc"]
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -30,7 +32,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model):
-    server = ServerProcess(model, *ENGINE, api_key=KEY).wait_ready()
+    server = ServerProcess(model, *ENGINE, *TRUSTING, api_key=KEY).wait_ready()
     yield server
     server.stop_and_check()
 
@@ -446,3 +448,22 @@ def test_client_disconnect_aborts(default_model_server):
     assert now["kvik:num_requests_running"] == 0
     assert now["kvik:kv_cache_usage_perc"] == before["kvik:kv_cache_usage_perc"]
     assert now["kvik:generation_tokens_total"] - before["kvik:generation_tokens_total"] < 200
+
+
+def test_request_chat_templates_need_the_operators_leave(default_model_server):
+    """A server started without --trust-request-chat-template answers a chat or tokenize request
+    that carries its own chat_template with a 400 naming the field and the flag (a template is
+    code the server would run); the same request without it is served."""
+    server = default_model_server
+    messages = [{"role": "user", "content": "Hi"}]
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    for path, body in (
+        ("/v1/chat/completions", {"model": "smollm2-135m-instruct", "max_tokens": 1}),
+        ("/tokenize", {}),
+    ):
+        refused = post_json(server, path, {**body, "messages": messages, "chat_template": template})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+        assert post_json(server, path, {**body, "messages": messages}).status_code == 200

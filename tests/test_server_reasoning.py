@@ -23,7 +23,13 @@ def server(tmp_path_factory):
     template = folder / "thinking_template.jinja"
     template.write_text(THINKING_TEMPLATE)
     server = ServerProcess(
-        folder, *ENGINE, "--reasoning-parser", "qwen3", "--chat-template", str(template)
+        folder,
+        *ENGINE,
+        "--reasoning-parser",
+        "qwen3",
+        "--chat-template",
+        str(template),
+        "--trust-request-chat-template",
     )
     yield server.wait_ready()
     server.stop_and_check()

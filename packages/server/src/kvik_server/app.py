@@ -48,6 +48,7 @@ class ServerSettings:
     served_model_names: list[str] = field(default_factory=list)  # default: the model's name
     api_keys: list[str] = field(default_factory=list)  # none: no auth
     chat_template: str | None = None
+    trust_request_chat_template: bool = False  # run a request's own chat_template
     max_body_bytes: int = 8 * 1024 * 1024
     shutdown_timeout_s: float = 10.0
     url: str | None = None  # logged with an example request when ready
@@ -75,7 +76,11 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
         app.state.engine = engine
         app.state.completions = Completions(engine, model_name)
         app.state.chat = ChatCompletions(
-            engine, model_name, settings.chat_template, settings.tool_options
+            engine,
+            model_name,
+            settings.chat_template,
+            settings.tool_options,
+            settings.trust_request_chat_template,
         )
         app.state.responses = Responses(
             app.state.chat, settings.max_stored_responses, settings.tool_options

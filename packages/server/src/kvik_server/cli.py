@@ -31,6 +31,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", action="append", default=None, help="name(s) clients use"
     )
     server.add_argument("--chat-template", default=None, help="a Jinja template, or a file of one")
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="run the chat_template a chat request carries (off: such requests get a 400, as in "
+        "vLLM; a template is code the server runs)",
+    )
     server.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     server.add_argument(
         "--shutdown-timeout",
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=args.served_model_name or [],
         api_keys=api_keys,
         chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
         max_body_bytes=args.max_body_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         url=f"http://{args.host}:{args.port}",

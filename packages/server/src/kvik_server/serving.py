@@ -410,11 +410,13 @@ class ChatCompletions:
         model_name: str,
         chat_template: str | None,
         tool_options: ToolOptions | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
         self.model_name = model_name
         self.chat_template = chat_template
         self.tool_options = tool_options or ToolOptions()
+        self.trust_request_chat_template = trust_request_chat_template
 
     def prompt(self, request: Any, tools: list[FunctionTool] | None = None) -> dict[str, Any]:
         """The rendered prompt; ``tools`` (default: the request's, unchecked by tool_choice)
@@ -434,6 +436,13 @@ class ChatCompletions:
         if tools:
             kwargs["tools"] = [tool.as_openai() for tool in tools]
         request_template = getattr(request, "chat_template", None)
+        if request_template is not None and not self.trust_request_chat_template:
+            # As vLLM: a template is code the server runs; only its operator may allow clients'.
+            raise APIError(
+                "this server does not run chat templates sent with requests; its operator can "
+                "allow them with --trust-request-chat-template",
+                param="chat_template",
+            )
         try:
             return self.engine.apply_chat_template(
                 template_messages([m.model_dump(exclude_none=True) for m in request.messages]),
