@@ -113,6 +113,32 @@ def test_a_grammar_failing_in_the_core_aborts_only_its_request(padded_llm):
     assert finished == {"bad": "abort", "good": "length"}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_grammar_complete_before_min_tokens_stops_the_request(padded, async_scheduling):
+    """A grammar that allows only its end (EOS) while min_tokens still forbids EOS left nothing
+    to sample: the request took token 0, which the grammar refused, and ended aborted. The
+    grammar wins: the output is its complete text, finished "stop", with no foreign token."""
+    llm = make_llm(padded, "cpu", async_scheduling=async_scheduling)
+    tokenizer = llm.get_tokenizer()
+    for spec, text in (({"regex": "ab"}, "ab"), ({"choice": ["yes"]}, "yes")):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=8,
+            min_tokens=5,
+            structured_outputs=StructuredOutputsParams(**spec),
+        )
+        (out,) = llm.generate(["hello"], params, use_tqdm=False)
+        completion = out.outputs[0]
+        assert (completion.text, completion.finish_reason) == (text, "stop")
+        assert tokenizer.decode(completion.token_ids) == text and 0 not in completion.token_ids
+    # Without the conflict nothing changes: min_tokens met first, the grammar ends on EOS.
+    params = SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="ab")
+    )
+    (out,) = llm.generate(["hello"], params, use_tqdm=False)
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("ab", "stop")
+
+
 def test_engine_options_are_checked(padded):
     with pytest.raises(ValueError, match="guidance.*not built"):
         make_llm(padded, "cpu", structured_outputs_backend="guidance")

@@ -113,6 +113,13 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished()
 
+    def stop_token_set(self) -> frozenset[int]:
+        """The tokens that end this request when sampled (once min_tokens is met, which forbids
+        them before): its stop_token_ids, and its EOS ids unless it ignores EOS."""
+        p = self.sampling_params
+        stops = frozenset(p.stop_token_ids or ())
+        return stops if p.ignore_eos else stops | self.eos_token_ids
+
     @property
     def needs_output_history(self) -> bool:
         """Whether sampling this request's next token reads its output so far: the logits

@@ -177,7 +177,12 @@ class AsyncLLM:
             for index, ((child_id, child_params), request) in enumerate(zip(children, requests)):
                 stream.states.append(
                     self.output_processor.add_request(
-                        child_id, prompt_text, token_ids, child_params, index
+                        child_id,
+                        prompt_text,
+                        token_ids,
+                        child_params,
+                        index,
+                        request.stop_token_set(),
                     )
                 )
                 self._parent_of[child_id] = request_id

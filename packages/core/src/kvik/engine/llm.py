@@ -119,16 +119,20 @@ class LLM:
                 parent_id = str(next(self._ids))
                 results.append(RequestOutput(parent_id, prompt_text, token_ids))
                 for index, (child_id, child_params) in enumerate(child_requests(parent_id, params)):
+                    request = self.input_processor.make_request(
+                        child_id, token_ids, child_params, prio, now
+                    )
                     states.append(
                         self.output_processor.add_request(
-                            child_id, prompt_text, token_ids, child_params, index
+                            child_id,
+                            prompt_text,
+                            token_ids,
+                            child_params,
+                            index,
+                            request.stop_token_set(),
                         )
                     )
-                    self.engine.add_request(
-                        self.input_processor.make_request(
-                            child_id, token_ids, child_params, prio, now
-                        )
-                    )
+                    self.engine.add_request(request)
             self._run_to_completion(len(states), use_tqdm)
         except BaseException:
             # An error or Ctrl-C mid-batch: abort this call's requests, so that they neither hold
@@ -181,10 +185,13 @@ class LLM:
         if params.n != 1:
             raise ValueError("stream() generates one completion: n must be 1")
         request_id = str(next(self._ids))
-        state = self.output_processor.add_request(request_id, text, token_ids, params)
-        self.engine.add_request(
-            self.input_processor.make_request(request_id, token_ids, params, 0, time.monotonic())
+        request = self.input_processor.make_request(
+            request_id, token_ids, params, 0, time.monotonic()
         )
+        state = self.output_processor.add_request(
+            request_id, text, token_ids, params, stop_token_ids=request.stop_token_set()
+        )
+        self.engine.add_request(request)
         sent = 0
         try:
             while not state.finished:

@@ -32,6 +32,10 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # The tokens whose sampling ended the request (Request.stop_token_set): a "stop" finish on
+    # one adds no text; on another token (a grammar complete before min_tokens) the text stays.
+    # None: not known, every "stop" finish drops its last token's text.
+    stop_token_ids: frozenset[int] | None = None
     # What delta_completion() has handed out so far.
     sent_text_len: int = 0
     sent_num_tokens: int = 0
@@ -90,6 +94,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         index: int = 0,
+        stop_token_ids: frozenset[int] | None = None,
     ) -> RequestState:
         detokenizer = None
         if self.tokenizer is not None:
@@ -97,6 +102,7 @@ class OutputProcessor:
                 self.tokenizer, prompt_token_ids, params.skip_special_tokens
             )
         state = RequestState(request_id, prompt, prompt_token_ids, params, detokenizer, index)
+        state.stop_token_ids = stop_token_ids
         if params.logprobs is not None:
             state.logprobs, state.cumulative_logprob = [], 0.0
         self.requests[request_id] = state
@@ -137,7 +143,15 @@ class OutputProcessor:
         params = state.params
         last = len(out.new_token_ids) - 1
         # A stop or EOS token that ends the request adds no text, as in vLLM.
-        drop_last = out.finish_reason == "stop" and not params.include_stop_str_in_output
+        drop_last = (
+            out.finish_reason == "stop"
+            and not params.include_stop_str_in_output
+            and (
+                state.stop_token_ids is None
+                or bool(out.new_token_ids)
+                and out.new_token_ids[-1] in state.stop_token_ids
+            )
+        )
         for i, token_id in enumerate(out.new_token_ids):
             state.token_ids.append(token_id)
             if state.logprobs is not None and out.new_logprobs is not None:

@@ -505,6 +505,15 @@ class Scheduler:
                 request.stop_reason = token_id
                 return True
         so = request.structured_output
+        if (
+            so is not None
+            and request.num_output_tokens < params.min_tokens
+            and self.structured_outputs.allows_only(request, request.stop_token_set())
+        ):
+            # The output is complete (its grammar allows only a stop token next), and min_tokens
+            # forbids those: nothing would be left to sample. The grammar wins; the request stops.
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
         if so is not None and (so.is_terminated() or so.rejected):
             # The grammar allows nothing more (or was broken by a token it refused).
             request.status = (

@@ -275,6 +275,24 @@ class StructuredOutputManager:
                 "request %s: token %d does not follow its grammar", request.request_id, token_id
             )
 
+    def allows_only(self, request: Request, token_ids: frozenset[int]) -> bool:
+        """Whether the request's grammar, where it stands, allows no next token but some of
+        ``token_ids`` (the request's stop tokens: the output is complete). One mask row filled
+        and read on the host; the scheduler asks only while min_tokens forbids the stop tokens,
+        which would otherwise leave nothing to sample."""
+        so = request.structured_output
+        if so is None or not so.active:
+            return False
+        import xgrammar as xgr
+
+        row = xgr.allocate_token_bitmask(1, self._model.vocab_size)
+        so.matcher.fill_next_token_bitmask(row, 0)
+        # Bit t of word t // 32 is token t (xgrammar's layout); allowed tokens have theirs set.
+        words = row[0].view(torch.int32)
+        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten()[: self._model.vocab_size].nonzero().flatten().tolist()
+        return bool(allowed) and set(allowed) <= token_ids
+
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
