@@ -200,6 +200,7 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
         ({"chat_template_kwargs": 5}, "chat_template_kwargs must be a dict, got int"),
         ({"chat_template": 5}, "chat_template must be a string"),
         ({"add_generation_prompt": "no"}, "add_generation_prompt must be a bool"),
+        ({"chat_template_kwargs": {"messages": []}}, "may not set messages"),  # jinja2's TypeError
     ):
         with pytest.raises(ValueError, match=message):
             llm.chat(hi, params, use_tqdm=False, **kwargs)

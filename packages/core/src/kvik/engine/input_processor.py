@@ -228,10 +228,6 @@ class InputProcessor:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if continue_final_message and conversation[-1]["role"] != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's")
-        if self.tokenizer is None:
-            raise ValueError(f"chat needs a tokenizer, and {self.model_config.path} has none")
-        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the model has no chat template: pass chat_template=")
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(chat_template_kwargs or ()))
         if reserved:
             raise ValueError(
@@ -239,6 +235,10 @@ class InputProcessor:
                 "request has add_generation_prompt, continue_final_message and chat_template "
                 "fields of its own)"
             )
+        if self.tokenizer is None:
+            raise ValueError(f"chat needs a tokenizer, and {self.model_config.path} has none")
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the model has no chat template: pass chat_template=")
         try:
             text = self.tokenizer.apply_chat_template(
                 flatten_text_parts(conversation),
@@ -379,7 +379,7 @@ def flatten_text_parts(conversation: list[dict[str, Any]]) -> list[dict[str, Any
 #: Arguments of ``apply_chat_template`` that kvik sets itself (or that would change what it
 #: returns): a request's chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "chat_template", "add_generation_prompt", "continue_final_message",
+    "conversation", "messages", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
 })  # fmt: skip
