@@ -69,3 +69,31 @@ def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
             if state.finished:
                 break
         assert state.text == text
+
+
+def test_bad_words_encode_in_one_batch_as_one_by_one(tokenizer):
+    """A request's bad words, each alone and after a space, as the tokenizer encodes each text
+    on its own: distinct sequences in first-seen order (5,000 words once took seconds through a
+    list's membership test); a lone surrogate is refused as every encode refuses it."""
+    import random
+
+    from kvik.engine.args import EngineArgs
+    from kvik.engine.input_processor import InputProcessor
+
+    processor = InputProcessor(
+        EngineArgs(model=str(default_model_path())).create_engine_config().model
+    )
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("abcdefgh éü東 ") for _ in range(rng.randint(1, 9))) for _ in range(300)
+    ]
+    words += ["hello", " hello", "hello"]
+    expected: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in expected:
+                expected.append(ids)
+    assert processor._encode_bad_words(tuple(words)) == tuple(expected)
+    with pytest.raises(ValueError, match="lone surrogate"):
+        processor._encode_bad_words(("fine", "bad\ud800"))
