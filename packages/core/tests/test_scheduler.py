@@ -304,3 +304,18 @@ def test_everything_finishes_whatever_the_pressure(
     for request in requests:
         expected = min(request.max_tokens, 24 - request.num_prompt_tokens)
         assert request.num_output_tokens == expected and request.finish_reason == "length"
+
+
+def test_a_refused_request_leaves_no_trace():
+    """A request add_request refuses (here: a grammar with no structured output manager) is not
+    left registered: it held has_unfinished_requests true for ever, an engine core spinning on it
+    after its error went back."""
+    from kvik.sampling_params import StructuredOutputsParams
+
+    scheduler = make_scheduler(max_model_len=64)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ValueError, match="no structured output manager"):
+        scheduler.add_request(Request("r", [1, 2, 3], params, max_tokens=4))
+    assert not scheduler.has_unfinished_requests()
+    scheduler.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=4), max_tokens=4))
+    assert scheduler.has_unfinished_requests()

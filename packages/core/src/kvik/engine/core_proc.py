@@ -221,7 +221,9 @@ class EngineCoreProc:
         except Exception as e:
             logger.exception("the engine core refused a request")
             request_id = _request_id(payload)
-            if request_id is not None:
+            # (An id the engine holds is another request's, which the refusal must not end; the
+            # front end never reuses a live id, so this is only a guard.)
+            if request_id is not None and request_id not in self.engine.scheduler.requests:
                 reason = f"the engine core refused the request: {_named_fields(str(e))}"
                 self.pending.append(EngineCoreOutput(request_id, [], "error", reason))
 

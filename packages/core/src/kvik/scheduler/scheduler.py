@@ -180,11 +180,12 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
         if request.sampling_params.structured_outputs is not None:
             if self.structured_outputs is None:
                 raise ValueError("this scheduler has no structured output manager")
             self.structured_outputs.add_request(request)
+        # Registered only once nothing above can refuse it: a refused request leaves no trace.
+        self.requests[request.request_id] = request
         self.waiting.push(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
