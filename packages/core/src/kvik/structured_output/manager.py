@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvik.config import StructuredOutputsConfig
+from kvik.structured_output.bitmask import unpack_bitmask
 from kvik.structured_output.grammar import compile_grammar, grammar_key, tokenizer_info
 from kvik.structured_output.reasoning import REASONING_TOKENS, ReasoningEnd
 
@@ -287,10 +288,7 @@ class StructuredOutputManager:
 
         row = xgr.allocate_token_bitmask(1, self._model.vocab_size)
         so.matcher.fill_next_token_bitmask(row, 0)
-        # Bit t of word t // 32 is token t (xgrammar's layout); allowed tokens have theirs set.
-        words = row[0].view(torch.int32)
-        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-        allowed = bits.flatten()[: self._model.vocab_size].nonzero().flatten().tolist()
+        allowed = unpack_bitmask(row, self._model.vocab_size)[0].nonzero().flatten().tolist()
         return bool(allowed) and set(allowed) <= token_ids
 
     def shutdown(self) -> None:
