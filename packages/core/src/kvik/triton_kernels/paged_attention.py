@@ -122,7 +122,16 @@ def _attend_tile(
 
 
 # num_reqs changes from step to step: unspecialised, so a new batch size never compiles a variant.
-@triton.jit(do_not_specialize=["num_reqs"])
+# The request metadata's pointers are not specialised on 16-byte alignment either: a mixed step
+# whose leading decodes attend apart passes them sliced at its number of decodes, and on the H200
+# a count not a multiple of 4 compiled a second variant in a timed run (664 ms, workload B's
+# first mixed step; docs/benchmarks.md). They are read a few scalars at a time.
+@triton.jit(
+    do_not_specialize=["num_reqs"],
+    do_not_specialize_on_alignment=[
+        "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "row_request_ptr",
+    ],
+)  # fmt: skip
 def paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
