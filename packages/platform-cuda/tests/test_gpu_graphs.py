@@ -153,6 +153,22 @@ def test_decode_step_launches_only_sampling_outside_the_graph(models):  # noqa: 
     assert len(launches) <= 4, launches
 
 
+def _mixed_step_after(llm, decodes: int) -> None:
+    """``decodes`` requests decoding, then a prompt beside them in one step; all aborted after."""
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    prompts = ragged_prompts(decodes + 1, seed=decodes, low=10, high=30)
+    ids = [f"mixed{decodes}-{i}" for i in range(decodes + 1)]
+    for request_id, prompt in zip(ids[:decodes], prompts):
+        llm.engine.add_request(llm.input_processor.make_request(request_id, prompt, params, 0, 0.0))
+    for _ in range(3):
+        llm.engine.step()
+    late = llm.input_processor.make_request(ids[-1], prompts[-1], params, 0, 0.0)
+    llm.engine.add_request(late)
+    for _ in range(2):
+        llm.engine.step()
+    llm.engine.abort_requests(ids)
+
+
 def test_no_triton_compile_after_warm_up(models):  # noqa: F811 (fixtures from test_gpu_e2e)
     import triton
 
@@ -168,6 +184,10 @@ def test_no_triton_compile_after_warm_up(models):  # noqa: F811 (fixtures from t
     try:
         prompts, params = shrinking_batch(n=9, seed=41)
         llm.generate(prompts, params, use_tqdm=False)  # prefills, then padded decode batches
+        # Mixed steps whose leading decodes attend apart from a prompt (at least 16 of them),
+        # 17 and then 18: the metadata sliced at offsets that are no multiple of 16 bytes.
+        for decodes in (17, 18):
+            _mixed_step_after(llm, decodes)
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     print("compiled during requests:", compiled)
