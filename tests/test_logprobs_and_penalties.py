@@ -267,7 +267,8 @@ def test_an_error_mid_generate_aborts_that_calls_requests(llm_and_hf, monkeypatc
 def test_generate_hides_the_heap_from_the_collector_only_while_it_steps(llm_and_hf, monkeypatch):
     """While generate() steps, what was alive before is frozen (a full collection walks only what
     the steps make); after it, even on an error, nothing stays frozen: the caller's garbage from
-    before the call is collectable again. A caller that froze objects itself is left alone."""
+    before the call is collectable again. Where objects were frozen before the call, it freezes
+    the rest and leaves them frozen (unfreezing is all or nothing)."""
     import gc
     import weakref
 
@@ -299,16 +300,22 @@ def test_generate_hides_the_heap_from_the_collector_only_while_it_steps(llm_and_
     assert "".join(llm.stream([5, 6, 7], params)) is not None
     assert gc.get_freeze_count() == 0
 
-    gc.freeze()  # the caller's own freeze: generate() neither adds to it nor thaws it
-    try:
-        before = gc.get_freeze_count()
+    gc.freeze()  # frozen before (by the caller, or a library): generate() freezes the rest
+    try:  # and leaves it frozen, since thawing would undo the other freeze
+        kept = Node()
+        kept.self = kept
+        dead_later = weakref.ref(kept)
+        del kept
         frozen_in_steps.clear()
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
-        # (Frozen objects that die leave the count, so it only falls.)
-        assert all(0 < count <= before for count in frozen_in_steps)
-        assert 0 < gc.get_freeze_count() <= before
+        assert frozen_in_steps and min(frozen_in_steps) > 0
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert dead_later() is not None  # frozen before the call: the collector does not see it
     finally:
         gc.unfreeze()
+    gc.collect()
+    assert dead_later() is None
 
 
 def test_an_assistant_message_without_content_renders_as_empty_text():

@@ -235,20 +235,26 @@ def heap_frozen() -> Iterator[None]:
     """The objects alive now out of the cyclic collector's sight while the engine steps.
 
     A full collection walks every tracked object: with torch, transformers and a compiled model
-    loaded that is millions, a pause of 0.3-0.5 s that the H200 showed in the middle of a batch's
-    decoding (twice in one 1,029-step run of workload B, 5% of its time). Frozen, a collection
-    walks only what the steps made. The engine's own process and the server freeze their start-up
-    for good; an LLM shares its process with its caller, whose garbage must stay collectable, so it
-    freezes only while it runs and thaws after (both O(1)). A caller that froze objects itself
-    keeps charge of the collector: nothing is frozen or thawed then."""
-    if gc.get_freeze_count() or not gc.isenabled():
+    loaded that is about a million, a pause of 0.3-0.5 s that the H200 showed in the middle of a
+    batch's decoding (twice in one 1,029-step run of workload B, 5% of its time). Frozen, a
+    collection walks only what the steps made. The engine's own process and the server freeze
+    their start-up for good; an LLM shares its process with its caller, whose garbage must stay
+    collectable, so it freezes only while it runs and thaws after (both O(1)).
+
+    Where something else froze objects first (on the H200, 375 of them were frozen before the
+    first request; unfreezing is all or nothing), the rest is frozen too and left so: thawing
+    would undo the other freeze, and skipping the freeze had let the pauses back in. The collector
+    disabled: nothing to do."""
+    if not gc.isenabled():
         yield
         return
+    frozen_by_others = gc.get_freeze_count() > 0
     gc.freeze()
     try:
         yield
     finally:
-        gc.unfreeze()
+        if not frozen_by_others:
+            gc.unfreeze()
 
 
 def _signature_from_engine_args() -> inspect.Signature:
