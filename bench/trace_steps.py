@@ -7,15 +7,17 @@ Runs the workload of ``kvik bench throughput`` (random prompts, EOS ignored, a w
 short requests first) through ``LLM.generate`` with each ``EngineCore.step()`` and each
 ``OutputProcessor.process_outputs()`` timed, then prints the run's time split into the steps and
 the output processing, the decode steps' percentiles and the slowest steps with the tokens they
-carried. A step far above its neighbours that scheduled as many tokens is a pause of the host
-(the 2026-12-03 trace of workload B on the H200 found two of 0.37-0.47 s mid-decoding, which a
-full collection of Python's cyclic collector explains; docs/benchmarks.md). Works on any device;
-the GPU's figures are the ones that matter.
+carried. A step far above its neighbours that scheduled as many tokens is a pause of the host;
+the run's full collections of Python's cyclic collector and its Triton compiles are listed with
+the step they fell in, the usual two causes. (On the H200, 2026-12-03: full collections of
+0.34-0.45 s mid-decoding, and a paged-attention variant compiled in the first mixed step, 0.66 s;
+docs/benchmarks.md.) Works on any device; the GPU's figures are the ones that matter.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -67,11 +69,66 @@ def main() -> None:
 
     engine.step, outputs.process_outputs = timed_step, timed_process
     engine.scheduler.schedule = counted_schedule
+    pauses = PauseLog(steps)
     start = time.perf_counter()
-    produced = generate(llm, workload, ignore_eos=True, use_tqdm=False)
+    with pauses:
+        produced = generate(llm, workload, ignore_eos=True, use_tqdm=False)
     elapsed = time.perf_counter() - start
     engine.step, outputs.process_outputs, engine.scheduler.schedule = step, process, schedule
     report(args, steps, processing, elapsed, sum(produced))
+    pauses.report()
+
+
+class PauseLog:
+    """Within its block: each full (generation 2) collection with its duration, and each Triton
+    kernel compiled (an in-memory cache miss: a variant new to this process, even where the disk
+    cache holds it), with the step they fell in (the number of steps finished before)."""
+
+    def __init__(self, steps: list) -> None:
+        self.steps = steps
+        self.collections: list[tuple[int, float]] = []
+        self.compiles: list[tuple[int, str]] = []
+        self._collection_start = 0.0
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._collection_start = time.perf_counter()
+        else:
+            self.collections.append((len(self.steps), time.perf_counter() - self._collection_start))
+
+    def _on_compile(self, *args, **kwargs) -> bool:
+        name = str(kwargs.get("repr") or kwargs.get("fn")).split("[")[0]
+        self.compiles.append((len(self.steps), f"{name} {kwargs.get('key')}"))
+        return False  # compile as usual: only listed
+
+    def __enter__(self) -> PauseLog:
+        gc.callbacks.append(self._on_collection)
+        try:
+            import triton
+        except ImportError:
+            self._knobs = None
+        else:
+            self._knobs = triton.knobs.runtime
+            self._previous_hook = self._knobs.jit_cache_hook
+            self._knobs.jit_cache_hook = self._on_compile
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._on_collection)
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook = self._previous_hook
+
+    def report(self) -> None:
+        total = sum(seconds for _, seconds in self.collections) * 1e3
+        print(f"full collections: {len(self.collections)}, {total:.1f} ms in all")
+        for step, seconds in self.collections:
+            if seconds > 0.01:
+                print(f"  in step {step}: {seconds * 1e3:.1f} ms")
+        print(f"Triton compiles: {len(self.compiles)}")
+        for step, kernel in self.compiles:
+            print(f"  in step {step}: {kernel[:400]}")
 
 
 def report(args, steps, processing, elapsed, num_output) -> None:
