@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from kvik.config import OPS_DISPATCHES, OpsDispatch
+from kvik.op_library import custom_op
 
 _dispatch: ContextVar[OpsDispatch] = ContextVar("kvik_ops_dispatch", default="torch_ops")
 
@@ -64,7 +65,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * normed.to(x.dtype)
 
 
-rms_norm = torch.library.custom_op("kvik::rms_norm", _rms_norm, mutates_args=())
+rms_norm = custom_op("kvik::rms_norm", _rms_norm, mutates_args=())
 
 
 @rms_norm.register_fake
@@ -80,9 +81,7 @@ def _fused_add_rms_norm(
     return _rms_norm(summed, weight, eps), summed
 
 
-fused_add_rms_norm = torch.library.custom_op(
-    "kvik::fused_add_rms_norm", _fused_add_rms_norm, mutates_args=()
-)
+fused_add_rms_norm = custom_op("kvik::fused_add_rms_norm", _fused_add_rms_norm, mutates_args=())
 
 
 @fused_add_rms_norm.register_fake
@@ -131,9 +130,7 @@ def _rotary_embedding(
     return apply(query), apply(key)
 
 
-rotary_embedding = torch.library.custom_op(
-    "kvik::rotary_embedding", _rotary_embedding, mutates_args=()
-)
+rotary_embedding = custom_op("kvik::rotary_embedding", _rotary_embedding, mutates_args=())
 
 
 @rotary_embedding.register_fake
@@ -147,7 +144,7 @@ def _silu_and_mul(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-silu_and_mul = torch.library.custom_op("kvik::silu_and_mul", _silu_and_mul, mutates_args=())
+silu_and_mul = custom_op("kvik::silu_and_mul", _silu_and_mul, mutates_args=())
 
 
 @silu_and_mul.register_fake
@@ -164,7 +161,7 @@ def _argmax_rows(logits: Tensor, index_map: Tensor | None, out: Tensor) -> None:
     out.copy_(ids if index_map is None else index_map[ids])
 
 
-argmax_rows = torch.library.custom_op("kvik::argmax_rows", _argmax_rows, mutates_args=("out",))
+argmax_rows = custom_op("kvik::argmax_rows", _argmax_rows, mutates_args=("out",))
 
 
 @argmax_rows.register_fake
@@ -189,9 +186,7 @@ def _embed_rms_norm_cat(
     )
 
 
-embed_rms_norm_cat = torch.library.custom_op(
-    "kvik::embed_rms_norm_cat", _embed_rms_norm_cat, mutates_args=()
-)
+embed_rms_norm_cat = custom_op("kvik::embed_rms_norm_cat", _embed_rms_norm_cat, mutates_args=())
 
 
 @embed_rms_norm_cat.register_fake
@@ -287,7 +282,7 @@ def _fused_moe(
     return grouped_experts(hidden, router_logits, top_k, renormalize, expert)
 
 
-fused_moe = torch.library.custom_op("kvik::fused_moe", _fused_moe, mutates_args=())
+fused_moe = custom_op("kvik::fused_moe", _fused_moe, mutates_args=())
 
 
 @fused_moe.register_fake
@@ -295,7 +290,7 @@ def _(hidden, router_logits, w13, w2, top_k, renormalize) -> Tensor:
     return torch.empty_like(hidden)
 
 
-@torch.library.custom_op("kvik::reshape_and_cache", mutates_args=("kv_cache",))
+@custom_op("kvik::reshape_and_cache", mutates_args=("kv_cache",))
 def reshape_and_cache(
     key: Tensor,
     value: Tensor,
@@ -325,7 +320,7 @@ def _(key, value, kv_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     return None
 
 
-@torch.library.custom_op("kvik::unified_attention", mutates_args=("output",))
+@custom_op("kvik::unified_attention", mutates_args=("output",))
 def unified_attention(
     query: Tensor, key: Tensor, value: Tensor, output: Tensor, layer_name: str
 ) -> None:
@@ -346,7 +341,7 @@ def _(query, key, value, output, layer_name) -> None:
     return None
 
 
-@torch.library.custom_op("kvik::unified_attention_with_rotary", mutates_args=("output",))
+@custom_op("kvik::unified_attention_with_rotary", mutates_args=("output",))
 def unified_attention_with_rotary(
     query: Tensor,
     key: Tensor,
@@ -453,7 +448,7 @@ def _eagle3_indices(
     draft_seq_lens.copy_(drafted + 1)
 
 
-eagle3_indices = torch.library.custom_op(
+eagle3_indices = custom_op(
     "kvik::eagle3_indices",
     _eagle3_indices,
     mutates_args=(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kvik.op_library import custom_op
+
 
 @dataclass
 class GroupCoordinator:
@@ -76,7 +78,7 @@ _TP: GroupCoordinator | None = None
 _GROUPS: dict[str, GroupCoordinator] = {}
 
 
-@torch.library.custom_op("kvik::all_reduce", mutates_args=())
+@custom_op("kvik::all_reduce", mutates_args=())
 def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
     # Out of place: a custom op may not return its input. The copy is one activation per
     # row-parallel layer, small beside the product that made it.

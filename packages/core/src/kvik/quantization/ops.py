@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kvik.op_library import custom_op
 from kvik.quantization import fp8_reference
 
 
@@ -20,7 +21,7 @@ def _out(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("kvik::fp8_block_linear", mutates_args=())
+@custom_op("kvik::fp8_block_linear", mutates_args=())
 def fp8_block_linear(
     x: Tensor,
     weight: Tensor,
@@ -36,7 +37,7 @@ def _(x, weight, weight_scale, bias):
     return _out(x, weight)
 
 
-@torch.library.custom_op("kvik::fp8_block_linear_quantized", mutates_args=())
+@custom_op("kvik::fp8_block_linear_quantized", mutates_args=())
 def fp8_block_linear_quantized(
     values: Tensor,
     scales: Tensor,
@@ -82,7 +83,7 @@ def _group_quantized_fake(like: Tensor) -> tuple[Tensor, Tensor]:
     return values, like.new_empty(*like.shape[:-1], groups, dtype=torch.float32)
 
 
-@torch.library.custom_op("kvik::rms_norm_fp8_group_quant", mutates_args=())
+@custom_op("kvik::rms_norm_fp8_group_quant", mutates_args=())
 def rms_norm_fp8_group_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``kvik::rms_norm`` quantized per token group: (e4m3 values, fp32 scales)."""
     return _group_quantized(_unquantized_op("rms_norm")(x, weight, eps))
@@ -93,7 +94,7 @@ def _(x, weight, eps):
     return _group_quantized_fake(x)
 
 
-@torch.library.custom_op("kvik::fused_add_rms_norm_fp8_group_quant", mutates_args=())
+@custom_op("kvik::fused_add_rms_norm_fp8_group_quant", mutates_args=())
 def fused_add_rms_norm_fp8_group_quant(
     x: Tensor, residual: Tensor, weight: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -108,7 +109,7 @@ def _(x, residual, weight, eps):
     return (*_group_quantized_fake(x), torch.empty_like(x))
 
 
-@torch.library.custom_op("kvik::silu_and_mul_fp8_group_quant", mutates_args=())
+@custom_op("kvik::silu_and_mul_fp8_group_quant", mutates_args=())
 def silu_and_mul_fp8_group_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     """``kvik::silu_and_mul`` quantized per token group: (e4m3 values, fp32 scales)."""
     return _group_quantized(_unquantized_op("silu_and_mul")(x))
@@ -119,7 +120,7 @@ def _(x):
     return _group_quantized_fake(x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("kvik::fp8_scaled_linear", mutates_args=())
+@custom_op("kvik::fp8_scaled_linear", mutates_args=())
 def fp8_scaled_linear(
     x: Tensor,
     weight: Tensor,
@@ -137,7 +138,7 @@ def _(x, weight, weight_scale, input_scale, bias):
     return _out(x, weight)
 
 
-@torch.library.custom_op("kvik::fused_moe_fp8_block", mutates_args=())
+@custom_op("kvik::fused_moe_fp8_block", mutates_args=())
 def fused_moe_fp8_block(
     hidden: Tensor,
     router_logits: Tensor,

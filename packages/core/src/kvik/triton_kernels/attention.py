@@ -108,6 +108,11 @@ class TritonMetadata:
     #: a step of 500 decodes and 7 prompts (Qwen3-30B-A3B) ran its attention at ~46% of the
     #: K/V-read floor where decode steps reach 93% (docs/benchmarks.md).
     decodes_apart: int = 0
+    #: With ``decodes_apart``: each launch's request metadata (query_start_loc, seq_lens,
+    #: block_table), sliced once a step rather than once a layer: a PIECEWISE step runs attention
+    #: from Python between its graphs, and every slice is host time there.
+    decodes_metadata: tuple[Tensor, Tensor, Tensor] | None = None
+    rest_metadata: tuple[Tensor, Tensor, Tensor] | None = None
 
 
 #: The fewest leading decodes a mixed step attends to apart: a few decodes beside a prompt are a
@@ -157,8 +162,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             splits = num_kv_splits(
                 apart, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
             )
+        decodes = rest = None
+        if apart:
+            starts, lens, table = common.query_start_loc, common.seq_lens, common.block_table
+            decodes = (starts[: apart + 1], lens[:apart], table[:apart])
+            rest = (starts[apart:], lens[apart:], table[apart:])
         if splits == 1:
-            return TritonMetadata(common, self.arch, 1, None, None, None, rows_as_decodes, apart)
+            return TritonMetadata(
+                common, self.arch, 1, None, None, None, rows_as_decodes, apart, decodes, rest
+            )
         n = t * h * splits
         return TritonMetadata(
             common,
@@ -169,6 +181,8 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             self.part_sum[:n].view(t, h, splits),
             rows_as_decodes,
             apart,
+            decodes,
+            rest,
         )
 
 
@@ -256,17 +270,18 @@ class TritonAttentionImpl(AttentionImpl):
         whole step's rows (their tokens start past the decodes')."""
         c, n = metadata.common, metadata.decodes_apart
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
-        config = functools.partial(attention_config, metadata.arch, d, h // hk)
+        keys, values = kv_cache[0], kv_cache[1]
+        group = h // hk
         paged_attention(
-            query[:n].view(n, h, d), kv_cache[0], kv_cache[1], output[:n].view(n, h, d),
-            c.query_start_loc[: n + 1], c.seq_lens[:n], c.block_table[:n], self.scale,
-            self.sliding_window, config(1, kv_cache.dtype), metadata.num_splits,
+            query[:n].view(n, h, d), keys, values, output[:n].view(n, h, d),
+            *metadata.decodes_metadata, self.scale, self.sliding_window,
+            attention_config(metadata.arch, d, group, 1, kv_cache.dtype), metadata.num_splits,
             metadata.part_acc, metadata.part_max, metadata.part_sum, self.k_scale, self.v_scale,
         )  # fmt: skip
         paged_attention(
-            query[:t].view(t, h, d), kv_cache[0], kv_cache[1], output[:t].view(t, h, d),
-            c.query_start_loc[n:], c.seq_lens[n:], c.block_table[n:], self.scale,
-            self.sliding_window, config(c.max_query_len, kv_cache.dtype), 1,
+            query[:t].view(t, h, d), keys, values, output[:t].view(t, h, d),
+            *metadata.rest_metadata, self.scale, self.sliding_window,
+            attention_config(metadata.arch, d, group, c.max_query_len, kv_cache.dtype), 1,
             k_scale=self.k_scale, v_scale=self.v_scale,
         )  # fmt: skip
 

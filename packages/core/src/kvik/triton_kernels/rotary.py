@@ -10,6 +10,7 @@ them, and then quantized as ``kv_cache.reshape_and_cache`` does.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -206,6 +207,9 @@ def rotary_and_cache_kernel(
         tl.store(dst + half_cache + h * HEAD_SIZE + d, v.to(ty), mask=mask)
 
 
+# Cached: triton.next_power_of_2 is a constexpr function whose every call costs microseconds of
+# host time, and a PIECEWISE step calls the rotary launch from Python once a layer.
+@functools.cache
 def rotary_constexprs(num_heads: int, num_kv_heads: int, head_size: int, rot_dim: int) -> dict:
     half = rot_dim // 2
     tail = head_size - rot_dim
@@ -222,6 +226,10 @@ def rotary_constexprs(num_heads: int, num_kv_heads: int, head_size: int, rot_dim
 
 
 ROTARY_WARPS = 4
+
+
+def _power_of_2_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def rotary_embedding(
@@ -291,8 +299,8 @@ def rotary_and_cache(
     rotary_and_cache_kernel[(t,)](
         positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache, k_scale,
         v_scale, q_norm, k_norm, query.stride(0), key.stride(0), value.stride(0),
-        cos_sin_cache.stride(0), kv_cache[0].numel(), eps, **constexprs,
-        HEAD_PAD=triton.next_power_of_2(head_size), IS_NEOX=is_neox, KV_FP8=fp8,
+        cos_sin_cache.stride(0), kv_cache.numel() // 2, eps, **constexprs,
+        HEAD_PAD=_power_of_2_at_least(head_size), IS_NEOX=is_neox, KV_FP8=fp8,
         HEAD_NORM=head_norms is not None, num_warps=ROTARY_WARPS,
     )  # fmt: skip
     return q_out
