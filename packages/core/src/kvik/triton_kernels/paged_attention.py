@@ -443,7 +443,9 @@ def paged_attention(
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
-    assert query.stride(-1) == 1 and output.stride(-1) == 1 and key_cache.stride(-1) == 1
+    # Each stride() call is host time, paid per launch (a PIECEWISE step launches from Python).
+    q_strides, o_strides, k_strides = query.stride(), output.stride(), key_cache.stride()
+    assert q_strides[-1] == 1 and o_strides[-1] == 1 and k_strides[-1] == 1
     if num_splits > 1:
         if part_acc is None:
             f32 = {"dtype": torch.float32, "device": query.device}
@@ -456,13 +458,12 @@ def paged_attention(
     paged_attention_kernel[grid](
         query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
         seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
-        v_scale, num_reqs, scale * LOG2E, query.stride(0),
-        query.stride(1), output.stride(0), output.stride(1), *key_cache.stride()[:3],
-        *value_cache.stride()[:3], block_table.stride(0), **constexprs,
+        v_scale, num_reqs, scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1],
+        *k_strides[:3], *value_cache.stride()[:3], block_table.stride(0), **constexprs,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits_kernel[(t, num_heads)](
-            output, part_acc, part_max, part_sum, output.stride(0), output.stride(1),
+            output, part_acc, part_max, part_sum, o_strides[0], o_strides[1],
             **_reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
         )  # fmt: skip
