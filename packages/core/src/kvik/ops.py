@@ -1,4 +1,6 @@
-"""kvik's small ops as ``torch.library`` custom ops, each with its PyTorch reference implementation.
+"""kvik's small ops as ``torch.library`` ops, each with its PyTorch reference implementation
+(defined by ``kvik.op_library.custom_op``, which has ``torch.library.custom_op``'s signature without
+its per-call Python layers).
 
 The references run on every device. A platform registers faster kernels for its own device key when
 it is selected (``torch.library.register_kernel("kvik::rms_norm", "cuda", fn)``), never on import,
