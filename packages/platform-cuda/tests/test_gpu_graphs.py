@@ -196,11 +196,6 @@ def test_no_triton_compile_after_warm_up(models):  # noqa: F811 (fixtures from t
     assert not compiled, compiled
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="on the H200 (2026-12-03, commit 8df8337) these steps compiled paged_attention_kernel, "
-    "argmax_chunks_kernel and argmax_merge_kernel variants; the cause is not yet found",
-)
 def test_no_triton_compile_in_mixed_steps_with_decodes_apart(models):  # noqa: F811 (fixtures from test_gpu_e2e)
     """Mixed steps whose leading decodes attend apart from a prompt (at least 16 of them), 17 and
     then 18: the request metadata sliced at offsets that are no multiple of 16 bytes. (Workload B

@@ -14,10 +14,14 @@ Reference: ``kvik.ops.argmax_rows``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kvik.triton_kernels.launch import FastLauncher
 
 #: Entries a chunk program reads: a 128k-entry row spreads over 63 programs, a 32k one over 16.
 CHUNK = 2048
@@ -100,25 +104,34 @@ def argmax_rows(logits: Tensor, index_map: Tensor | None, out: Tensor) -> None:
     num_chunks = triton.cdiv(vocab, CHUNK)
     part_val = torch.empty(rows, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
-    argmax_chunks_kernel[(num_chunks, rows)](
-        logits,
-        part_val,
-        part_idx,
-        vocab,
-        logits.stride(0),
-        NUM_CHUNKS=num_chunks,
-        CHUNK=CHUNK,
-        BLOCK=BLOCK,
+    # Both launched from Python every step (sampling is not captured).
+    _launch_chunks(
+        (num_chunks, rows),
+        (logits, part_val, part_idx, vocab, logits.stride(0)),
+        _chunks_constexprs(num_chunks),
         num_warps=CHUNK_WARPS,
     )
-    argmax_merge_kernel[(rows,)](
-        part_val,
-        part_idx,
-        out if index_map is None else index_map,
-        out,
-        out.stride(0),
-        NUM_CHUNKS=num_chunks,
-        CHUNKS_PAD=triton.next_power_of_2(num_chunks),
-        HAS_MAP=index_map is not None,
+    _launch_merge(
+        (rows,),
+        (part_val, part_idx, out if index_map is None else index_map, out, out.stride(0)),
+        _merge_constexprs(num_chunks, index_map is not None),
         num_warps=MERGE_WARPS,
     )
+
+
+@functools.cache
+def _chunks_constexprs(num_chunks: int) -> dict:
+    return {"NUM_CHUNKS": num_chunks, "CHUNK": CHUNK, "BLOCK": BLOCK}
+
+
+@functools.cache
+def _merge_constexprs(num_chunks: int, has_map: bool) -> dict:
+    return {
+        "NUM_CHUNKS": num_chunks,
+        "CHUNKS_PAD": triton.next_power_of_2(num_chunks),
+        "HAS_MAP": has_map,
+    }
+
+
+_launch_chunks = FastLauncher(argmax_chunks_kernel)
+_launch_merge = FastLauncher(argmax_merge_kernel)

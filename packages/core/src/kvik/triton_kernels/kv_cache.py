@@ -15,6 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.launch import FastLauncher
+
 #: e4m3's largest finite value (a constexpr, so that kernels may read it).
 FP8_E4M3_MAX = tl.constexpr(448.0)
 
@@ -95,6 +97,10 @@ def reshape_and_cache_config(heads: int, head_size: int) -> tuple[dict[str, int]
     return constexprs, min(max(heads_pad * head_pad // 512, 1), 8)
 
 
+# Launched once a layer from Python in a step that is not one captured graph (no fused rotary).
+_launch_reshape_and_cache = FastLauncher(reshape_and_cache_kernel)
+
+
 def kv_scale_pointers(
     kv_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None
 ) -> tuple[bool, Tensor, Tensor]:
@@ -127,8 +133,11 @@ def reshape_and_cache(
     if t == 0:
         return
     constexprs, num_warps = reshape_and_cache_config(heads, head_size)
-    reshape_and_cache_kernel[(t,)](
-        key, value, kv_cache, slot_mapping, k_scale, v_scale, key.stride(0), value.stride(0),
-        key.stride(1), value.stride(1), kv_cache[0].numel(), **constexprs, KV_FP8=fp8,
-        num_warps=num_warps,
+    _launch_reshape_and_cache(
+        (t,),
+        (
+            key, value, kv_cache, slot_mapping, k_scale, v_scale, key.stride(0), value.stride(0),
+            key.stride(1), value.stride(1), kv_cache.numel() // 2,
+        ),
+        {**constexprs, "KV_FP8": fp8}, num_warps=num_warps,
     )  # fmt: skip

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvik.triton_kernels.kv_cache import kv_scale_pointers
+from kvik.triton_kernels.launch import FastLauncher
 
 LOG2E = 1.4426950408889634
 
@@ -390,6 +391,11 @@ def _reduce_constexprs(attention: tuple) -> dict[str, int]:
     return reduce_constexprs(dict(attention))
 
 
+# Launched once or twice a layer from Python in every step that is not one captured graph.
+_launch_attention = FastLauncher(paged_attention_kernel)
+_launch_reduce = FastLauncher(reduce_splits_kernel)
+
+
 def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
     """The reduction's constexprs from the attention kernel's (the partial results are fp32 and
     already carry the value scale, so an FP8 cache changes nothing here)."""
@@ -455,15 +461,18 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = output  # unused
     grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
-    paged_attention_kernel[grid](
-        query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
-        seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
-        v_scale, num_reqs, scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1],
-        *k_strides[:3], *value_cache.stride()[:3], block_table.stride(0), **constexprs,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    _launch_attention(
+        grid,
+        (
+            query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
+            seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
+            v_scale, num_reqs, scale * LOG2E, q_strides[0], q_strides[1], o_strides[0],
+            o_strides[1], *k_strides[:3], *value_cache.stride()[:3], block_table.stride(0),
+        ),
+        constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        reduce_splits_kernel[(t, num_heads)](
-            output, part_acc, part_max, part_sum, o_strides[0], o_strides[1],
-            **_reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
+        _launch_reduce(
+            (t, num_heads), (output, part_acc, part_max, part_sum, o_strides[0], o_strides[1]),
+            _reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
         )  # fmt: skip

@@ -19,6 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kvik.triton_kernels.kv_cache import kv_scale_pointers, quantize_e4m3
+from kvik.triton_kernels.launch import FastLauncher
 
 if TYPE_CHECKING:
     from kvik.layers.rotary import HeadNorms
@@ -228,6 +229,10 @@ def rotary_constexprs(num_heads: int, num_kv_heads: int, head_size: int, rot_dim
 ROTARY_WARPS = 4
 
 
+# Launched once a layer from Python in every step that is not one captured graph.
+_launch_rotary_and_cache = FastLauncher(rotary_and_cache_kernel)
+
+
 def _power_of_2_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -296,11 +301,17 @@ def rotary_and_cache(
     else:
         q_norm = k_norm = q_out  # not read
         eps = 0.0
-    rotary_and_cache_kernel[(t,)](
-        positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache, k_scale,
-        v_scale, q_norm, k_norm, query.stride(0), key.stride(0), value.stride(0),
-        cos_sin_cache.stride(0), kv_cache.numel() // 2, eps, **constexprs,
-        HEAD_PAD=_power_of_2_at_least(head_size), IS_NEOX=is_neox, KV_FP8=fp8,
-        HEAD_NORM=head_norms is not None, num_warps=ROTARY_WARPS,
+    _launch_rotary_and_cache(
+        (t,),
+        (
+            positions, query, key, value, q_out, kv_cache, slot_mapping, cos_sin_cache, k_scale,
+            v_scale, q_norm, k_norm, query.stride(0), key.stride(0), value.stride(0),
+            cos_sin_cache.stride(0), kv_cache.numel() // 2, eps,
+        ),
+        {
+            **constexprs, "HEAD_PAD": _power_of_2_at_least(head_size), "IS_NEOX": is_neox,
+            "KV_FP8": fp8, "HEAD_NORM": head_norms is not None,
+        },
+        num_warps=ROTARY_WARPS,
     )  # fmt: skip
     return q_out
