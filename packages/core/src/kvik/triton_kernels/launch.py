@@ -2,10 +2,12 @@
 
 A step that is not one captured graph (a PIECEWISE step: prompts beside decodes) launches its
 attention from Python between the captured pieces, two or three Triton launches a layer. On the
-H200 machine such a step was bound by the host (64 decodes and a 192-token prompt: 13 ms of
-launching for 9 ms of kernels), and ``JITFunction.run`` took ~60 µs of it a launch: it binds every
-argument through a generated function, builds a string cache key, reads Triton's knobs, makes the
-launch metadata, and only then calls the compiled kernel's launcher.
+H200 machine such a step was bound by the host (64 decodes and a 192-token prompt: 8.5-13 ms of
+launching for 9.3 ms of kernels), and ``JITFunction.run`` took ~50-60 µs of it a launch: it binds
+every argument through a generated function, builds a string cache key, reads Triton's knobs,
+makes the launch metadata, and only then calls the compiled kernel's launcher (~9 µs). Through
+this launcher a ``paged_attention`` launch costs ~25 µs and that step launches in ~6.5 ms, ahead
+of the GPU (docs/benchmarks.md, "the twenty-fifth session's H200 calls").
 
 ``FastLauncher`` keeps each compiled kernel under a key of its own and calls the launcher straight.
 The key holds everything Triton's specialization reads: the constexprs and launch options as
