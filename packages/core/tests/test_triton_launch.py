@@ -107,6 +107,9 @@ def test_a_launch_hook_or_the_switch_keeps_the_plain_path(no_gpu_driver, monkeyp
         launcher((4,), (x, 32), {"BLOCK": 16}, num_warps=4)
     finally:
         hooks.remove(print)
+    with monkeypatch.context() as patch:
+        patch.setattr(launch.knobs.runtime, "launch_enter_hook", print)  # a bare hook
+        launcher((4,), (x, 32), {"BLOCK": 16}, num_warps=4)
     monkeypatch.setattr(launch, "ENABLED", False)
     launcher((4,), (x, 32), {"BLOCK": 16}, num_warps=4)
-    assert len(kernel.jit_launches) == 3 and kernel.compiled.launches == []
+    assert len(kernel.jit_launches) == 4 and kernel.compiled.launches == []

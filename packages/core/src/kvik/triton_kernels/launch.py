@@ -43,6 +43,14 @@ def specialization(arg: Any) -> Any:
     return native_specialize_impl(BaseBackend, arg, False, True, True)
 
 
+def _launch_hooks() -> bool:
+    """Whether a launch hook is registered (a profiler's, such as proton's): those get Triton's
+    launch metadata, which only ``kernel[grid]`` makes. Triton keeps them in a ``HookChain``
+    (Triton 3.6-3.9); a hook assigned in its place counts as registered."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class FastLauncher:
     """``FastLauncher(kernel)(grid, args, constexprs, num_warps=..., num_stages=...)`` launches
     as ``kernel[grid](*args, **constexprs, num_warps=..., num_stages=...)`` does. ``args`` are
@@ -56,7 +64,7 @@ class FastLauncher:
     def __call__(
         self, grid: tuple[int, ...], args: tuple, constexprs: Mapping[str, Any], **options: int
     ) -> None:
-        if not ENABLED or _INTERPRET or knobs.runtime.launch_enter_hook.calls:
+        if not ENABLED or _INTERPRET or _launch_hooks():
             self.kernel[grid](*args, **constexprs, **options)
             return
         device = driver.active.get_current_device()
