@@ -57,7 +57,7 @@ def tests(session: nox.Session) -> None:
 #: Top-level test files that run beside the packages' folders (pip installs, servers, CLIs).
 #: Tried on 2026-12-03 (77ae3fb): the Triton interpreter tests, core's bench tests and the default
 #: model's CLI tests here too, with tests/ beside them: the tests session took 26 min with a warm
-#: Triton cache against 30 cold before, about even (the AOT compile tests take ~5 min cold), as
+#: Triton cache against 30 cold before, about even (cold AOT compiles: ~5 min by the difference), as
 #: torch's ops already keep both of CI's cores busy; tests/ slowed from 10.8 to 17.3 min.
 TESTS_IN_BACKGROUND = [
     "tests/test_packages_alone.py",
