@@ -339,6 +339,7 @@ ATTENTION_CASES = [
     (torch.bfloat16, 256, 3, 1, 1),
     (torch.float32, 256, 8, 1, 8),
     (torch.float16, 64, 1, 1, 2),
+    (torch.bfloat16, 128, 4, 1, 3),  # a split count the reduction pads to a power of two
 ]
 # The same launches over an FP8 cache (--kv-cache-dtype fp8): prefills, decodes, split-KV decodes.
 FP8_ATTENTION_CASES = [
@@ -412,6 +413,42 @@ def test_paged_attention_verification_rows_as_decodes(arch: str, splits: int) ->
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def decode_plans() -> list[tuple[Any, int]]:
+    """kvik_cuda's measured H200 decode launches (configuration, split count), if installed."""
+    try:
+        tuning = importlib.import_module("kvik_cuda.tuning")
+    except ImportError:
+        return []
+    return sorted(set(tuning.H200_DECODE_PLANS.values()), key=str)
+
+
+@pytest.mark.skipif("sm90" not in TARGETS, reason="kvik_cuda is not installed")
+@pytest.mark.parametrize(("config", "splits"), decode_plans(), ids=str)
+def test_h200_decode_plans(config, splits: int) -> None:
+    """Each planned decode launch (kvik_cuda.tuning.H200_DECODE_PLANS) of Llama-8B's heads over a
+    bf16 cache compiles for Hopper within its shared memory, with its reduction when split."""
+    kv_heads, group, head_size, dtype = 8, 4, 128, torch.bfloat16
+    constexprs = attention_constexprs(
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, False
+    )
+    compiled_ok(
+        paged_attention_kernel,
+        "sm90",
+        types=attention_types(paged_attention_kernel, dtype),
+        constexprs=constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if splits > 1:
+        compiled_ok(
+            reduce_splits_kernel,
+            "sm90",
+            types=attention_types(reduce_splits_kernel, dtype),
+            constexprs=reduce_constexprs(constexprs),
+            num_warps=REDUCE_WARPS,
+        )
 
 
 def moe_chooser(arch: str):

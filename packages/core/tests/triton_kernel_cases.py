@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from kvik.triton_kernels.attention import (
     TritonAttentionBackend,
     attention_config,
     device_arch,
+    register_decode_plans,
 )
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import (
@@ -685,6 +687,7 @@ def run_attention(
             max_num_tokens=t,
             max_model_len=max(c + q for c, q in requests),
             device=torch.device(DEVICE),
+            kv_cache_dtype=cache.dtype,
         )
         builder = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec)
         assert builder.build(dev).decodes_apart == decodes_apart
@@ -791,7 +794,7 @@ def test_decode_only_batch(dtype: torch.dtype, group: int, window: int | None) -
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 8])
-@pytest.mark.parametrize("splits", [2, 8])
+@pytest.mark.parametrize("splits", [2, 3, 8])
 def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
     run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits)
 
@@ -872,6 +875,35 @@ def test_decode_only_batch_over_an_fp8_cache(dtype: torch.dtype, window: int | N
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_split_kv_decode_over_an_fp8_cache(dtype: torch.dtype) -> None:
     run_attention(DECODES, KV_HEADS * 3, KV_HEADS, 128, dtype, splits=4, kv_scales=KV_SCALES)
+
+
+@pytest.fixture
+def decode_plan_in_three():
+    """A decode planner on this device's architecture: three split segments (not a power of two,
+    so the reduction pads) with another key tile than the chooser's. Removed afterwards."""
+    arch = device_arch(DEVICE)[0]
+    planned = []
+
+    def planner(arch_, head_size, group, dtype, programs, num_sms):
+        config = attention_config(arch_, head_size, group, 1, dtype)
+        plan = (replace(config, tile_n=32 if config.tile_n != 32 else 16), 3)
+        planned.append(plan)
+        return plan
+
+    register_decode_plans(arch, planner)
+    yield planned
+    register_decode_plans(arch, None)
+
+
+@pytest.mark.parametrize("kv_scales", [None, KV_SCALES], ids=["16-bit", "fp8"])
+def test_decode_plan_from_the_platform(decode_plan_in_three, kv_scales) -> None:
+    """A platform's decode plan (kvik.triton_kernels.attention.register_decode_plans) decides
+    the backend's decode launches: its split count and tiles, with the same outputs. Decode steps
+    and the leading decodes a mixed step attends to apart both take it."""
+    run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.float16, kv_scales=kv_scales)
+    assert decode_plan_in_three and all(splits == 3 for _, splits in decode_plan_in_three)
+    apart = next(r for r, (_, q) in enumerate(LEADING_DECODES) if q != 1)
+    run_attention(LEADING_DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.float16, decodes_apart=apart)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the heuristic needs the GPU's multiprocessor count")

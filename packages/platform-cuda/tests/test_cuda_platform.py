@@ -218,6 +218,37 @@ def test_selected_cuda_registers_its_launch_configurations() -> None:
     assert TRITON_ATTENTION_BACKEND.startswith("kvik.triton_kernels.attention:")
 
 
+def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
+    """The selected platform plans decode launches on the H200's SM count for Llama-8B's head
+    layout over a 16-bit cache: 33 to 40 requests split in two with 2-stage tiles, every other
+    batch, an FP8 cache, another SM count or head layout the defaults (num_kv_splits and the
+    chooser's decode tiles)."""
+    from kvik.triton_kernels.attention import decode_launch
+    from kvik.triton_kernels.paged_attention import AttentionConfig, num_kv_splits
+    from kvik_cuda import tuning
+
+    CudaPlatform.on_selected()
+    default = tuning.attention_config("sm90", 128, 4, 1, torch.bfloat16)
+
+    def launch(num_reqs: int, dtype=torch.bfloat16, num_sms: int = 132, group: int = 4):
+        return decode_launch("sm90", 128, group, dtype, num_reqs, 8, 131072, num_sms)
+
+    for num_reqs in (33, 37, 40):
+        assert launch(num_reqs) == (AttentionConfig(16, 64, 4, 2), 2)
+    assert launch(48) == (AttentionConfig(16, 64, 4, 3), 1)
+    assert launch(96) == (AttentionConfig(16, 32, 2, 3), 1)
+    for num_reqs in (1, 8, 32, 49, 64, 256):
+        assert launch(num_reqs) == (default, num_kv_splits(num_reqs, 8, 131072, 132))
+    assert launch(40, dtype=torch.float8_e4m3fn) == (
+        tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn),
+        1,
+    )
+    assert launch(40, num_sms=114) == (default, 1)  # H100 PCIe: its waves end elsewhere
+    assert launch(40, group=8)[1] == 1
+    # Every planned configuration compiles where it must (test_triton_kernels_compile.py).
+    assert {config.block_m for config, _ in tuning.H200_DECODE_PLANS.values()} == {16}
+
+
 def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
     """kvik::fused_moe_fp8_block runs kvik_cuda's Triton kernel on CUDA tensors, and every
     configuration chosen for e4m3 experts keeps each K step inside one 128-wide scale group."""

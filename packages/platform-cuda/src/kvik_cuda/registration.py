@@ -14,7 +14,7 @@ import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 import kvik.quantization.ops  # noqa: F401  (defines torch.ops.kvik.fp8_*_linear)
 from kvik.triton_kernels.activation import silu_and_mul, silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.argmax import argmax_rows
-from kvik.triton_kernels.attention import register_attention_configs
+from kvik.triton_kernels.attention import register_attention_configs, register_decode_plans
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
 from kvik.triton_kernels.fused_moe import fused_moe, fused_moe_fp8_block, register_moe_configs
 from kvik.triton_kernels.kv_cache import reshape_and_cache
@@ -28,7 +28,7 @@ from kvik.triton_kernels.rms_norm import (
 from kvik.triton_kernels.rotary import rotary_embedding
 from kvik_cuda import fp8
 from kvik_cuda.moe_tuning import fused_moe_config
-from kvik_cuda.tuning import attention_config
+from kvik_cuda.tuning import attention_config, decode_plan
 
 KERNELS = {
     "kvik::rms_norm": rms_norm,
@@ -58,4 +58,5 @@ def register_kernels() -> None:
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op, "cuda", kernel)
     register_attention_configs("sm", attention_config)
+    register_decode_plans("sm", decode_plan)
     register_moe_configs("sm", fused_moe_config)

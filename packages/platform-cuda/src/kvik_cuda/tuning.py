@@ -47,6 +47,38 @@ def attention_config(
     return AttentionConfig(block_m, 32, 4, 2)
 
 
+#: Decode launches measured faster than ``attention_config`` with ``num_kv_splits`` on the H200
+#: (132 SMs), for 128-wide heads in groups of 4 (Llama-3.1-8B, Qwen3-8B) over a 16-bit cache:
+#: (fewest, most) (request, KV head) programs -> (configuration, split count). The default gives
+#: the batches just past one wave of its 2-program-per-SM tiles a second, mostly empty wave; a
+#: split in two with 2-stage tiles (3 programs an SM) spreads 40 requests over every SM.
+#: From ``sweep_decode_attention.py --joint`` at 1152 tokens a request (2026-12-03, graph
+#: replays; docs/benchmarks.md): 40 requests 61.6 -> 52.2 us a layer, 48 requests 63.4 -> 60.3,
+#: 96 requests 126.7 -> 110.2. Each range holds the batches a captured graph pads to its top.
+H200_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
+    (33 * 8, 40 * 8): (AttentionConfig(16, 64, 4, 2), 2),
+    (41 * 8, 48 * 8): (AttentionConfig(16, 64, 4, 3), 1),
+    (89 * 8, 96 * 8): (AttentionConfig(16, 32, 2, 3), 1),
+}
+H200_SMS = 132
+
+
+def decode_plan(
+    arch: str, head_size: int, group: int, dtype: torch.dtype, programs: int, num_sms: int
+) -> tuple[AttentionConfig, int] | None:
+    """The measured decode launch for ``programs`` (request, KV head) pairs on ``arch``, or None
+    (``kvik.triton_kernels.attention.decode_launch`` then takes the defaults). Only the shapes
+    and machine the table was measured on: a different SM count moves every wave boundary."""
+    if (arch, num_sms, head_size, group) != ("sm90", H200_SMS, 128, 4):
+        return None
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    for (fewest, most), plan in H200_DECODE_PLANS.items():
+        if fewest <= programs <= most:
+            return plan
+    return None
+
+
 #: The longest inner dimension the one-row GEMV takes: past it, a program's loop over K is long and
 #: the programs few (N / block_n), and cuBLAS's split-K product wins (Llama-3.1-8B's down_proj,
 #: K = 14336, on the H200: docs/benchmarks.md).

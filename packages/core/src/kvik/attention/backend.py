@@ -60,6 +60,8 @@ class AttentionSpec:
     max_num_tokens: int
     max_model_len: int
     device: torch.device
+    #: The paged cache's dtype (float8_e4m3fn for ``--kv-cache-dtype fp8``); None: ``dtype``.
+    kv_cache_dtype: torch.dtype | None = None
 
 
 class AttentionMetadataBuilder:

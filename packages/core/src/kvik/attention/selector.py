@@ -78,6 +78,7 @@ def attach_attention(
             max_num_tokens=runner.max_num_tokens,
             max_model_len=runner.max_model_len,
             device=runner.device,
+            kv_cache_dtype=cache_dtype,
         ),
     )
     return backend, builder

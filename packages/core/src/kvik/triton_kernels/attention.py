@@ -40,8 +40,21 @@ from kvik.triton_kernels.rotary import rotary_and_cache
 #: (arch, head_size, group, max_query_len, dtype) -> the launch configuration on ``arch``.
 ConfigChooser = Callable[[str, int, int, int, torch.dtype], AttentionConfig]
 
+#: (arch, head_size, group, KV cache dtype, programs, num_sms) -> (configuration, split count) for
+#: a decode launch of ``programs`` (request, KV head) pairs, or None where the platform has no
+#: measured choice (then its chooser's configuration and ``num_kv_splits``).
+DecodePlanner = Callable[[str, int, int, torch.dtype, int, int], tuple[AttentionConfig, int] | None]
+
 #: Architecture-name prefix ("sm", "gfx") -> its platform's chooser; the interpreter's is built in.
 _CHOOSERS: dict[str, ConfigChooser] = {"interpreter": interpreter_config}
+#: Architecture-name prefix -> its platform's decode planner (none built in).
+_DECODE_PLANNERS: dict[str, DecodePlanner] = {}
+
+
+def _registered_for(registry: dict, arch: str):
+    """The entry of the longest prefix of ``arch`` in ``registry``, or None."""
+    prefixes = sorted((p for p in registry if arch.startswith(p)), key=len, reverse=True)
+    return registry[prefixes[0]] if prefixes else None
 
 
 def register_attention_configs(arch_prefix: str, chooser: ConfigChooser) -> None:
@@ -52,6 +65,7 @@ def register_attention_configs(arch_prefix: str, chooser: ConfigChooser) -> None
         raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
     _CHOOSERS[arch_prefix] = chooser
     attention_config.cache_clear()
+    decode_launch.cache_clear()  # its default takes the chooser's configuration
 
 
 @functools.cache
@@ -60,15 +74,65 @@ def attention_config(
 ) -> AttentionConfig:
     """The launch configuration on ``arch`` from the chooser registered for it (the longest
     matching prefix); cached, since every layer of every step asks."""
-    prefixes = sorted((p for p in _CHOOSERS if arch.startswith(p)), key=len, reverse=True)
-    if not prefixes:
+    chooser = _registered_for(_CHOOSERS, arch)
+    if chooser is None:
         raise RuntimeError(
             f"no Triton attention launch configuration is registered for architecture {arch!r} "
             f"(registered: {', '.join(sorted(_CHOOSERS))}); the platform that owns this GPU "
             "registers one when it is selected: run through the engine, or call its "
             "registration (e.g. kvik_cuda.registration.register_kernels())"
         )
-    return _CHOOSERS[prefixes[0]](arch, head_size, group, max_query_len, dtype)
+    return chooser(arch, head_size, group, max_query_len, dtype)
+
+
+def register_decode_plans(arch_prefix: str, planner: DecodePlanner | None) -> None:
+    """Let ``planner`` pick decode launches' configuration and split count together on the
+    architectures whose names start with ``arch_prefix`` (None removes it). Where a decode batch
+    fills the GPU with a fraction of a wave more, the best tiling and the best split count move
+    together (on the H200, 40 requests of Llama-8B's heads: 16% faster split in two with 2-stage
+    tiles, slower split with the default's 3 stages; docs/benchmarks.md), so a platform with
+    measurements says both."""
+    if not arch_prefix:
+        raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
+    if planner is None:
+        _DECODE_PLANNERS.pop(arch_prefix, None)
+    else:
+        _DECODE_PLANNERS[arch_prefix] = planner
+    decode_launch.cache_clear()
+
+
+@functools.cache
+def decode_launch(
+    arch: str,
+    head_size: int,
+    group: int,
+    dtype: torch.dtype,
+    num_reqs: int,
+    num_kv_heads: int,
+    max_model_len: int,
+    num_sms: int,
+) -> tuple[AttentionConfig, int]:
+    """(configuration, split count) of a decode launch of ``num_reqs`` requests over a ``dtype``
+    cache: the platform's decode planner's where it has one for this shape, else its chooser's
+    decode configuration and ``num_kv_splits``. From the (padded) request count and
+    max_model_len only, never the step's lengths, so a captured graph's choice holds on replay."""
+    planner = _registered_for(_DECODE_PLANNERS, arch)
+    plan = (
+        planner(arch, head_size, group, dtype, num_reqs * num_kv_heads, num_sms)
+        if planner
+        else None
+    )
+    if plan is not None:
+        config, splits = plan
+        if not 1 <= splits <= MAX_KV_SPLITS:
+            raise ValueError(
+                f"a decode plan's split count must be in 1..{MAX_KV_SPLITS}, got {splits}"
+            )
+        return config, splits
+    return (
+        attention_config(arch, head_size, group, 1, dtype),
+        num_kv_splits(num_reqs, num_kv_heads, max_model_len, num_sms),
+    )
 
 
 @functools.cache
@@ -113,6 +177,10 @@ class TritonMetadata:
     #: from Python between its graphs, and every slice is host time there.
     decodes_metadata: tuple[Tensor, Tensor, Tensor] | None = None
     rest_metadata: tuple[Tensor, Tensor, Tensor] | None = None
+    #: The decode launch's configuration (``decode_launch``, with ``num_splits``): a decode-only
+    #: step's, the rows as decodes', or the decodes' apart; None when the step has no decode
+    #: launch (its launch takes the chooser's configuration for its longest query).
+    decode_config: AttentionConfig | None = None
 
 
 #: The fewest leading decodes a mixed step attends to apart: a few decodes beside a prompt are a
@@ -128,6 +196,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
     def __init__(self, backend: type[AttentionBackend], spec: AttentionSpec) -> None:
         super().__init__(backend, spec)
         self.arch, self.num_sms = device_arch(spec.device)
+        self.cache_dtype = spec.kv_cache_dtype or spec.dtype
         head_pad = 1 << (spec.head_size - 1).bit_length()
         f32 = {"dtype": torch.float32, "device": spec.device}
         rows = spec.max_num_seqs * spec.num_heads * MAX_KV_SPLITS
@@ -143,13 +212,12 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             and common.token_requests is not None
             and bool(common.decode_requests[: common.num_reqs].all())
         )
-        splits = 1
+        splits, decode_config = 1, None
         if common.max_query_len == 1 or rows_as_decodes:
-            splits = num_kv_splits(
-                common.num_reqs, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
-            )
+            decode_config, splits = self._decode_launch(common.num_reqs)
         if rows_as_decodes and t * splits > self.spec.max_num_seqs * MAX_KV_SPLITS:
-            rows_as_decodes, splits = False, 1  # more rows than the scratch holds: as a chunk
+            # More rows than the scratch holds: as a chunk.
+            rows_as_decodes, splits, decode_config = False, 1, None
         apart = common.num_leading_decodes
         if (
             rows_as_decodes
@@ -159,9 +227,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             apart = 0
         else:  # the decodes' launch has their rows only, and their split count
             t = apart
-            splits = num_kv_splits(
-                apart, self.spec.num_kv_heads, self.spec.max_model_len, self.num_sms
-            )
+            decode_config, splits = self._decode_launch(apart)
         decodes = rest = None
         if apart:
             starts, lens, table = common.query_start_loc, common.seq_lens, common.block_table
@@ -169,8 +235,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             rest = (starts[apart:], lens[apart:], table[apart:])
         if splits == 1:
             return TritonMetadata(
-                common, self.arch, 1, None, None, None, rows_as_decodes, apart, decodes, rest
-            )
+                common, self.arch, 1, None, None, None, rows_as_decodes, apart, decodes, rest,
+                decode_config,
+            )  # fmt: skip
         n = t * h * splits
         return TritonMetadata(
             common,
@@ -183,7 +250,15 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             apart,
             decodes,
             rest,
+            decode_config,
         )
+
+    def _decode_launch(self, num_reqs: int) -> tuple[AttentionConfig, int]:
+        spec = self.spec
+        return decode_launch(
+            self.arch, spec.head_size, spec.num_heads // spec.num_kv_heads, self.cache_dtype,
+            num_reqs, spec.num_kv_heads, spec.max_model_len, self.num_sms,
+        )  # fmt: skip
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -251,9 +326,8 @@ class TritonAttentionImpl(AttentionImpl):
             c.block_table,
             self.scale,
             self.sliding_window,
-            attention_config(
-                metadata.arch, d, h // hk, 1 if as_decodes else c.max_query_len, kv_cache.dtype
-            ),
+            metadata.decode_config
+            or attention_config(metadata.arch, d, h // hk, c.max_query_len, kv_cache.dtype),
             metadata.num_splits,
             metadata.part_acc,
             metadata.part_max,
@@ -275,8 +349,8 @@ class TritonAttentionImpl(AttentionImpl):
         paged_attention(
             query[:n].view(n, h, d), keys, values, output[:n].view(n, h, d),
             *metadata.decodes_metadata, self.scale, self.sliding_window,
-            attention_config(metadata.arch, d, group, 1, kv_cache.dtype), metadata.num_splits,
-            metadata.part_acc, metadata.part_max, metadata.part_sum, self.k_scale, self.v_scale,
+            metadata.decode_config, metadata.num_splits, metadata.part_acc, metadata.part_max,
+            metadata.part_sum, self.k_scale, self.v_scale,
         )  # fmt: skip
         paged_attention(
             query[:t].view(t, h, d), keys, values, output[:t].view(t, h, d),

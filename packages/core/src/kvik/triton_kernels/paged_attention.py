@@ -291,14 +291,20 @@ def reduce_splits_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # NUM_SPLITS padded to a power of two (tl.arange's length)
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    part = (token * NUM_HEADS + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
-    seg_max = tl.load(part_max_ptr + part)
-    seg_sum = tl.load(part_sum_ptr + part)
+    seg = tl.arange(0, SPLITS_PAD)
+    seg_valid = seg < NUM_SPLITS
+    part = (token * NUM_HEADS + head) * NUM_SPLITS + seg  # [SPLITS_PAD]
+    # Padding segments read as empty ones: max -inf, weight 0.
+    seg_max = tl.load(part_max_ptr + part, mask=seg_valid, other=float("-inf"))
+    seg_sum = tl.load(part_sum_ptr + part, mask=seg_valid, other=0.0)
     d = tl.arange(0, HEAD_PAD)
-    seg_acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :])
+    seg_acc = tl.load(
+        part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], mask=seg_valid[:, None], other=0.0
+    )
     # Empty segments have max -inf and weight 0; at least one segment holds a key.
     weight = tl.exp2(seg_max - tl.max(seg_max, axis=0))
     out = tl.sum(seg_acc * weight[:, None], axis=0) / tl.sum(seg_sum * weight, axis=0)
@@ -399,7 +405,9 @@ _launch_reduce = FastLauncher(reduce_splits_kernel)
 def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
     """The reduction's constexprs from the attention kernel's (the partial results are fp32 and
     already carry the value scale, so an FP8 cache changes nothing here)."""
-    return {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
+    constexprs = {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
+    constexprs["SPLITS_PAD"] = triton.next_power_of_2(constexprs["NUM_SPLITS"])
+    return constexprs
 
 
 REDUCE_WARPS = 4
