@@ -7,6 +7,7 @@ Called when the CUDA platform is selected, never on import: ROCm builds of torch
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -58,5 +59,7 @@ def register_kernels() -> None:
     for op, kernel in KERNELS.items():
         torch.library.register_kernel(op, "cuda", kernel)
     register_attention_configs("sm", attention_config)
-    register_decode_plans("sm", decode_plan)
+    # KVIK_DECODE_PLANS=0 leaves decode launches to the defaults (A/B measurements).
+    if os.environ.get("KVIK_DECODE_PLANS", "1") != "0":
+        register_decode_plans("sm", decode_plan)
     register_moe_configs("sm", fused_moe_config)
