@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -60,6 +59,9 @@ def tests(session: nox.Session) -> None:
 #: model's CLI tests here too, with tests/ beside them: the tests session took 26 min with a warm
 #: Triton cache against 30 cold before, about even (cold AOT compiles: ~5 min by the difference), as
 #: torch's ops already keep both of CI's cores busy; tests/ slowed from 10.8 to 17.3 min.
+#: Tried on 2026-12-03 (4b4be3e): deps_latest and wheels in a second nox beside the tests session
+#: (their ~8 min looked like pip's waiting): the core folder slowed from 17 to 25 min, about the
+#: 8 min the two take after the tests, so no gain (the trial was stopped there); reverted.
 TESTS_IN_BACKGROUND = [
     "tests/test_packages_alone.py",
     "tests/test_serve_gpu_script.py",
@@ -75,16 +77,13 @@ def run_in_background(session: nox.Session, *command: str):
     # Not under session.create_tmp(): that sets TMPDIR for the session's later commands, and
     # tests that need a folder outside the checkout (git's) would get one inside it.
     log_path = Path(tempfile.mkdtemp(prefix="kvik-nox-")) / "background.log"
-    env = {**os.environ, **session.env}
-    bin_dir = session.bin_paths[0] if session.bin_paths else None  # None: no venv (ci)
-    if bin_dir is not None:
-        env["VIRTUAL_ENV"] = str(Path(bin_dir).parent)
-        env["PATH"] = os.pathsep.join([bin_dir, env.get("PATH", "")])
+    env = {**os.environ, **session.env, "VIRTUAL_ENV": str(Path(session.bin).parent)}
     env = {k: v for k, v in env.items() if v is not None}  # nox's None: a variable unset
+    env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
     session.log(f"in the background: {' '.join(command)} (output after the foreground's)")
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            [shutil.which(command[0], path=bin_dir), *command[1:]],
+            [shutil.which(command[0], path=session.bin), *command[1:]],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -96,17 +95,6 @@ def run_in_background(session: nox.Session, *command: str):
         print(log_path.read_text(), flush=True)
     if code != 0:
         session.error(f"{' '.join(command)} (in the background) exited with {code}")
-
-
-@nox.session(venv_backend="none")
-def ci(session: nox.Session) -> None:
-    """What CI runs (``.ci/run``): ``tests``, with ``deps_latest`` and then ``wheels`` in a second
-    nox process beside it. Those two spend most of their ~8 minutes in pip (downloads, unpacking,
-    fresh venvs) and little on the CPUs that the tests keep busy; run after the tests, the three
-    took 39 minutes on CI's 2 cores (7db15c9: 31 + 5 + 3)."""
-    nox_command = [sys.executable, "-m", "nox"]
-    with run_in_background(session, *nox_command, "-s", "deps_latest", "wheels"):
-        session.run(*nox_command, "-s", "tests")
 
 
 # One test of each promise that a new release of a dependency could break: the default model
