@@ -89,7 +89,7 @@ def register_decode_plans(arch_prefix: str, planner: DecodePlanner | None) -> No
     """Let ``planner`` pick decode launches' configuration and split count together on the
     architectures whose names start with ``arch_prefix`` (None removes it). Where a decode batch
     fills the GPU with a fraction of a wave more, the best tiling and the best split count move
-    together (on the H200, 40 requests of Llama-8B's heads: 16% faster split in two with 2-stage
+    together (on the H200, 40 requests of Llama-8B's heads: 15% less time split in two with 2-stage
     tiles, slower split with the default's 3 stages; docs/benchmarks.md), so a platform with
     measurements says both."""
     if not arch_prefix:
