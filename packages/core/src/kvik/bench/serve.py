@@ -18,6 +18,7 @@ import json
 import random
 import sys
 import time
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,11 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import httpx  # noqa: F401  (imported again below, once it is known to be there)
+        from kvik.bench.http_client import ConnectionFailed
     except ImportError:
-        print("kvik bench serve needs httpx: pip install 'kvik[bench]'", file=sys.stderr)
+        print("kvik bench serve needs aiohttp: pip install 'kvik[bench]'", file=sys.stderr)
         return 2
-    import httpx
 
     try:
         if not args.request_rate > 0:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
         result = asyncio.run(benchmark(args))
-    except httpx.TransportError as e:
+    except ConnectionFailed as e:
         # No server at --base-url (or it went away): say where it was looked for.
         print(f"kvik bench serve: cannot reach {args.base_url}: {e}", file=sys.stderr)
         return 2
@@ -114,14 +114,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import httpx
+    from kvik.bench.http_client import BenchClient
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = httpx.Timeout(None, connect=30.0)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=args.base_url, headers=headers, timeout=timeout, limits=limits
-    ) as client:
+    async with BenchClient(args.base_url, headers, connect_timeout_s=30.0) as client:
         model = args.model or await first_model(client)
         config = None if args.vocab_size else model_config_of(model)
         vocab = args.vocab_size or config.vocab_size
@@ -176,7 +172,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 async def first_model(client: Any) -> str:
     response = await client.get("/v1/models")
-    response.raise_for_status()
+    if response.status_code != 200:
+        raise ValueError(f"GET /v1/models answered {response.status_code}: {response.text[:200]}")
     return response.json()["data"][0]["id"]
 
 
@@ -274,12 +271,12 @@ async def send(
     chunks = 0
     usage_tokens = None
     try:
-        async with client.stream("POST", endpoint, json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:200]}"
-                return result
-            async for line in response.aiter_lines():
+        # Closed on every way out (the early returns too), so its connection is freed at once.
+        async with aclosing(client.stream_lines(endpoint, payload)) as stream:
+            async for status, line in stream:
+                if status != 200:
+                    result.error = f"HTTP {status}: {line[:200]}"
+                    return result
                 data = line.removeprefix("data:").strip()
                 if not line.startswith("data:") or data == "[DONE]":
                     continue
