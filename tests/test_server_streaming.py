@@ -188,3 +188,29 @@ def test_a_token_without_text_yet_still_gets_its_chunk():
     assert _worth_a_chunk(delta(" Paris", [17]))
     assert _worth_a_chunk(delta("", [], "stop"))
     assert not _worth_a_chunk(delta("", []))
+
+
+def gauge(server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=5).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")
+    )
+
+
+def test_a_stream_answers_before_its_first_token_and_still_refuses_bad_input(server, client):
+    """A streamed request's headers go out once its prompt is validated and queued, not after its
+    first token: bad input is still a 400 before any stream, and a client that leaves before its
+    first token leaves no request behind in the engine."""
+    with pytest.raises(openai.BadRequestError, match="max_model_len|longer|context"):
+        client.completions.create(model=ALIAS, prompt="hello " * 2000, max_tokens=4, stream=True)
+    body = {"model": ALIAS, "prompt": "hello " * 400, "max_tokens": 64, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            assert response.status_code == 200  # left here, before any chunk is read
+    deadline = time.monotonic() + 60
+    while gauge(server, "kvik:num_requests_running") + gauge(server, "kvik:num_requests_waiting"):
+        assert time.monotonic() < deadline, "the abandoned stream's request is still in the engine"
+        time.sleep(0.2)
+    again = client.completions.create(model=ALIAS, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+    assert again.choices[0].finish_reason == "length"

@@ -249,7 +249,7 @@ class Completions:
             for i, prompt in enumerate(prompts)
         ]
         # Start (and so validate) every prompt before answering: a bad one is a 400, not a stream.
-        firsts = await _start_all(streams)
+        firsts = await _start_all(streams, wait_for_output=not request.stream)
         events = _merge([_chain(first, stream) for first, stream in zip(firsts, streams)])
         if request.stream:
             return _sse_stream(self._stream(request, request_id, events, len(prompts)))
@@ -490,7 +490,7 @@ class ChatCompletions:
         stream = self.engine.generate(
             prompt, params, request_id, request.priority, kind, arrival_time
         )
-        (first,) = await _start_all([stream])
+        (first,) = await _start_all([stream], wait_for_output=not request.stream)
         events = _chain(first, stream)
         top = request.top_logprobs or 0
         parsers = _ParserFactory(self.engine, plan, prompt.get("prompt"))
@@ -626,12 +626,30 @@ class _ParserFactory:
         return output_parser(self.engine, self.plan, self.prompt)
 
 
-async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    """The first output of each stream: this validates and queues every prompt, and raises (after
-    aborting the others) when one is invalid."""
+async def _start_all(
+    streams: list[AsyncIterator[RequestOutput]], wait_for_output: bool = True
+) -> list[asyncio.Task[RequestOutput]]:
+    """Start each stream's first output: this validates and queues every prompt, and raises
+    (after aborting the others) when one is invalid. With ``wait_for_output`` it returns once
+    every first output is there (an answer whose status depends on them: an engine core that
+    refuses a request is a 500); without, as soon as every prompt is validated and queued, so
+    that a stream's headers go out while its prompt is computed and its first token travels the
+    same short path as the others (when the first output was awaited here, the answer's headers
+    and first chunk went out behind the whole response machinery, ~5 ms after the token under
+    load). A refusal then ends the stream with an error event."""
     tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
     try:
-        return list(await asyncio.gather(*tasks))
+        if wait_for_output:
+            await asyncio.gather(*tasks)
+        else:
+            # One turn of the loop runs each task to its first await: AsyncLLM.generate validates
+            # and queues the request before it awaits anything, so a task still pending has
+            # been accepted and one that is done either failed validation or already finished.
+            await asyncio.sleep(0)
+            for task in tasks:
+                if task.done():
+                    task.result()  # raises what validation raised
+        return tasks
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -641,14 +659,21 @@ async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[Reques
         raise
 
 
-async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator:
+async def _chain(
+    first: asyncio.Task[RequestOutput], rest: AsyncIterator[RequestOutput]
+) -> AsyncIterator:
+    """The stream's first output (from its _start_all task), then the rest of it."""
     try:
-        yield first
-        if first.finished:
+        out = await first
+        yield out
+        if out.finished:
             return
         async for out in rest:
             yield out
     finally:
+        if not first.done():  # the client left before the first token: the task holds `rest`
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
         await rest.aclose()
 
 

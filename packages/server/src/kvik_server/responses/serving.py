@@ -113,7 +113,7 @@ class Responses:
             "delta" if request.stream else "final",
             arrival_time,
         )
-        (first,) = await _start_all([stream])
+        (first,) = await _start_all([stream], wait_for_output=not request.stream)
         events = _chain(first, stream)
         parser = output_parser(self.engine, plan, prompt.get("prompt"))
         if request.stream:
