@@ -1,11 +1,10 @@
 """The HTTP client of ``kvik bench serve``, on aiohttp.
 
 Why aiohttp and not httpx: at 16 req/s with ~45 streams in flight the client reads ~4,000 chunks a
-second, and httpx (a cancel scope and several anyio awaits per read) kept the client's event loop
-busy enough that a new request's connect, send and first read each waited behind a burst of other
-streams' chunks: on the H200 the client's TTFT ran ~12 ms (18%) above the server's own histogram
-while the server's front end was ~20% busy. aiohttp's streams read in one await, as vLLM's
-benchmark client does.
+second. With httpx (a cancel scope and several anyio awaits per read) the client process was
+90-114% busy on the H200 and its TTFT ran 11.6 ms above the server's own histogram (median ratio
+1.18); on aiohttp it is 22-27% busy and the gap fell to 7.2 ms (docs/benchmarks.md, the
+twenty-seventh session). vLLM's benchmark client is on aiohttp too.
 """
 
 from __future__ import annotations
