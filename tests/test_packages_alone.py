@@ -101,7 +101,9 @@ FAKES = {"cuda": ("pynvml.py", FAKE_NVML), "rocm": ("sitecustomize.py", FAKE_ROC
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
-optional = {"triton"}  # kvik.triton_kernels needs it; only the GPU platforms install it
+# What an extra brings, by the modules that need it: kvik.triton_kernels needs triton (only the
+# GPU platforms install it), kvik bench serve's client aiohttp (kvik[bench]).
+optional = {"kvik.triton_kernels.": "triton", "kvik.bench.http_client": "aiohttp"}
 for top in sys.argv[1:]:
     package = importlib.import_module(top)
     for module in pkgutil.walk_packages(package.__path__, top + "."):
@@ -110,7 +112,10 @@ for top in sys.argv[1:]:
         try:
             importlib.import_module(module.name)
         except ModuleNotFoundError as e:
-            if not (module.name.startswith("kvik.triton_kernels.") and e.name in optional):
+            if not any(
+                module.name.startswith(prefix) and e.name == extra
+                for prefix, extra in optional.items()
+            ):
                 raise SystemExit(f"{module.name}: {e}")
 """
 
