@@ -347,3 +347,39 @@ def test_limits_beyond_the_memory_are_refused(tiny_model, limits, message):
     allocator's traceback, or a kill for memory after a minute of a 24 GB machine swapping)."""
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny_model("llama")), dtype="float32", enforce_eager=True, **limits)
+
+
+def test_warm_up_runs_short_chunks_alone_and_after_decodes(tiny_model):
+    """Once the KV cache exists, the runner runs the step shapes that neither the profiling step
+    nor the decode graphs run: a two-token chunk alone and after 16 decodes (the shapes that on
+    the GPU take other attention launches). It leaves no request, no in-flight token, the
+    sampler's RNG where it was and block 0 of every layer's cache zeroed; a greedy generation is
+    the same as without it."""
+    llm = LLM(
+        str(tiny_model("llama")), dtype="float32", enforce_eager=True, max_model_len=96,
+        num_kv_blocks=32, enable_prefix_caching=False,  # block 0 is rewritten below, mid-life
+    )  # fmt: skip
+    runner = llm.engine.runner
+    shapes = []
+    build = runner.metadata_builder.build
+
+    def recording_build(common):
+        lens = common.query_lens[: common.num_reqs].tolist()
+        shapes.append((lens.count(1), common.max_query_len, common.num_leading_decodes))
+        return build(common)
+
+    runner.metadata_builder.build = recording_build
+    rng = runner.sampler.generator.get_state()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ragged_prompts(3, seed=11, low=5, high=30)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    shapes.clear()
+    runner.warm_up_mixed_steps()
+    assert shapes == [(0, 2, 0), (16, 2, 16)]
+    assert torch.equal(runner.sampler.generator.get_state(), rng)
+    assert not [r for r in runner.requests if r.startswith("warm-up")]
+    assert runner._prev_sampled is None
+    for layer in runner.attention_layers.values():
+        assert not layer.kv_cache[:, 0].any()
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before

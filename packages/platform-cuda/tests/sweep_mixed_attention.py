@@ -39,6 +39,9 @@ STEPS = {
     "prompts only": (0, 0, 8, 1024),
     "mixed": (500, 1100, 7, 1024),
     "one long prompt": (0, 0, 1, 8192),  # not C's: checks the prompt tiling at longer rows
+    # issue 13's serving run (16 req/s of 1024-token prompts): ~40 decodes beside one new prompt
+    "serving mixed": (40, 1152, 1, 1024),
+    "one prompt": (0, 0, 1, 1024),
 }
 PEAK_BYTES, PEAK_FLOPS = 4.28e12, 790e12
 
@@ -162,10 +165,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--full-step", action="append", default=[], choices=sorted(STEPS))
+    parser.add_argument(
+        "--step",
+        action="append",
+        default=[],
+        choices=sorted(STEPS),
+        help="sweep only these steps (default: all)",
+    )
+    parser.add_argument("--layout", action="append", default=[], choices=sorted(LAYOUTS))
     args = parser.parse_args()
     arch, _ = device_arch(torch.device("cuda"))
     for name, (heads, kv_heads) in LAYOUTS.items():
-        for step in STEPS:
+        if args.layout and name not in args.layout:
+            continue
+        for step in args.step or STEPS:
             sweep(name, heads, kv_heads, step, args.quick and step not in args.full_step, arch)
 
 

@@ -110,16 +110,18 @@ def test_default_max_num_seqs_follows_the_gpus_memory_without_a_cuda_context(
     assert CudaPlatform.default_max_num_seqs() == 256  # base rule when NVML fails
 
 
-def test_default_max_num_batched_tokens_is_larger_offline_on_large_gpus(
+def test_default_max_num_batched_tokens_is_larger_offline_on_large_gpus_and_small_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     fake_nvml(monkeypatch, H100)
     assert CudaPlatform.default_max_num_batched_tokens(serving=False) == 16384
-    assert CudaPlatform.default_max_num_batched_tokens(serving=True) == 8192
+    assert CudaPlatform.default_max_num_batched_tokens(serving=True) == 512
     fake_nvml(monkeypatch, ("NVIDIA L4", (8, 9), 24 * GiB, 23 * GiB))
     assert CudaPlatform.default_max_num_batched_tokens(serving=False) == 8192
+    assert CudaPlatform.default_max_num_batched_tokens(serving=True) == 512
     fake_nvml(monkeypatch, H100, init_error=FakeNvml.NVMLError("Driver Not Loaded"))
     assert CudaPlatform.default_max_num_batched_tokens(serving=False) == 8192
+    assert CudaPlatform.default_max_num_batched_tokens(serving=True) == 512
 
 
 @pytest.mark.parametrize(

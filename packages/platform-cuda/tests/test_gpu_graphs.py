@@ -153,11 +153,14 @@ def test_decode_step_launches_only_sampling_outside_the_graph(models):  # noqa: 
     assert len(launches) <= 4, launches
 
 
-def _mixed_step_after(llm, decodes: int) -> None:
-    """``decodes`` requests decoding, then a prompt beside them in one step; all aborted after."""
+def _mixed_step_after(llm, decodes: int, prompt_len: int | None = None) -> None:
+    """``decodes`` requests decoding, then a prompt (of ``prompt_len`` tokens if given) beside
+    them in one step; all aborted after."""
     params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
     prompts = ragged_prompts(decodes + 1, seed=decodes, low=10, high=30)
-    ids = [f"mixed{decodes}-{i}" for i in range(decodes + 1)]
+    if prompt_len is not None:
+        prompts[-1] = prompts[-1][:prompt_len]
+    ids = [f"mixed{decodes}-{prompt_len}-{i}" for i in range(decodes + 1)]
     for request_id, prompt in zip(ids[:decodes], prompts):
         llm.engine.add_request(llm.input_processor.make_request(request_id, prompt, params, 0, 0.0))
     for _ in range(3):
@@ -198,7 +201,8 @@ def test_no_triton_compile_after_warm_up(models):  # noqa: F811 (fixtures from t
 
 def test_no_triton_compile_in_mixed_steps_with_decodes_apart(models):  # noqa: F811 (fixtures from test_gpu_e2e)
     """Mixed steps whose leading decodes attend apart from a prompt (at least 16 of them), 17 and
-    then 18: the request metadata sliced at offsets that are no multiple of 16 bytes. (Workload B
+    then 18: the request metadata sliced at offsets that are no multiple of 16 bytes; then steps
+    whose prompt is a chunk of 2-4 tokens. (Workload B
     on the H200 compiled a paged_attention_kernel variant for such a slice, 664 ms inside the
     timed run, before its pointers were unspecialised on alignment.)"""
     import triton
@@ -218,6 +222,12 @@ def test_no_triton_compile_in_mixed_steps_with_decodes_apart(models):  # noqa: F
     try:
         for decodes in (17, 18):
             _mixed_step_after(llm, decodes)
+        # A prompt's last chunk of a few tokens (a server's chunked prompts leave such chunks):
+        # attention's 16-row programs outside the decode variant, alone and after 16 or more
+        # decodes. Compiled by the runner's warm-up since 2026-12-04; before, on the H200, in a
+        # serving run's 18th second.
+        for decodes, prompt_len in ((0, 3), (5, 2), (17, 4)):
+            _mixed_step_after(llm, decodes, prompt_len)
     finally:
         triton.knobs.runtime.jit_cache_hook = previous
     print("compiled in mixed steps:", compiled)

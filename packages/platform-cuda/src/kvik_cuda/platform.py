@@ -208,8 +208,8 @@ class CudaPlatform(Platform):
     @classmethod
     def default_max_num_batched_tokens(cls, serving: bool) -> int:
         total = cls._total_memory_for_defaults()
-        if total is None:
-            return super().default_max_num_batched_tokens(serving)
+        if total is None:  # no memory figure: a server's steps are small on any GPU
+            return max_num_batched_tokens_for_memory(0, serving)
         return max_num_batched_tokens_for_memory(total, serving)
 
     @classmethod

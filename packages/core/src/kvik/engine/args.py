@@ -80,8 +80,9 @@ class EngineArgs:
     )
     max_num_batched_tokens: int | None = option(
         None,
-        "the most tokens in one step (default: the platform's; 16384 offline on a GPU of 70 GiB "
-        "or more, else 8192; and at least max_model_len when chunked prefill is off)",
+        "the most tokens in one step (default: the platform's; on a GPU 512 for a server, 16384 "
+        "offline on one of 70 GiB or more, else 8192; and at least max_model_len when chunked "
+        "prefill is off)",
     )
     enable_chunked_prefill: bool = option(
         True,

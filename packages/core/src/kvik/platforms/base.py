@@ -45,19 +45,30 @@ def max_num_seqs_for_memory(total_bytes: int) -> int:
 
 #: ``max_num_batched_tokens`` when none is given (and chunked prefill is on). Offline runs (the
 #: ``LLM`` class, ``kvik bench throughput``) on devices of at least LARGE_DEVICE_BYTES take
-#: LARGE_DEVICE_OFFLINE_MAX_NUM_BATCHED_TOKENS, as vLLM's offline engine does there: a server keeps
-#: the smaller step, whose prompt chunks stall the running requests' next tokens for less. On the
-#: H200, 1000 x (1024 in, 128 out) ran 12.7% faster at 16384 on Qwen3-30B-A3B (45,887 total tok/s
+#: LARGE_DEVICE_OFFLINE_MAX_NUM_BATCHED_TOKENS, as vLLM's offline engine does there. On the H200,
+#: 1000 x (1024 in, 128 out) ran 12.7% faster at 16384 on Qwen3-30B-A3B (45,887 total tok/s
 #: against 40,701: more tokens a step fill the experts' grouped GEMMs) and 1.3% on Llama-3.1-8B
 #: (docs/benchmarks.md, the nineteenth session).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 LARGE_DEVICE_OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
+#: A server on a GPU takes small steps instead (vLLM's V0 default with chunked prefill): a
+#: prompt runs in chunks of what the running requests leave of 512 tokens, each in a step that
+#: also gives every running request its next token, where a whole 1024-token prompt would stall
+#: them all for a ~25 ms step; and every such step fits the largest piecewise CUDA graph (512
+#: tokens), so none runs its layers from Python. On the H200 (Llama-3.1-8B, Poisson 16 req/s of
+#: 1024 in / 256 out, one call): median TPOT 9.56 ms at 512 against 12.46 ms at 8192 (vLLM V1's
+#: serving default) and 21.47 ms at 1024, whose steps fall outside the graphs
+#: (docs/benchmarks.md, the twenty-eighth session). Prompt-heavy servers trade TTFT for it:
+#: ``--max-num-batched-tokens 8192`` restores the large steps.
+GPU_SERVING_MAX_NUM_BATCHED_TOKENS = 512
 
 
 def max_num_batched_tokens_for_memory(total_bytes: int, serving: bool) -> int:
-    """The default ``max_num_batched_tokens`` for a device of ``total_bytes``, for a server
+    """The default ``max_num_batched_tokens`` for a GPU of ``total_bytes``, for a server
     (``serving``) or an offline run."""
-    if serving or total_bytes < LARGE_DEVICE_BYTES:
+    if serving:
+        return GPU_SERVING_MAX_NUM_BATCHED_TOKENS
+    if total_bytes < LARGE_DEVICE_BYTES:
         return DEFAULT_MAX_NUM_BATCHED_TOKENS
     return LARGE_DEVICE_OFFLINE_MAX_NUM_BATCHED_TOKENS
 

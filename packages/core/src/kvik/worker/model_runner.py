@@ -92,6 +92,7 @@ class ModelRunner:
         }
         scheduler = config.scheduler
         self.max_num_seqs = scheduler.max_num_seqs
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens
         # A padded decode batch holds up to max_num_seqs tokens, a step up to the token budget.
         self.max_num_tokens = max(scheduler.max_num_batched_tokens, scheduler.max_num_seqs)
         self.max_model_len = model_config.max_model_len
@@ -205,41 +206,86 @@ class ModelRunner:
             self.proposer.initialize_kv_cache(num_blocks)
         if warm_up:
             self.step_runner.on_kv_cache_ready()
+            self.warm_up_mixed_steps()
 
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         """One step of ``num_tokens`` dummy prompt tokens over ``min(max_num_seqs, num_tokens)``
         requests that each sample (top-k and top-p on, the costliest sampling path), over a
         temporary KV cache of just the blocks it needs, dropped afterwards: for measuring peak
         memory before the real KV cache is sized."""
-        from kvik.request import Request
         from kvik.sampling_params import SamplingParams
-        from kvik.scheduler.output import ScheduledRequest, SchedulerOutput
 
         num_reqs = max(1, min(max_num_seqs, num_tokens))
         num_tokens = min(num_tokens, num_reqs * max_model_len)
         lens = [num_tokens // num_reqs + (i < num_tokens % num_reqs) for i in range(num_reqs)]
         params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=1)
+        blocks = [-(-n // self.block_size) for n in lens]
+        self.initialize_kv_cache(sum(blocks), warm_up=False)
+        try:
+            self._dummy_step("profile", lens, blocks, params)
+        finally:
+            for layer in self.attention_layers.values():
+                layer.kv_cache = None
+            if self.proposer is not None:
+                self.proposer.initialize_kv_cache(0)
+
+    def warm_up_mixed_steps(self) -> None:
+        """Dummy steps of the shapes a scheduler makes that neither the profiling step (long
+        prompts) nor the FULL graphs (uniform decodes) ran: a prompt chunk of two tokens alone,
+        and one after 16 decodes. Kernels whose launch depends on the step's shape (on the GPU:
+        attention takes 16-row programs for queries of up to four tokens, and runs 16 or more
+        leading decodes in a launch of their own) compile here, not inside a request: on the
+        H200 a server whose chunked prompts once left a chunk of a few tokens compiled a
+        paged-attention variant mid-run, and the ~25 requests queued behind it waited 0.5-1.2 s
+        (docs/benchmarks.md, the twenty-eighth session). The blocks written are zeroed after."""
+        from kvik.sampling_params import SamplingParams
+
+        if not self.attention_layers or self.max_num_batched_tokens < 2:
+            return
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        layouts = [[2]]
+        decodes = min(16, self.max_num_seqs - 1, self.max_num_batched_tokens - 2)
+        if decodes > 0:
+            layouts.append([1] * decodes + [2])
+        for lens in layouts:
+            self._dummy_step("warm-up", lens, [1] * len(lens), params, share_block=True)
+        for layer in self.attention_layers.values():
+            layer.kv_cache[:, 0].zero_()  # block 0 took every dummy key and value
+
+    def _dummy_step(
+        self,
+        name: str,
+        lens: list[int],
+        blocks: list[int],
+        params,
+        share_block: bool = False,
+    ) -> None:
+        """One synchronous step of dummy prompts of ``lens`` tokens (``blocks`` KV blocks each,
+        consecutive from block 0, or all in block 0 with ``share_block``), every request
+        sampling once with ``params``; nothing of it stays in the runner, and the sampler's RNG
+        does not move."""
+        from kvik.request import Request
+        from kvik.scheduler.output import ScheduledRequest, SchedulerOutput
+
         vocab = self.config.model.vocab_size
         scheduled, next_block = [], 0
-        for i, n in enumerate(lens):
-            request = Request(f"profile-{i}", [(7 * i + j) % vocab for j in range(n)], params, 1)
-            num_blocks = -(-n // self.block_size)
-            block_ids = list(range(next_block, next_block + num_blocks))
-            next_block += num_blocks
+        for i, (n, num_blocks) in enumerate(zip(lens, blocks)):
+            request = Request(f"{name}-{i}", [(7 * i + j) % vocab for j in range(n)], params, 1)
+            if share_block:
+                block_ids = [0] * num_blocks
+            else:
+                block_ids = list(range(next_block, next_block + num_blocks))
+                next_block += num_blocks
             scheduled.append(ScheduledRequest(request, 0, n, block_ids, True))
-        self.initialize_kv_cache(next_block, warm_up=False)
         rng_state = self.sampler.generator.get_state()  # the dummy step must not move the RNG
         try:
-            self.execute_model(SchedulerOutput(scheduled, num_tokens))
+            self.execute_model(SchedulerOutput(scheduled, sum(lens)))
         finally:
             self.sampler.generator.set_state(rng_state)
             for s in scheduled:
                 self.requests.pop(s.request.request_id, None)
             self._prev_sampled, self._prev_rows = None, {}
-            for layer in self.attention_layers.values():
-                layer.kv_cache = None
             if self.proposer is not None:
-                self.proposer.initialize_kv_cache(0)
                 for s in scheduled:
                     self.proposer.drop(s.request.request_id)
 
