@@ -350,9 +350,9 @@ def test_limits_beyond_the_memory_are_refused(tiny_model, limits, message):
 
 
 def test_warm_up_runs_short_chunks_alone_and_after_decodes(tiny_model):
-    """Once the KV cache exists, the runner runs the step shapes that neither the profiling step
-    nor the decode graphs run: a two-token chunk alone and after 16 decodes (the shapes that on
-    the GPU take other attention launches). It leaves no request, no in-flight token, the
+    """Once the KV cache exists, the runner runs the step shapes that the decode graphs do not
+    run: chunks of 2 and 17 tokens alone and a two-token chunk after 16 decodes (the shapes that
+    on the GPU take other attention launches). It leaves no request, no in-flight token, the
     sampler's RNG where it was and block 0 of every layer's cache zeroed; a greedy generation is
     the same as without it."""
     llm = LLM(
@@ -375,7 +375,7 @@ def test_warm_up_runs_short_chunks_alone_and_after_decodes(tiny_model):
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     shapes.clear()
     runner.warm_up_mixed_steps()
-    assert shapes == [(0, 2, 0), (16, 2, 16)]
+    assert shapes == [(0, 2, 0), (0, 17, 0), (16, 2, 16)]
     assert torch.equal(runner.sampler.generator.get_state(), rng)
     assert not [r for r in runner.requests if r.startswith("warm-up")]
     assert runner._prev_sampled is None

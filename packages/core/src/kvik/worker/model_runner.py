@@ -230,27 +230,29 @@ class ModelRunner:
                 self.proposer.initialize_kv_cache(0)
 
     def warm_up_mixed_steps(self) -> None:
-        """Dummy steps of the shapes a scheduler makes that neither the profiling step (long
-        prompts) nor the FULL graphs (uniform decodes) ran: a prompt chunk of two tokens alone,
-        and one after 16 decodes. Kernels whose launch depends on the step's shape (on the GPU:
-        attention takes 16-row programs for queries of up to four tokens, and runs 16 or more
-        leading decodes in a launch of their own) compile here, not inside a request: on the
-        H200 a server whose chunked prompts once left a chunk of a few tokens compiled a
-        paged-attention variant mid-run, and the ~25 requests queued behind it waited 0.5-1.2 s
-        (docs/benchmarks.md, the twenty-eighth session). The blocks written are zeroed after."""
+        """Dummy steps of the shapes a scheduler makes that the decode graphs do not run (nor the
+        profiling step, which a given ``num_kv_blocks`` skips): a prompt chunk of two tokens and
+        one of 17 alone, and a two-token chunk after 16 decodes. Kernels whose launch depends on
+        the step's shape (on the GPU: attention takes 16-row programs for queries of up to a few
+        tokens, 64-row ones past 16, and runs 16 or more leading decodes in a launch of their
+        own) compile here, not inside a request: on the H200 a server whose chunked prompts left
+        a last chunk of a few tokens compiled a paged-attention variant mid-run, and the ~25
+        requests queued behind it waited 0.5-1.2 s (docs/benchmarks.md, the twenty-eighth
+        session). Every dummy token goes to block 0, zeroed after."""
         from kvik.sampling_params import SamplingParams
 
-        if not self.attention_layers or self.max_num_batched_tokens < 2:
+        if not self.attention_layers:
             return
+        decodes = min(16, self.max_num_seqs - 1)
+        layouts = [[2], [17], [1] * decodes + [2]] if decodes > 0 else [[2], [17]]
         params = SamplingParams(temperature=0.0, max_tokens=1)
-        layouts = [[2]]
-        decodes = min(16, self.max_num_seqs - 1, self.max_num_batched_tokens - 2)
-        if decodes > 0:
-            layouts.append([1] * decodes + [2])
         for lens in layouts:
-            self._dummy_step("warm-up", lens, [1] * len(lens), params, share_block=True)
+            if sum(lens) > self.max_num_batched_tokens or max(lens) > self.max_model_len:
+                continue  # a step this engine never makes
+            blocks = [-(-n // self.block_size) for n in lens]
+            self._dummy_step("warm-up", lens, blocks, params, share_block=True)
         for layer in self.attention_layers.values():
-            layer.kv_cache[:, 0].zero_()  # block 0 took every dummy key and value
+            layer.kv_cache[:, 0].zero_()
 
     def _dummy_step(
         self,
