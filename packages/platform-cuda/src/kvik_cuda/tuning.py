@@ -55,10 +55,15 @@ def attention_config(
 #: From ``sweep_decode_attention.py --joint`` at 1152 tokens a request (2026-12-03, graph
 #: replays; docs/benchmarks.md): 40 requests 61.6 -> 52.2 us a layer, 48 requests 63.4 -> 60.3,
 #: 96 requests 126.7 -> 110.2. Each range holds the batches a captured graph pads to its top.
+#: From 97 to 256 requests 32-key tiles in 2 stages win by 1-4% at every context swept: 128
+#: requests at 1152 tokens 145.3 -> 142.7 us; 256 requests (workload B's decode batch) at 256,
+#: 512, 640, 896 and 1152 tokens 72.9 -> 70.3, 133.2 -> 130.6, 165.0 -> 160.8, 224.0 -> 220.9,
+#: 284.2 -> 283.8 (2026-12-04, ``benchmarks/results/2026-12-04T1005Z_probe_b_attention_*``).
 H200_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
     (33 * 8, 40 * 8): (AttentionConfig(16, 64, 4, 2), 2),
     (41 * 8, 48 * 8): (AttentionConfig(16, 64, 4, 3), 1),
     (89 * 8, 96 * 8): (AttentionConfig(16, 32, 2, 3), 1),
+    (97 * 8, 256 * 8): (AttentionConfig(16, 32, 2, 2), 1),
 }
 H200_SMS = 132
 
