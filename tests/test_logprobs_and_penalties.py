@@ -283,10 +283,14 @@ def test_generate_hides_the_heap_from_the_collector_only_while_it_steps(llm_and_
         node.self = node
         return weakref.ref(node)
 
-    step, frozen_in_steps = llm.engine.step, []
+    from kvik.engine import llm as llm_module
+
+    # From a fresh state, whatever earlier tests did (restored after this one).
+    monkeypatch.setattr(llm_module._frozen_heap, "left_frozen", False)
+    step, frozen_in_steps, count_frozen = llm.engine.step, [], gc.get_freeze_count
 
     def recording_step():
-        frozen_in_steps.append(gc.get_freeze_count())
+        frozen_in_steps.append(count_frozen())
         return step()
 
     monkeypatch.setattr(llm.engine, "step", recording_step)
@@ -312,6 +316,15 @@ def test_generate_hides_the_heap_from_the_collector_only_while_it_steps(llm_and_
         assert gc.get_freeze_count() > 0
         gc.collect()
         assert dead_later() is not None  # frozen before the call: the collector does not see it
+        # Left frozen: later calls freeze again without walking the frozen generation to count
+        # it (a million objects on a GPU host: tens of ms a call, and a stream's every step).
+        asked = []
+        monkeypatch.setattr(gc, "get_freeze_count", lambda: asked.append(1) or count_frozen())
+        frozen_in_steps.clear()
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+        assert "".join(llm.stream([5, 6, 7], params)) is not None
+        assert frozen_in_steps and min(frozen_in_steps) > 0 and not asked
+        monkeypatch.setattr(gc, "get_freeze_count", count_frozen)
     finally:
         gc.unfreeze()
     gc.collect()
