@@ -222,9 +222,9 @@ def test_selected_cuda_registers_its_launch_configurations() -> None:
 
 def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
     """The selected platform plans decode launches on the H200's SM count for Llama-8B's head
-    layout over a 16-bit cache: 33 to 40 requests split in two with 2-stage tiles, every other
-    batch, an FP8 cache, another SM count or head layout the defaults (num_kv_splits and the
-    chooser's decode tiles)."""
+    layout over a 16-bit cache: 33 to 40 requests split in two with 2-stage tiles, 97 to 256 in
+    32-key 2-stage tiles, every other batch, an FP8 cache, another SM count or head layout the
+    defaults (num_kv_splits and the chooser's decode tiles)."""
     from kvik.triton_kernels.attention import decode_launch
     from kvik.triton_kernels.paged_attention import AttentionConfig, num_kv_splits
     from kvik_cuda import tuning
@@ -239,7 +239,9 @@ def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
         assert launch(num_reqs) == (AttentionConfig(16, 64, 4, 2), 2)
     assert launch(48) == (AttentionConfig(16, 64, 4, 3), 1)
     assert launch(96) == (AttentionConfig(16, 32, 2, 3), 1)
-    for num_reqs in (1, 8, 32, 49, 64, 256):
+    for num_reqs in (97, 128, 256):  # workload B's batch among them
+        assert launch(num_reqs) == (AttentionConfig(16, 32, 2, 2), 1)
+    for num_reqs in (1, 8, 32, 49, 64, 257, 512):
         assert launch(num_reqs) == (default, num_kv_splits(num_reqs, 8, 131072, 132))
     assert launch(40, dtype=torch.float8_e4m3fn) == (
         tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn),
