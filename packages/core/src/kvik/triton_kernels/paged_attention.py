@@ -103,15 +103,6 @@ def _attend_tile(
     if KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-        if q.shape[0] < 64:
-            # A 16-row program's products run on mma.sync, which takes the values transposed
-            # (keys along the reduction). Widened only inside the product, e4m3 values went
-            # through shared memory a byte at a time (sm90: 64 single-byte loads a thread per
-            # 32-key tile); a product with a per-key factor here (1 for every key in the sequence,
-            # the masked ones already loaded as 0) keeps them 16-bit before the transposition,
-            # which then takes ldmatrix: 1,339 -> 1,062 instructions in the loop of a 64-key tile.
-            # The 64-row programs (wgmma) read them from shared memory either way.
-            v = v * tl.where(k_pos < seq_len, 1.0, 0.0).to(v.dtype)[:, None]
     s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
     if MASKED:
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
