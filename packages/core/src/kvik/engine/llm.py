@@ -6,6 +6,7 @@ import contextlib
 import gc
 import inspect
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -195,8 +196,8 @@ class LLM:
         sent = 0
         try:
             while not state.finished:
-                # Frozen a step at a time: the caller runs between yields.
-                with heap_frozen():
+                # A step at a time: the caller runs between yields.
+                with full_collections_deferred():
                     _, to_abort = self.output_processor.process_outputs(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
@@ -221,7 +222,7 @@ class LLM:
     def _run_to_completion(self, num_requests: int, use_tqdm: bool) -> None:
         with (
             tqdm(total=num_requests, desc="generating", disable=not use_tqdm, unit="req") as bar,
-            heap_frozen(),
+            full_collections_deferred(),
         ):
             while self.engine.has_unfinished_requests():
                 changed, to_abort = self.output_processor.process_outputs(self.engine.step())
@@ -230,50 +231,56 @@ class LLM:
                 bar.update(sum(state.finished for state in changed))
 
 
-class _FrozenHeap:
-    """Whether ``heap_frozen`` left a freeze in place (it found another's freeze first). Then
-    every later call freezes again without asking ``gc.get_freeze_count()``, which walks the
-    whole frozen generation: on the H200 about a million objects, tens of milliseconds paid at
-    every ``generate()`` (75 ms of a batch-1 request's 1.24 s, 2026-12-04) and at every step of
-    ``stream()``. Only kvik's own calls set it; a caller that thaws everything
-    (``gc.unfreeze()``) after kvik left its freeze keeps later calls freezing for good, as if
-    the caller's freeze were still there."""
+class _Deferral:
+    """The calls deferring full collections now (threads may overlap), and the collector's
+    thresholds the last of them puts back."""
 
-    left_frozen = False
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.depth = 0
+        self.saved_threshold: tuple[int, int, int] | None = None
 
 
-_frozen_heap = _FrozenHeap()
+_deferral = _Deferral()
+
+#: A full-collection threshold never reached: the oldest generation's counter climbs by one for
+#: every collection of the middle one.
+_NEVER = 2**31 - 1
 
 
 @contextlib.contextmanager
-def heap_frozen() -> Iterator[None]:
-    """The objects alive now out of the cyclic collector's sight while the engine steps.
+def full_collections_deferred() -> Iterator[None]:
+    """No automatic full collection of the process's heap while the engine steps; young
+    collections go on, and the collector's thresholds are put back when the last overlapping
+    call ends.
 
     A full collection walks every tracked object: with torch, transformers and a compiled model
     loaded that is about a million, a pause of 0.3-0.5 s that the H200 showed in the middle of a
-    batch's decoding (twice in one 1,029-step run of workload B, 5% of its time). Frozen, a
-    collection walks only what the steps made. The engine's own process and the server freeze
-    their start-up for good; an LLM shares its process with its caller, whose garbage must stay
-    collectable, so it freezes only while it runs and thaws after (both O(1)).
-
-    Where something else froze objects first (on the H200, 375 of them were frozen before the
-    first request; unfreezing is all or nothing), the rest is frozen too and left so: thawing
-    would undo the other freeze, and skipping the freeze had let the pauses back in. Counting
-    what is frozen costs a walk of it, so that is asked only until kvik has left a freeze
-    (``_FrozenHeap``). The collector disabled: nothing to do."""
+    batch's decoding (twice in one 1,029-step run of workload B, 5% of its time). The engine's
+    own process and the server freeze their start-up for good (``gc.freeze()``); an LLM shares
+    its process with its caller, whose garbage must stay collectable, so it freezes nothing.
+    (It used to freeze the heap while it stepped. Where something else had frozen objects first,
+    as on the H200, that freeze was left in place, unfreezing being all or nothing, and whatever
+    was alive then stayed uncollectable for good: a pytest process grew by each LLM made after an
+    in-process server's freeze, its KV cache included, until CI ran out of memory. And a thaw
+    put the whole heap in the oldest generation, where dropped LLMs waited long for a full
+    collection.) The steps themselves leave no cyclic garbage (0 objects found unreachable after
+    32 x 256 tokens on the CPU), so nothing piles up while collections wait."""
     if not gc.isenabled():
         yield
         return
-    # Cheap while nothing is frozen (an empty list to walk), or only another's few objects.
-    frozen_by_others = _frozen_heap.left_frozen or gc.get_freeze_count() > 0
-    gc.freeze()
+    with _deferral.lock:
+        if _deferral.depth == 0:
+            _deferral.saved_threshold = gc.get_threshold()
+            gc.set_threshold(_deferral.saved_threshold[0], _deferral.saved_threshold[1], _NEVER)
+        _deferral.depth += 1
     try:
         yield
     finally:
-        if frozen_by_others:
-            _frozen_heap.left_frozen = True
-        else:
-            gc.unfreeze()
+        with _deferral.lock:
+            _deferral.depth -= 1
+            if _deferral.depth == 0 and _deferral.saved_threshold is not None:
+                gc.set_threshold(*_deferral.saved_threshold)
 
 
 def _signature_from_engine_args() -> inspect.Signature:

@@ -224,10 +224,16 @@ class ModelRunner:
         try:
             self._dummy_step("profile", lens, blocks, params)
         finally:
-            for layer in self.attention_layers.values():
-                layer.kv_cache = None
-            if self.proposer is not None:
-                self.proposer.initialize_kv_cache(0)
+            self.release_kv_cache()
+
+    def release_kv_cache(self) -> None:
+        """Drop the KV cache (the model's and a proposer's). The engine's shutdown does it: the
+        runner's objects hold reference cycles, so without it the cache (gigabytes) lived on
+        after its LLM was deleted until the cyclic collector's next full collection."""
+        for layer in self.attention_layers.values():
+            layer.kv_cache = None
+        if self.proposer is not None:
+            self.proposer.initialize_kv_cache(0)
 
     def warm_up_mixed_steps(self) -> None:
         """Dummy steps of the shapes a scheduler makes that the decode graphs do not run (nor the

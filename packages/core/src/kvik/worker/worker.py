@@ -128,7 +128,10 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        """Leave the world (a single-rank worker never joined one)."""
+        """Release the KV cache and leave the world (a single-rank worker never joined one)."""
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.release_kv_cache()
         if self.world_size > 1:
             destroy_model_parallel()
 
