@@ -273,14 +273,20 @@ def test_decode_layers_compute_the_bits_of_the_layer_by_layer_path(
     assert results[0] == results[1]
 
 
-def counting(kernel, results: list):
-    """``kernel``, recording what it returns (None: the step ran layer by layer)."""
+class counting:
+    """``kernel`` (a ``DecodeLayers``), recording what each call returns (None: the step ran
+    layer by layer); its other attributes are the kernel's (the step runner reads ``stack``)."""
 
-    def call(hidden, positions, metadata):
-        results.append(kernel(hidden, positions, metadata))
-        return results[-1]
+    def __init__(self, kernel, results: list) -> None:
+        self._kernel = kernel
+        self._results = results
 
-    return call
+    def __call__(self, hidden, positions, metadata):
+        self._results.append(self._kernel(hidden, positions, metadata))
+        return self._results[-1]
+
+    def __getattr__(self, name: str):
+        return getattr(self._kernel, name)
 
 
 @needs_amx
