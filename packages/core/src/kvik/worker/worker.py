@@ -129,9 +129,7 @@ class Worker:
 
     def shutdown(self) -> None:
         """Release the KV cache and leave the world (a single-rank worker never joined one)."""
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            runner.release_kv_cache()
+        self.model_runner.release_kv_cache()
         if self.world_size > 1:
             destroy_model_parallel()
 
