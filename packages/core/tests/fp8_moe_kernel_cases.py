@@ -156,7 +156,14 @@ def random_experts(experts: int, hidden: int, inter: int):
         return (torch.rand(*shape) * 2 - 1).mul(448).to(FP8).to(DEVICE)
 
     def scales(*shape: int, fan_in: int) -> Tensor:
-        spread = 2.0 ** torch.empty(*shape).uniform_(-2, 2)
+        # A ramp across each expert's tile grid (up the rows, down the columns) under a little
+        # noise: a transposed grid moves tiles to magnitudes at least 4x apart whatever the
+        # draw. (Independent draws over a 2 x 2 grid came out nearly symmetric in one CI run,
+        # and the planted bug went unseen.)
+        rows = torch.arange(shape[1]).view(1, -1, 1)
+        cols = torch.arange(shape[2]).view(1, 1, -1)
+        ramp = (1.5 * (rows - cols)).clamp(-3, 3)
+        spread = 2.0 ** (ramp + torch.empty(*shape).uniform_(-0.5, 0.5))
         return (spread * fan_in**-0.5 / 256).to(DEVICE)
 
     w13 = weights(experts, 2 * inter, hidden)
