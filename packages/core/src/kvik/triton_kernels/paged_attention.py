@@ -73,6 +73,7 @@ def _attend_tile(
     k_stride_slot,
     v_stride_blk,
     v_stride_slot,
+    v_stride_d,
     scale_log2,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -96,10 +97,10 @@ def _attend_tile(
     v_ptrs = v_head_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
     if MASKED or HEAD_PAD != HEAD_SIZE:
         k = tl.load(k_ptrs + d[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
-        v = tl.load(v_ptrs + d[None, :], mask=tl.trans(kv_mask), other=0.0)  # [TILE_N, HEAD_PAD]
+        v = tl.load(v_ptrs + d[None, :] * v_stride_d, mask=tl.trans(kv_mask), other=0.0)
     else:
         k = tl.load(k_ptrs + d[:, None])
-        v = tl.load(v_ptrs + d[None, :])
+        v = tl.load(v_ptrs + d[None, :] * v_stride_d)  # [TILE_N, HEAD_PAD]
     if KV_FP8:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
@@ -159,6 +160,7 @@ def paged_attention_kernel(
     v_stride_blk,
     v_stride_slot,
     v_stride_h,
+    v_stride_d,  # 1; BLOCK_SIZE where a block's values are stored transposed ([Hk, D, BLOCK_SIZE])
     bt_stride,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -254,13 +256,14 @@ def paged_attention_kernel(
             acc, row_max, row_sum = _attend_tile(
                 acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
                 k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
-                scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, False,
+                v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW,
+                KV_FP8, False,
             )  # fmt: skip
     for tile in range(unmasked_hi, tile_hi):
         acc, row_max, row_sum = _attend_tile(
             acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
-            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, scale_log2,
-            BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, True,
+            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, v_stride_d,
+            scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, True,
         )  # fmt: skip
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale), before any normalisation
@@ -475,7 +478,7 @@ def paged_attention(
             query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
             seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
             v_scale, num_reqs, scale * LOG2E, q_strides[0], q_strides[1], o_strides[0],
-            o_strides[1], *k_strides[:3], *value_cache.stride()[:3], block_table.stride(0),
+            o_strides[1], *k_strides[:3], *value_cache.stride(), block_table.stride(0),
         ),
         constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
