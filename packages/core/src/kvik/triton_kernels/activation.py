@@ -17,6 +17,7 @@ from kvik.triton_kernels.fp8_quant import (
     rounds_in_software,
     store_group_quantized,
 )
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @triton.jit
@@ -30,7 +31,9 @@ def silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,  # QUANTIZE: see fp8_quant.rounds_in_software
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -67,10 +70,11 @@ def _launch(x: Tensor, quantize: bool) -> tuple[Tensor, Tensor | None]:
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     if rows > 0:
         grid = (rows, triton.cdiv(inter, SILU_BLOCK))
+        pdl = uses_pdl(x.device)
         silu_and_mul_kernel[grid](
             x2, out, out if scales is None else scales, x2.stride(0), inter, QUANTIZE=quantize,
             BLOCK=SILU_BLOCK, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
-            num_warps=SILU_WARPS,
+            PDL=pdl, num_warps=SILU_WARPS, launch_pdl=pdl,
         )  # fmt: skip
     if scales is not None:
         scales = scales.view(*x.shape[:-1], scales.shape[-1])

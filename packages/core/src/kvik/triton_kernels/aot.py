@@ -22,17 +22,24 @@ def compile_kernel(
     num_warps: int,
     num_stages: int = 1,
     aligned: tuple[str, ...] = (),
+    launch_pdl: bool = False,
 ) -> Any:
     """Compile ``kernel`` for ``target``. ``types`` maps each run-time argument to a Triton type
-    ("*bf16", "i32", "fp32"); ``constexprs`` gives every constexpr argument its value.
+    ("*bf16", "i32", "fp32"); ``constexprs`` gives every constexpr argument its value, or takes
+    the kernel's default for it (as a launch does).
 
     ``aligned`` names the run-time arguments known to be multiples of 16 (pointers, strides), as
     Triton's JIT finds them at a launch and specializes for: without that, loads are not
-    vectorized, nor pipelined through shared memory in ``num_stages`` stages."""
+    vectorized, nor pipelined through shared memory in ``num_stages`` stages. ``launch_pdl``:
+    the kernel is launched with programmatic dependent launch (kvik.triton_kernels.pdl)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constexprs = {**defaults, **constexprs}
     signature = {
         name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
     }
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
+    if launch_pdl:
+        options["launch_pdl"] = True
     return triton.compile(source, target=target, options=options)

@@ -37,6 +37,7 @@ from kvik.triton_kernels.fp8_quant import (
     per_token_group_quant_fp8,
     quantize_to_grid,
 )
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,9 @@ def fp8_block_gemv_kernel(
     GROUPS: tl.constexpr,  # groups of GROUP features a K step
     GROUP: tl.constexpr,
     PREQUANTIZED: tl.constexpr,
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
     group_base = tl.arange(0, GROUPS)
@@ -372,13 +375,14 @@ def _launch_gemv(
 ) -> Tensor:
     (m, k), n = inputs.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=out_dtype, device=inputs.device)
+    pdl = uses_pdl(inputs.device)
     fp8_block_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         inputs, scales, weight, weight_scale, weight if bias is None else bias, out, m, n,
         inputs.stride(0), scales.stride(0), weight.stride(0), weight_scale.stride(0),
         out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
         BLOCK_N=config.block_n, GROUPS=config.groups, GROUP=GROUP_SIZE,
-        PREQUANTIZED=config.prequantize, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        PREQUANTIZED=config.prequantize, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 #: A dynamic scale's lower bound: an all-zero group gets this scale and quantizes to zeros.
@@ -134,7 +136,9 @@ def per_token_group_quant_kernel(
     GROUP: tl.constexpr,
     GROUPS_PER_PROGRAM: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1) * GROUPS_PER_PROGRAM + tl.arange(0, GROUPS_PER_PROGRAM)
     col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS_PER_PROGRAM, GROUP]
@@ -223,10 +227,12 @@ def per_token_group_quant_fp8(
         scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     per_group = min(GROUP_QUANT_GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
     if m > 0 and k > 0:
+        pdl = uses_pdl(x.device)
         per_token_group_quant_kernel[(m, triton.cdiv(groups, per_group))](
             rows, q, scales, k, rows.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
             GROUP=group_size, GROUPS_PER_PROGRAM=per_group,
-            ROUND_IN_SOFTWARE=rounds_in_software(x.device), num_warps=GROUP_QUANT_WARPS,
+            ROUND_IN_SOFTWARE=rounds_in_software(x.device), PDL=pdl, num_warps=GROUP_QUANT_WARPS,
+            launch_pdl=pdl,
         )  # fmt: skip
     if column_major_scales:
         return q, scales

@@ -51,6 +51,7 @@ from kvik.triton_kernels.fp8_quant import (
     quantize_to_grid,
     scale_for_cast,
 )
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,9 @@ def fp8_skinny_kernel(
     SPLIT_K: tl.constexpr,
     GROUPS_PER_SPLIT: tl.constexpr,
     GROUP: tl.constexpr,  # 128
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -294,14 +297,15 @@ def launch(
         counters = split_counters(x.device)
     else:
         partial = counters = out
+    pdl = uses_pdl(x.device)
     fp8_skinny_kernel[(tiles, split_k)](
         x, x_scale, weight, weight_scale, weight if bias is None else bias, out, partial,
         counters, m, n, x.stride(0), x_scale_stride, weight.stride(0), w_scale_stride,
         out.stride(0), K=k, BLOCK_SCALES=block_scales, QUANTIZE=quantize,
         ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
-        GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

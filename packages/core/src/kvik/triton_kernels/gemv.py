@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
+
 
 @dataclass(frozen=True)
 class GemvConfig:
@@ -44,7 +46,9 @@ def gemv_kernel(
     M_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     # Written for M_PAD rows although kvik calls it with one: this form (the sums gathered into
     # an [M_PAD, BLOCK_N] accumulator) compiled to a faster loop on the H200 than a plain
     # [BLOCK_N] one (docs/benchmarks.md).
@@ -81,10 +85,12 @@ def gemv(x: Tensor, weight: Tensor, bias: Tensor | None, config: GemvConfig) -> 
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    pdl = uses_pdl(x.device)
     gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, weight if bias is None else bias, out, 1, n, x.stride(0), weight.stride(0),
         out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=1, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, PDL=pdl, num_warps=config.num_warps,
+        num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from kvik.triton_kernels.kv_cache import kv_scale_pointers
 from kvik.triton_kernels.launch import FastLauncher
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 LOG2E = 1.4426950408889634
 
@@ -178,7 +179,9 @@ def paged_attention_kernel(
     # request's keys (block_table[row_request[row]]): a verification's rows computed as decodes.
     ROW_REQUESTS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds e4m3 keys / k_scale and values / v_scale
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,7 +298,9 @@ def reduce_splits_kernel(
     HEAD_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # NUM_SPLITS padded to a power of two (tl.arange's length)
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seg = tl.arange(0, SPLITS_PAD)
@@ -374,6 +379,7 @@ def attention_constexprs(
     decode_only: bool = False,
     kv_fp8: bool = False,
     row_requests: bool = False,
+    pdl: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -392,6 +398,7 @@ def attention_constexprs(
         "DECODE_ONLY": decode_only,
         "ROW_REQUESTS": row_requests,
         "KV_FP8": kv_fp8,
+        "PDL": pdl,
     }
 
 
@@ -408,7 +415,9 @@ _launch_reduce = FastLauncher(reduce_splits_kernel)
 def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
     """The reduction's constexprs from the attention kernel's (the partial results are fp32 and
     already carry the value scale, so an FP8 cache changes nothing here)."""
-    constexprs = {k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS")}
+    constexprs = {
+        k: attention[k] for k in ("NUM_HEADS", "HEAD_SIZE", "HEAD_PAD", "NUM_SPLITS", "PDL")
+    }
     constexprs["SPLITS_PAD"] = triton.next_power_of_2(constexprs["NUM_SPLITS"])
     return constexprs
 
@@ -455,7 +464,7 @@ def paged_attention(
     fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
-        decode_only, fp8, row_requests is not None,
+        decode_only, fp8, row_requests is not None, uses_pdl(query.device),
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
@@ -481,9 +490,11 @@ def paged_attention(
             o_strides[1], *k_strides[:3], *value_cache.stride(), block_table.stride(0),
         ),
         constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
+        launch_pdl=constexprs["PDL"],
     )  # fmt: skip
     if num_splits > 1:
         _launch_reduce(
             (t, num_heads), (output, part_acc, part_max, part_sum, o_strides[0], o_strides[1]),
             _reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
+            launch_pdl=constexprs["PDL"],
         )  # fmt: skip

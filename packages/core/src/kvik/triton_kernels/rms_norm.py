@@ -22,6 +22,7 @@ from kvik.triton_kernels.fp8_quant import (
     rounds_in_software,
     store_group_quantized,
 )
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @triton.jit
@@ -41,7 +42,9 @@ def rms_norm_kernel(
     BLOCK: tl.constexpr,
     GROUP: tl.constexpr,
     ROUND_IN_SOFTWARE: tl.constexpr,  # QUANTIZE: see fp8_quant.rounds_in_software
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -93,11 +96,12 @@ def _launch(
     summed = torch.empty_like(x2) if residual is not None else out
     res2 = residual.reshape(-1, hidden) if residual is not None else x2
     if x2.shape[0] > 0:
+        pdl = uses_pdl(x.device)
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, summed, out if scales is None else scales, x2.stride(0),
             res2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             BLOCK=block, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
-            num_warps=num_warps,
+            PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
     if scales is not None:
         scales = scales.view(*x.shape[:-1], scales.shape[-1])

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from kvik.triton_kernels.kv_cache import kv_scale_pointers, quantize_e4m3
 from kvik.triton_kernels.launch import FastLauncher
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 if TYPE_CHECKING:
     from kvik.layers.rotary import HeadNorms
@@ -170,7 +171,9 @@ def rotary_and_cache_kernel(
     IS_NEOX: tl.constexpr,
     KV_FP8: tl.constexpr,
     HEAD_NORM: tl.constexpr,
+    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     # kv_cache [2, num_blocks, block_size, Hk, D]: a slot's [Hk, D] rows are contiguous, and the
     # values sit half_cache elements after the keys. A negative slot (padding) writes nothing.
     # KV_FP8: an e4m3 cache, keys and values quantized with the scales behind k/v_scale_ptr.
@@ -301,6 +304,7 @@ def rotary_and_cache(
     else:
         q_norm = k_norm = q_out  # not read
         eps = 0.0
+    pdl = uses_pdl(query.device)
     _launch_rotary_and_cache(
         (t,),
         (
@@ -310,8 +314,8 @@ def rotary_and_cache(
         ),
         {
             **constexprs, "HEAD_PAD": _power_of_2_at_least(head_size), "IS_NEOX": is_neox,
-            "KV_FP8": fp8, "HEAD_NORM": head_norms is not None,
+            "KV_FP8": fp8, "HEAD_NORM": head_norms is not None, "PDL": pdl,
         },
-        num_warps=ROTARY_WARPS,
+        num_warps=ROTARY_WARPS, launch_pdl=pdl,
     )  # fmt: skip
     return q_out
