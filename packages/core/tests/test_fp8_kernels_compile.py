@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 aot = pytest.importorskip("kvik_cuda.aot")
 tuning = pytest.importorskip("kvik_cuda.tuning")
 
-from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.aot import check_pdl_variant, compile_kernel  # noqa: E402
 from kvik.triton_kernels.fp8_gemm import (  # noqa: E402
     GEMM_BLOCK_K,
     GROUP_SIZE,
@@ -79,6 +79,8 @@ def aligned(kernel) -> tuple[str, ...]:
 def compiled_ok(kernel, arch: str, **kwargs):
     compiled = compile_kernel(kernel, aot.TARGETS[arch], **kwargs)
     assert compiled.metadata.shared <= aot.SHARED_MEMORY_LIMIT[arch]
+    if arch == "sm90" and "PDL" in kernel.arg_names:
+        check_pdl_variant(kernel, aot.TARGETS[arch], **kwargs)
     return compiled
 
 

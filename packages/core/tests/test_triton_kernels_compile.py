@@ -19,7 +19,7 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     SILU_WARPS,
     silu_and_mul_kernel,
 )
-from kvik.triton_kernels.aot import compile_kernel  # noqa: E402
+from kvik.triton_kernels.aot import check_pdl_variant, compile_kernel  # noqa: E402
 from kvik.triton_kernels.argmax import BLOCK as ARGMAX_BLOCK  # noqa: E402
 from kvik.triton_kernels.argmax import CHUNK as ARGMAX_CHUNK  # noqa: E402
 from kvik.triton_kernels.argmax import CHUNK_WARPS as ARGMAX_CHUNK_WARPS  # noqa: E402
@@ -118,28 +118,8 @@ def compiled_ok(kernel, arch: str, **kwargs):
     compiled = compile_kernel(kernel, target, **kwargs)
     assert compiled.metadata.shared <= shared_memory_limit
     if arch == "sm90" and "PDL" in kernel.arg_names:
-        pdl_variant_ok(kernel, target, kwargs)
+        check_pdl_variant(kernel, target, **kwargs)
     return compiled
-
-
-#: PTX instructions that read or write global memory.
-GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.", "red.", "cp.reduce")
-
-
-def pdl_variant_ok(kernel, target, kwargs: dict) -> None:
-    """The variant a Hopper launch takes (kvik.triton_kernels.pdl): launched with PDL, and
-    waiting for the kernel ahead before its first global memory access, then releasing its own
-    dependents."""
-    constexprs = {**kwargs["constexprs"], "PDL": True}
-    compiled = compile_kernel(
-        kernel, target, **{**kwargs, "constexprs": constexprs}, launch_pdl=True
-    )
-    ptx = compiled.asm["ptx"]
-    assert compiled.metadata.launch_pdl
-    wait = ptx.index("griddepcontrol.wait")
-    assert wait < ptx.index("griddepcontrol.launch_dependents")
-    first_access = min((ptx.find(op) for op in GLOBAL_ACCESSES if op in ptx), default=len(ptx))
-    assert wait < first_access, kernel.__name__
 
 
 def rounds_in_software_on(arch: str) -> bool:

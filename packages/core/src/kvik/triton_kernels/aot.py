@@ -43,3 +43,24 @@ def compile_kernel(
     if launch_pdl:
         options["launch_pdl"] = True
     return triton.compile(source, target=target, options=options)
+
+
+#: PTX instructions that read or write global memory (L2 prefetches are not among them).
+GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.", "red.", "cp.reduce")
+
+
+def check_pdl_variant(kernel: Any, target: GPUTarget, constexprs: dict[str, Any], **kwargs) -> Any:
+    """Compile the variant of ``kernel`` that an sm_90+ launch takes (kvik.triton_kernels.pdl:
+    ``PDL`` True, launched with PDL) and check its PTX: the wait for the kernel ahead comes
+    before any global load or store, and the release of its dependents after the wait."""
+    compiled = compile_kernel(
+        kernel, target, constexprs={**constexprs, "PDL": True}, launch_pdl=True, **kwargs
+    )
+    ptx = compiled.asm["ptx"]
+    name = kernel.__name__
+    assert compiled.metadata.launch_pdl, name
+    wait = ptx.index("griddepcontrol.wait")
+    assert wait < ptx.index("griddepcontrol.launch_dependents"), name
+    first_access = min((ptx.find(op) for op in GLOBAL_ACCESSES if op in ptx), default=len(ptx))
+    assert wait < first_access, f"{name}: a global access before griddepcontrol.wait"
+    return compiled
