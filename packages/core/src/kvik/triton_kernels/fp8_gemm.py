@@ -37,7 +37,7 @@ from kvik.triton_kernels.fp8_quant import (
     per_token_group_quant_fp8,
     quantize_to_grid,
 )
-from kvik.triton_kernels.pdl import prefetch_rows, uses_pdl, wait_for_prior_kernel
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -175,10 +175,9 @@ def fp8_block_gemv_kernel(
     PREQUANTIZED: tl.constexpr,
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
-    prefetch_rows(w_ptr + (n % N).to(tl.int64) * w_stride, K, PDL, GROUP)
-    wait_for_prior_kernel(PDL)
     group_base = tl.arange(0, GROUPS)
     within = tl.arange(0, GROUP)
     out_rows = tl.arange(0, M_PAD)

@@ -51,7 +51,7 @@ from kvik.triton_kernels.fp8_quant import (
     quantize_to_grid,
     scale_for_cast,
 )
-from kvik.triton_kernels.pdl import prefetch_rows, uses_pdl, wait_for_prior_kernel
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -122,15 +122,13 @@ def fp8_skinny_kernel(
     GROUP: tl.constexpr,  # 128
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
     # Columns past the edge wrap to valid ones: their loads need no mask, their sums are dropped.
     n_load = n % N
-    w_split = w_ptr + n_load.to(tl.int64) * w_stride + split * GROUPS_PER_SPLIT * GROUP
-    prefetch_rows(w_split, K - split * GROUPS_PER_SPLIT * GROUP, PDL, GROUP)
-    wait_for_prior_kernel(PDL)
     rows = tl.arange(0, M_PAD)
     row_valid = rows < M
     within = tl.arange(0, GROUP)

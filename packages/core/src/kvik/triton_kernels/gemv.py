@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvik.triton_kernels.pdl import prefetch_rows, uses_pdl, wait_for_prior_kernel
+from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -48,14 +48,12 @@ def gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
+    wait_for_prior_kernel(PDL)
     # Written for M_PAD rows although kvik calls it with one: this form (the sums gathered into
     # an [M_PAD, BLOCK_N] accumulator) compiled to a faster loop on the H200 than a plain
     # [BLOCK_N] one (docs/benchmarks.md).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = n < N
-    line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
-    prefetch_rows(w_ptr + (n % N).to(tl.int64) * w_stride, K, PDL, line)
-    wait_for_prior_kernel(PDL)
     k_base = tl.arange(0, BLOCK_K)
     rows = tl.arange(0, M_PAD)
     acc = tl.zeros([M_PAD, BLOCK_N], tl.float32)

@@ -51,22 +51,3 @@ def wait_for_prior_kernel(PDL: tl.constexpr):
     if PDL:
         cuda_extra.gdc_wait()
         cuda_extra.gdc_launch_dependents()
-
-
-#: 128-byte lines of each weight row that a product's program asks L2 for before its wait
-#: (``KVIK_PDL_PREFETCH_LINES``, read at import; 0: none).
-PREFETCH_LINES = tl.constexpr(int(os.environ.get("KVIK_PDL_PREFETCH_LINES", "4")))
-
-
-@triton.jit
-def prefetch_rows(row_ptrs, row_len, PDL: tl.constexpr, LINE: tl.constexpr):
-    """With PDL, before the wait: ask L2 for the first ``PREFETCH_LINES`` lines of ``LINE``
-    elements (128 bytes) of each row at ``row_ptrs`` [R] (rows of ``row_len`` elements). A
-    product's weight does not depend on the kernel ahead, so its first reads overlap that
-    kernel's tail instead of following it; the loads after the wait then find them in L2."""
-    if PDL and PREFETCH_LINES > 0:
-        line = tl.arange(0, PREFETCH_LINES) * LINE
-        ptrs = row_ptrs[:, None] + tl.minimum(line, row_len - 1)[None, :]
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
-        )
