@@ -48,7 +48,6 @@ import triton.language as tl
 from torch import Tensor
 
 from kvik.ops import check_fused_moe_shapes
-from kvik.triton_kernels.pdl import pdl_launch, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -187,12 +186,10 @@ def moe_routing_kernel(
     RENORMALIZE: tl.constexpr,
     ROWS: tl.constexpr,
     COUNT: tl.constexpr,
-    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
     """ROWS tokens a program. With COUNT, the program also stores how many of its pairs went to
     each expert (row ``program`` of counts [programs, E_PAD]), which the alignment adds up
     instead of reading every pair again."""
-    wait_for_prior_kernel(PDL)
     program = tl.program_id(0)
     rows = program * ROWS + tl.arange(0, ROWS)
     _, counts = _route_rows(
@@ -204,17 +201,9 @@ def moe_routing_kernel(
 
 
 @triton.jit
-def moe_count_kernel(
-    ids_ptr,
-    counts_ptr,
-    num_pairs,
-    E_BINS: tl.constexpr,
-    CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
+def moe_count_kernel(ids_ptr, counts_ptr, num_pairs, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
     """Row ``program`` of counts [programs, E_BINS]: the experts of CHUNK pairs (alignment
     without the routing's counts: the tuning script's given ids)."""
-    wait_for_prior_kernel(PDL)
     program = tl.program_id(0)
     offs = program * CHUNK + tl.arange(0, CHUNK)
     expert = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0)
@@ -275,11 +264,9 @@ def moe_align_kernel(
     E_BINS: tl.constexpr,
     COUNT_ROWS: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
     """One program: the pairs per expert (the rows of partial counts added up), then the runs,
     the cursors, each row block's expert and the padding rows."""
-    wait_for_prior_kernel(PDL)
     bins = tl.arange(0, E_BINS)
     counts = tl.zeros([E_BINS], dtype=tl.int32)
     for start in range(0, num_count_rows, COUNT_ROWS):
@@ -317,11 +304,9 @@ def moe_route_align_kernel(
     PAIRS_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCKS_CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
     """``moe_routing_kernel``, ``moe_align_kernel``, the padding fill and ``moe_scatter_kernel``
     in one program, for at most TOKENS_PAD tokens (PAIRS_PAD >= TOKENS_PAD * TOP_K)."""
-    wait_for_prior_kernel(PDL)
     # Routing, every token at once.
     _ = _route_rows(
         logits_ptr, weights_ptr, ids_ptr, tl.arange(0, TOKENS_PAD), num_tokens, num_experts,
@@ -346,10 +331,7 @@ def moe_route_align_kernel(
 
 
 @triton.jit
-def moe_scatter_kernel(
-    ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr, PDL: tl.constexpr = False
-):
-    wait_for_prior_kernel(PDL)
+def moe_scatter_kernel(ids_ptr, cursor_ptr, sorted_ptr, num_pairs, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=mask, other=0)
@@ -530,7 +512,6 @@ def moe_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
     """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
 
@@ -548,7 +529,6 @@ def moe_gemm_kernel(
     counter, adds each token's TOP_K rows of out in fp32 into sum_ptr, so no launch of
     ``moe_sum_kernel`` follows. ZERO_COUNTERS: program 0 zeroes the next GEMM's
     counters (a launch earlier on the stream, so they are zero before it starts)."""
-    wait_for_prior_kernel(PDL)
     pid = tl.program_id(0)
     if ZERO_COUNTERS:
         if pid == 0:
@@ -647,9 +627,7 @@ SUM_LAST_MAX_TOKENS = 2
 
 
 @triton.jit
-def moe_sum_kernel(
-    pairs_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False
-):
+def moe_sum_kernel(pairs_ptr, out_ptr, N, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
     """out[token, cols] = the sum of the token's TOP_K pair rows (pairs [tokens * TOP_K, N]) over
     one block of columns, in fp32 in the order k = 0, 1, ..., rounded once.
 
@@ -658,7 +636,6 @@ def moe_sum_kernel(
     axis 0, through shared memory): on the H200 it took 20.4 µs a call at 256 tokens
     (Qwen3-30B-A3B's 2048 columns: 8.4 MB read, 0.4 TB/s) and 6.0 at 64, where this one takes
     2.4 and 1.6 (docs/benchmarks.md)."""
-    wait_for_prior_kernel(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -684,15 +661,7 @@ def moe_sum(pairs: Tensor, tokens: int, top_k: int) -> Tensor:
     n = pairs.shape[1]
     out = torch.empty(tokens, n, dtype=pairs.dtype, device=pairs.device)
     grid = (tokens, triton.cdiv(n, SUM_BLOCK_N))
-    moe_sum_kernel[grid](
-        pairs,
-        out,
-        n,
-        TOP_K=top_k,
-        BLOCK_N=SUM_BLOCK_N,
-        **pdl_launch(out.device),
-        num_warps=SUM_WARPS,
-    )
+    moe_sum_kernel[grid](pairs, out, n, TOP_K=top_k, BLOCK_N=SUM_BLOCK_N, num_warps=SUM_WARPS)
     return out
 
 
@@ -728,7 +697,7 @@ def _launch_routing(
             router_logits, weights, ids, ids if counts is None else counts, tokens, experts,
             router_logits.stride(0), TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
             E_PAD=e_pad, RENORMALIZE=renormalize, ROWS=rows, COUNT=count,
-            **pdl_launch(router_logits.device), num_warps=ROUTING_WARPS,
+            num_warps=ROUTING_WARPS,
         )  # fmt: skip
     return weights, ids, counts
 
@@ -765,13 +734,7 @@ def align_to_blocks(
         programs = triton.cdiv(num_pairs, COUNT_CHUNK)
         counts = torch.empty(programs, e_bins, dtype=torch.int32, device=device)
         moe_count_kernel[(programs,)](
-            ids,
-            counts,
-            num_pairs,
-            E_BINS=e_bins,
-            CHUNK=COUNT_CHUNK,
-            **pdl_launch(ids.device),
-            num_warps=ALIGN_WARPS,
+            ids, counts, num_pairs, E_BINS=e_bins, CHUNK=COUNT_CHUNK, num_warps=ALIGN_WARPS
         )
     if counts.shape[1:] != (e_bins,) or counts.dtype != torch.int32:
         raise ValueError(f"counts must be [programs, {e_bins}] int32, got {tuple(counts.shape)}")
@@ -781,17 +744,10 @@ def align_to_blocks(
     cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
     moe_align_kernel[(1,)](
         counts, cursor, block_expert, total, sorted_pairs, counts.shape[0], num_pairs,
-        num_experts, blocks, **align_constexprs(num_experts, block_m), **pdl_launch(counts.device),
-        num_warps=ALIGN_WARPS,
+        num_experts, blocks, **align_constexprs(num_experts, block_m), num_warps=ALIGN_WARPS,
     )  # fmt: skip
     moe_scatter_kernel[(triton.cdiv(num_pairs, SCATTER_BLOCK),)](
-        ids,
-        cursor,
-        sorted_pairs,
-        num_pairs,
-        BLOCK=SCATTER_BLOCK,
-        **pdl_launch(ids.device),
-        num_warps=SCATTER_WARPS,
+        ids, cursor, sorted_pairs, num_pairs, BLOCK=SCATTER_BLOCK, num_warps=SCATTER_WARPS
     )
     return sorted_pairs, block_expert, total
 
@@ -824,8 +780,7 @@ def route_and_align(
         TOP_K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         RENORMALIZE=renormalize, TOKENS_PAD=tokens_pad,
         PAIRS_PAD=triton.next_power_of_2(tokens_pad * top_k), BLOCK_M=block_m,
-        BLOCKS_CHUNK=ALIGN_BLOCKS_CHUNK, **pdl_launch(router_logits.device),
-        num_warps=ROUTE_ALIGN_WARPS,
+        BLOCKS_CHUNK=ALIGN_BLOCKS_CHUNK, num_warps=ROUTE_ALIGN_WARPS,
     )  # fmt: skip
     return weights, ids, (sorted_pairs, block_expert, total)
 
@@ -939,8 +894,7 @@ def grouped_gemm(
             out.shape[0] // top_k,
         ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, **pdl_launch(a.device), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 

@@ -39,13 +39,6 @@ def uses_pdl(device: torch.device) -> bool:
     return _capability(device.index)[0] >= 9
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
-    """The keyword arguments of a ``kernel[grid](...)`` launch on ``device``: ``PDL`` and
-    ``launch_pdl``, both ``uses_pdl(device)``."""
-    pdl = uses_pdl(device)
-    return {"PDL": pdl, "launch_pdl": pdl}
-
-
 @functools.cache
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
