@@ -45,7 +45,7 @@ def compile_kernel(
     return triton.compile(source, target=target, options=options)
 
 
-#: PTX instructions that read or write global memory (L2 prefetches are not among them).
+#: PTX instructions that read or write global memory.
 GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.", "red.", "cp.reduce")
 
 

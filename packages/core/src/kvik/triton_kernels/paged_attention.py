@@ -161,7 +161,7 @@ def paged_attention_kernel(
     v_stride_blk,
     v_stride_slot,
     v_stride_h,
-    v_stride_d,  # 1; BLOCK_SIZE where a block's values are stored transposed ([Hk, D, BLOCK_SIZE])
+    v_stride_d,  # the values' head-dimension stride (1 in kvik's caches; a view may differ)
     bt_stride,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
