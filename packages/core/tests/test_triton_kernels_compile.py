@@ -316,7 +316,13 @@ def attention_types(
     fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
     index = {
         n: "*i32"
-        for n in ("query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "row_request_ptr")
+        for n in (
+            "query_start_loc_ptr",
+            "seq_lens_ptr",
+            "block_table_ptr",
+            "row_request_ptr",
+            "counter_ptr",
+        )  # fmt: skip
         if n in kernel.arg_names
     }
     cache = {
@@ -395,6 +401,16 @@ def test_paged_attention(
             types=attention_types(reduce_splits_kernel, dtype),
             constexprs=reduce_constexprs(constexprs),
             num_warps=REDUCE_WARPS,
+        )
+    if splits > 1 and max_query_len == 1:
+        # The decode launch whose last segment merges the segments (no reduction launch).
+        compiled_ok(
+            paged_attention_kernel,
+            arch,
+            types=attention_types(paged_attention_kernel, dtype, cache_dtype),
+            constexprs={**constexprs, "REDUCE_LAST": True},
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
 
 

@@ -630,9 +630,11 @@ def run_attention(
     rotary: bool = False,
     kv_scales: tuple[float, float] | None = None,
     decodes_apart: int = 0,
+    merged_in_kernel: bool = False,
 ) -> None:
     """Write the new keys and attend, through the backend (splits None; with ``rotary``, its
-    fused rotary-and-cache path) or the launchers with ``splits`` segments; compare output and
+    fused rotary-and-cache path) or the launchers with ``splits`` segments (``merged_in_kernel``:
+    their last segment merges them, through counters it must leave at zero); compare output and
     cache with the CPU SDPA backend in float64 (after the reference rotation). With ``kv_scales``
     (k_scale, v_scale) the cache is FP8: both sides store the same e4m3 bits, and the reference
     attends over them dequantized."""
@@ -709,11 +711,16 @@ def run_attention(
         config = attention_config(
             device_arch(DEVICE)[0], head_size, heads // kv_heads, dev.max_query_len, dtype
         )
+        counters = None
+        if merged_in_kernel:
+            counters = torch.zeros(t * kv_heads, dtype=torch.int32, device=DEVICE)
         paged_attention(
             q.view(t, heads, head_size), cache[0], cache[1], out.view(t, heads, head_size),
             dev.query_start_loc, dev.seq_lens, dev.block_table, scale, sliding_window, config,
-            splits, **dev_scales,
+            splits, **dev_scales, split_counters=counters,
         )  # fmt: skip
+        if counters is not None:
+            assert not counters.any(), "the last segments left their counters set"
     check(out, ref_out, dtype)
     written = cache.cpu().view(2, -1, kv_heads * head_size)[:, metadata.slot_mapping]
     if fp8:  # the same e4m3 bits as the reference's quantization (of the rotated keys)
@@ -797,6 +804,48 @@ def test_decode_only_batch(dtype: torch.dtype, group: int, window: int | None) -
 @pytest.mark.parametrize("splits", [2, 3, 8])
 def test_split_kv_decode(dtype: torch.dtype, group: int, splits: int) -> None:
     run_attention(DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_split_kv_decode_merged_by_its_last_segment(
+    dtype: torch.dtype, group: int, splits: int
+) -> None:
+    run_attention(
+        DECODES, KV_HEADS * group, KV_HEADS, 128, dtype, splits=splits, merged_in_kernel=True
+    )
+
+
+def test_split_kv_merge_in_kernel_equals_the_reduction_launch() -> None:
+    """The same segments merged by the last one and by reduce_splits_kernel: equal to fp32
+    rounding (one merges online, the other against the largest maximum), an FP8 cache included."""
+    q_heads, group, head_size, splits = KV_HEADS * 4, 4, 128, 4
+    for kv_scales in (None, KV_SCALES):
+        scales = (
+            tuple(torch.tensor(x, dtype=torch.float32) for x in kv_scales) if kv_scales else None
+        )
+        metadata, cache = build_batch(DECODES, KV_HEADS, head_size, torch.float16, scales)
+        dev = on_device(metadata)
+        t = metadata.num_actual_tokens
+        q = randn(t, q_heads, head_size, dtype=torch.float16)
+        k, v = (randn(t, KV_HEADS, head_size, dtype=torch.float16) for _ in range(2))
+        dev_scales = (
+            {}
+            if scales is None
+            else {"k_scale": scales[0].to(DEVICE), "v_scale": scales[1].to(DEVICE)}
+        )
+        reshape_and_cache(k, v, cache, dev.slot_mapping, **dev_scales)
+        config = attention_config(device_arch(DEVICE)[0], head_size, group, 1, cache.dtype)
+        outs = []
+        for counters in (None, torch.zeros(t * KV_HEADS, dtype=torch.int32, device=DEVICE)):
+            out = torch.full_like(q, float("nan"))
+            paged_attention(
+                q, cache[0], cache[1], out, dev.query_start_loc, dev.seq_lens, dev.block_table,
+                head_size**-0.5, None, config, splits, **dev_scales, split_counters=counters,
+            )  # fmt: skip
+            outs.append(out.float())
+        torch.testing.assert_close(outs[1], outs[0], rtol=2e-3, atol=2e-3)
 
 
 @pytest.mark.parametrize("dtype", DOT_DTYPES if ON_GPU else [torch.float32])

@@ -181,6 +181,14 @@ class TritonMetadata:
     #: step's, the rows as decodes', or the decodes' apart; None when the step has no decode
     #: launch (its launch takes the chooser's configuration for its longest query).
     decode_config: AttentionConfig | None = None
+    #: With split-KV decodes: the zeroed counters by which each (row, KV head)'s last segment
+    #: merges the segments in the attention launch itself (None: a reduction launch follows).
+    split_counters: Tensor | None = None
+
+
+#: ``KVIK_ATTENTION_REDUCE_LAST=0`` merges split-KV segments in a launch of its own, as before the
+#: in-kernel merge (read at import).
+REDUCE_LAST = os.environ.get("KVIK_ATTENTION_REDUCE_LAST", "1") == "1"
 
 
 #: The fewest leading decodes a mixed step attends to apart: a few decodes beside a prompt are a
@@ -204,6 +212,16 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         self.part_max = torch.empty(rows, **f32)
         self.part_sum = torch.empty(rows, **f32)
         self.head_pad = head_pad
+        # One a (row, KV head) of a split launch; zeros, and every launch leaves them so.
+        self.split_counters = (
+            torch.zeros(
+                spec.max_num_seqs * MAX_KV_SPLITS * spec.num_kv_heads,
+                dtype=torch.int32,
+                device=spec.device,
+            )
+            if REDUCE_LAST
+            else None
+        )
 
     def build(self, common: AttentionMetadata) -> TritonMetadata:
         t, h = common.num_actual_tokens, self.spec.num_heads
@@ -251,6 +269,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             decodes,
             rest,
             decode_config,
+            self.split_counters,
         )
 
     def _decode_launch(self, num_reqs: int) -> tuple[AttentionConfig, int]:
@@ -335,6 +354,7 @@ class TritonAttentionImpl(AttentionImpl):
             self.k_scale,
             self.v_scale,
             row_requests=c.token_requests if as_decodes else None,
+            split_counters=metadata.split_counters,
         )
 
     def _attend_decodes_apart(
@@ -350,7 +370,7 @@ class TritonAttentionImpl(AttentionImpl):
             query[:n].view(n, h, d), keys, values, output[:n].view(n, h, d),
             *metadata.decodes_metadata, self.scale, self.sliding_window,
             metadata.decode_config, metadata.num_splits, metadata.part_acc, metadata.part_max,
-            metadata.part_sum, self.k_scale, self.v_scale,
+            metadata.part_sum, self.k_scale, self.v_scale, split_counters=metadata.split_counters,
         )  # fmt: skip
         paged_attention(
             query[:t].view(t, h, d), keys, values, output[:t].view(t, h, d),

@@ -143,6 +143,7 @@ def paged_attention_kernel(
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32 (split-KV only)
     part_max_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
     part_sum_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
+    counter_ptr,  # [R * Hk] int32, zero on entry and left zero (REDUCE_LAST only)
     query_start_loc_ptr,  # [R + 1]
     seq_lens_ptr,  # [R]
     block_table_ptr,  # [R, max_blocks]
@@ -179,6 +180,9 @@ def paged_attention_kernel(
     # request's keys (block_table[row_request[row]]): a verification's rows computed as decodes.
     ROW_REQUESTS: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache holds e4m3 keys / k_scale and values / v_scale
+    # With NUM_SPLITS > 1 and DECODE_ONLY: the last segment of a (request, KV head) to finish
+    # merges the segments itself (counted in counter_ptr), so no reduction launch follows.
+    REDUCE_LAST: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
 ):
     wait_for_prior_kernel(PDL)
@@ -283,6 +287,72 @@ def paged_attention_kernel(
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
         tl.store(part_sum_ptr + part, row_sum, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_valid[:, None])
+        if REDUCE_LAST:
+            # Every thread's partial results are written before one thread announces them
+            # (release); the last segment reads the others' only after its atomic saw them all.
+            tl.debug_barrier()
+            counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == NUM_SPLITS - 1:
+                _merge_segments(
+                    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid, d,
+                    d_valid, o_stride_t, o_stride_h, NUM_HEADS, NUM_SPLITS, HEAD_PAD, BLOCK_M,
+                )  # fmt: skip
+                tl.atomic_xchg(counter, 0)  # ready for the next launch
+
+
+@triton.jit
+def _merge_segments(
+    out_ptr,
+    part_acc_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    token,
+    head,
+    row_valid,
+    d,
+    d_valid,
+    o_stride_t,
+    o_stride_h,
+    NUM_HEADS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """A program's rows from every segment's partial results, merged as ``reduce_splits_kernel``
+    merges them (one segment at a time here, an online maximum), written to the output."""
+    first = (token * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    for seg in range(0, NUM_SPLITS):
+        # Past L1 (".cg"): the other segments were written by other multiprocessors.
+        seg_max = tl.load(
+            part_max_ptr + first + seg, mask=row_valid, other=float("-inf"), cache_modifier=".cg"
+        )
+        seg_sum = tl.load(
+            part_sum_ptr + first + seg, mask=row_valid, other=0.0, cache_modifier=".cg"
+        )
+        seg_acc = tl.load(
+            part_acc_ptr + (first + seg)[:, None] * HEAD_PAD + d[None, :],
+            mask=row_valid[:, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        new_max = tl.maximum(row_max, seg_max)
+        # Segments without keys have max -inf: subtract 0 there, so exp2 gives 0, not NaN.
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        old_weight = tl.exp2(row_max - safe_max)
+        seg_weight = tl.exp2(seg_max - safe_max)
+        row_sum = row_sum * old_weight + seg_sum * seg_weight
+        acc = acc * old_weight[:, None] + seg_acc * seg_weight[:, None]
+        row_max = new_max
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    tl.store(
+        out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & d_valid[None, :],
+    )
 
 
 @triton.jit
@@ -380,6 +450,7 @@ def attention_constexprs(
     kv_fp8: bool = False,
     row_requests: bool = False,
     pdl: bool = False,
+    reduce_last: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -398,6 +469,7 @@ def attention_constexprs(
         "DECODE_ONLY": decode_only,
         "ROW_REQUESTS": row_requests,
         "KV_FP8": kv_fp8,
+        "REDUCE_LAST": reduce_last,
         "PDL": pdl,
     }
 
@@ -443,6 +515,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     row_requests: Tensor | None = None,
+    split_counters: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
     query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32; the requests'
@@ -454,7 +527,9 @@ def paged_attention(
     ``num_splits > 1``, the fp32 scratch ``part_acc [T, H, S, HEAD_PAD]``, ``part_max`` and
     ``part_sum [T, H, S]`` may be given (persistent buffers, as a captured graph needs); else it
     is allocated. An FP8 cache (float8_e4m3fn) needs ``k_scale`` and ``v_scale``, fp32 scalars
-    on the device."""
+    on the device. ``split_counters`` (int32 zeros, at least T * Hk of them, left zero; a
+    persistent buffer as a captured graph needs) lets a decode-only launch's last segment of
+    each (request, KV head) merge the segments itself instead of a reduction launch."""
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -462,9 +537,10 @@ def paged_attention(
     # the decode variant.
     decode_only = t == num_reqs
     fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
+    reduce_last = num_splits > 1 and decode_only and split_counters is not None
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
-        decode_only, fp8, row_requests is not None, uses_pdl(query.device),
+        decode_only, fp8, row_requests is not None, uses_pdl(query.device), reduce_last,
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
@@ -484,15 +560,16 @@ def paged_attention(
     _launch_attention(
         grid,
         (
-            query, key_cache, value_cache, output, part_acc, part_max, part_sum, query_start_loc,
-            seq_lens, block_table, seq_lens if row_requests is None else row_requests, k_scale,
-            v_scale, num_reqs, scale * LOG2E, q_strides[0], q_strides[1], o_strides[0],
-            o_strides[1], *k_strides[:3], *value_cache.stride(), block_table.stride(0),
+            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
+            split_counters if reduce_last else seq_lens, query_start_loc, seq_lens, block_table,
+            seq_lens if row_requests is None else row_requests, k_scale, v_scale, num_reqs,
+            scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1], *k_strides[:3],
+            *value_cache.stride(), block_table.stride(0),
         ),
         constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=constexprs["PDL"],
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not reduce_last:
         _launch_reduce(
             (t, num_heads), (output, part_acc, part_max, part_sum, o_strides[0], o_strides[1]),
             _reduce_constexprs(tuple(constexprs.items())), num_warps=REDUCE_WARPS,
