@@ -129,10 +129,12 @@ def _attend_tile(
 # whose leading decodes attend apart passes them sliced at its number of decodes, and on the H200
 # a count not a multiple of 4 compiled a second variant in a timed run (664 ms, workload B's
 # first mixed step; docs/benchmarks.md). They are read a few scalars at a time.
+# counter_ptr too: a launch without the in-kernel merge passes seq_lens (maybe sliced) there.
 @triton.jit(
     do_not_specialize=["num_reqs"],
     do_not_specialize_on_alignment=[
-        "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr", "row_request_ptr",
+        "counter_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr",
+        "row_request_ptr",
     ],
 )  # fmt: skip
 def paged_attention_kernel(
