@@ -563,7 +563,7 @@ def test_the_cast_rounds_only_on_nvidia_gpus_from_sm89(monkeypatch: pytest.Monke
         ((8, 9), False),
         ((8, 0), True),
     ):
-        monkeypatch.setattr(fp8_quant, "_capability", lambda index, c=capability: c)
+        monkeypatch.setattr(fp8_quant, "cuda_capability", lambda index, c=capability: c)
         assert fp8_quant.rounds_in_software(torch.device("cuda", 0)) == software
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert fp8_quant.rounds_in_software(torch.device("cuda", 0))

@@ -15,14 +15,12 @@ subnormals. After ``round_to_e4m3`` every value is exactly representable, so bot
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
+from kvik.triton_kernels.pdl import cuda_capability, uses_pdl, wait_for_prior_kernel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -91,12 +89,7 @@ def rounds_in_software(device: torch.device) -> bool:
     kernels only under the interpreter; AMD's e4m3 conversions are not assumed to round so."""
     if device.type != "cuda" or torch.version.hip is not None:
         return True
-    return _capability(device.index) < (8, 9)
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return cuda_capability(device.index) < (8, 9)
 
 
 @triton.jit

@@ -36,11 +36,12 @@ def uses_pdl(device: torch.device) -> bool:
     """A launch's ``PDL`` constexpr and ``launch_pdl`` option for tensors on ``device``."""
     if not ENABLED or _INTERPRET or device.type != "cuda" or torch.version.hip is not None:
         return False
-    return _capability(device.index)[0] >= 9
+    return cuda_capability(device.index)[0] >= 9
 
 
 @functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
+def cuda_capability(index: int | None) -> tuple[int, int]:
+    """The CUDA device's compute capability, asked once (a launch asks on every call)."""
     return torch.cuda.get_device_capability(index)
 
 
