@@ -58,6 +58,7 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _attend_tile(
     acc,
+    acc_odd,
     row_max,
     row_sum,
     q,
@@ -82,9 +83,10 @@ def _attend_tile(
     HEAD_PAD: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
+    V_PAIRS: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the sequence and seen by every row
 ):
-    """One tile of keys into the online softmax: the updated (acc, row_max, row_sum)."""
+    """One tile of keys into the online softmax: the updated (acc, acc_odd, row_max, row_sum)."""
     k_pos = tile * TILE_N + n  # [TILE_N]
     slot_in_block = k_pos % BLOCK_SIZE
     if MASKED:
@@ -98,13 +100,30 @@ def _attend_tile(
     v_ptrs = v_head_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
     if MASKED or HEAD_PAD != HEAD_SIZE:
         k = tl.load(k_ptrs + d[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
-        v = tl.load(v_ptrs + d[None, :] * v_stride_d, mask=tl.trans(kv_mask), other=0.0)
     else:
         k = tl.load(k_ptrs + d[:, None])
-        v = tl.load(v_ptrs + d[None, :] * v_stride_d)  # [TILE_N, HEAD_PAD]
+    if V_PAIRS:
+        # Two e4m3 values of a key as one 16-bit word: [TILE_N, HEAD_PAD // 2] (module doc).
+        pairs = tl.arange(0, HEAD_PAD // 2)
+        pair_ptrs = v_ptrs.to(tl.pointer_type(tl.int16)) + pairs[None, :]
+        if MASKED or HEAD_PAD != HEAD_SIZE:
+            pair_mask = (pairs < HEAD_SIZE // 2)[None, :]
+            if MASKED:
+                pair_mask = pair_mask & k_valid[:, None]
+            words = tl.load(pair_ptrs, mask=pair_mask, other=0).to(tl.uint16, bitcast=True)
+        else:
+            words = tl.load(pair_ptrs).to(tl.uint16, bitcast=True)
+        v = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        v_odd = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+    else:
+        if MASKED or HEAD_PAD != HEAD_SIZE:
+            v = tl.load(v_ptrs + d[None, :] * v_stride_d, mask=tl.trans(kv_mask), other=0.0)
+        else:
+            v = tl.load(v_ptrs + d[None, :] * v_stride_d)  # [TILE_N, HEAD_PAD]
+        if KV_FP8:
+            v = v.to(q.dtype)
     if KV_FP8:
         k = k.to(q.dtype)
-        v = v.to(q.dtype)
     s = tl.dot(q, k, input_precision="ieee") * scale_log2  # [BLOCK_M, TILE_N], log2 units
     if MASKED:
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -121,7 +140,9 @@ def _attend_tile(
     alpha = tl.exp2(row_max - safe_max)
     row_sum = row_sum * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    return acc, new_max, row_sum
+    if V_PAIRS:
+        acc_odd = acc_odd * alpha[:, None] + tl.dot(p.to(v.dtype), v_odd, input_precision="ieee")
+    return acc, acc_odd, new_max, row_sum
 
 
 # num_reqs changes from step to step: unspecialised, so a new batch size never compiles a variant.
@@ -186,6 +207,9 @@ def paged_attention_kernel(
     # merges the segments itself (counted in counter_ptr), so no reduction launch follows.
     REDUCE_LAST: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
+    # KV_FP8 with the values' head dimension contiguous: values read two a 16-bit word, the even
+    # and the odd dimensions multiplied apart (module doc).
+    V_PAIRS: tl.constexpr = False,
 ):
     wait_for_prior_kernel(PDL)
     q_block = tl.program_id(0)
@@ -245,7 +269,12 @@ def paged_attention_kernel(
 
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    if V_PAIRS:
+        acc = tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32)  # the even dimensions
+        acc_odd = tl.zeros([BLOCK_M, HEAD_PAD // 2], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+        acc_odd = tl.zeros([BLOCK_M, 1], tl.float32)  # unused
     n = tl.arange(0, TILE_N)
     table_req = req
     if ROW_REQUESTS:
@@ -262,18 +291,21 @@ def paged_attention_kernel(
         full_end = (context_len + q_start + 1) // TILE_N
         unmasked_hi = tl.minimum(tl.maximum(full_end, tile_lo), tile_hi)
         for tile in range(tile_lo, unmasked_hi):
-            acc, row_max, row_sum = _attend_tile(
-                acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
+            acc, acc_odd, row_max, row_sum = _attend_tile(
+                acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
                 k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
                 v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW,
-                KV_FP8, False,
+                KV_FP8, V_PAIRS, False,
             )  # fmt: skip
     for tile in range(unmasked_hi, tile_hi):
-        acc, row_max, row_sum = _attend_tile(
-            acc, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row, k_head_ptr,
-            v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot, v_stride_d,
-            scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8, True,
+        acc, acc_odd, row_max, row_sum = _attend_tile(
+            acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
+            k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
+            v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8,
+            V_PAIRS, True,
         )  # fmt: skip
+    if V_PAIRS:  # dimension 2j from acc[:, j], 2j + 1 from acc_odd[:, j]
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
     if KV_FP8:
         acc = acc * tl.load(v_scale_ptr)  # sum_j p_j (v_j * v_scale), before any normalisation
 
@@ -473,6 +505,8 @@ def attention_constexprs(
         "KV_FP8": kv_fp8,
         "REDUCE_LAST": reduce_last,
         "PDL": pdl,
+        # Each half of the head a product of at least 16 columns (tl.dot's least).
+        "V_PAIRS": kv_fp8 and head_size % 2 == 0 and head_size >= 32,
     }
 
 
@@ -547,6 +581,8 @@ def paged_attention(
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
+    if constexprs["V_PAIRS"] and value_cache.stride(-1) != 1:
+        constexprs = {**constexprs, "V_PAIRS": False}  # a view whose pairs are not adjacent
     # Each stride() call is host time, paid per launch (a PIECEWISE step launches from Python).
     q_strides, o_strides, k_strides = query.stride(), output.stride(), key_cache.stride()
     assert q_strides[-1] == 1 and o_strides[-1] == 1 and k_strides[-1] == 1
