@@ -433,28 +433,33 @@ def test_paged_attention_verification_rows_as_decodes(arch: str, splits: int) ->
     )
 
 
-def decode_plans() -> list[tuple[Any, int]]:
-    """kvik_cuda's measured H200 decode launches (configuration, split count), if installed."""
+def decode_plans() -> list[tuple[Any, int, bool]]:
+    """kvik_cuda's measured H200 decode launches (configuration, split count, e4m3 cache), if
+    installed."""
     try:
         tuning = importlib.import_module("kvik_cuda.tuning")
     except ImportError:
         return []
-    return sorted(set(tuning.H200_DECODE_PLANS.values()), key=str)
+    plans = {(*plan, False) for plan in tuning.H200_DECODE_PLANS.values()}
+    plans |= {(*plan, True) for plan in tuning.H200_FP8_DECODE_PLANS.values()}
+    return sorted(plans, key=str)
 
 
 @pytest.mark.skipif("sm90" not in TARGETS, reason="kvik_cuda is not installed")
-@pytest.mark.parametrize(("config", "splits"), decode_plans(), ids=str)
-def test_h200_decode_plans(config, splits: int) -> None:
-    """Each planned decode launch (kvik_cuda.tuning.H200_DECODE_PLANS) of Llama-8B's heads over a
-    bf16 cache compiles for Hopper within its shared memory, with its reduction when split."""
+@pytest.mark.parametrize(("config", "splits", "kv_fp8"), decode_plans(), ids=str)
+def test_h200_decode_plans(config, splits: int, kv_fp8: bool) -> None:
+    """Each planned decode launch (kvik_cuda.tuning.H200_DECODE_PLANS, and H200_FP8_DECODE_PLANS
+    over an e4m3 cache) of Llama-8B's heads compiles for Hopper within its shared memory, with its
+    reduction when split."""
     kv_heads, group, head_size, dtype = 8, 4, 128, torch.bfloat16
     constexprs = attention_constexprs(
-        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, False
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, kv_fp8
     )
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
     compiled_ok(
         paged_attention_kernel,
         "sm90",
-        types=attention_types(paged_attention_kernel, dtype),
+        types=attention_types(paged_attention_kernel, dtype, cache_dtype),
         constexprs=constexprs,
         num_warps=config.num_warps,
         num_stages=config.num_stages,

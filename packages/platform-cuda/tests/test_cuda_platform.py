@@ -247,10 +247,19 @@ def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
         tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn),
         1,
     )
+    # Over an e4m3 cache: its own plan from 128 requests (workload B's 256 among them).
+    for num_reqs in (128, 200, 256):
+        assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (AttentionConfig(16, 128, 4, 3), 1)
+    fp8_default = tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn)
+    for num_reqs in (1, 64, 127, 257):
+        assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (
+            fp8_default, num_kv_splits(num_reqs, 8, 131072, 132)
+        )
     assert launch(40, num_sms=114) == (default, 1)  # H100 PCIe: its waves end elsewhere
     assert launch(40, group=8)[1] == 1
     # Every planned configuration compiles where it must (test_triton_kernels_compile.py).
-    assert {config.block_m for config, _ in tuning.H200_DECODE_PLANS.values()} == {16}
+    plans = [*tuning.H200_DECODE_PLANS.values(), *tuning.H200_FP8_DECODE_PLANS.values()]
+    assert {config.block_m for config, _ in plans} == {16}
 
 
 def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:

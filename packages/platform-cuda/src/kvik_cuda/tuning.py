@@ -65,6 +65,14 @@ H200_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
     (89 * 8, 96 * 8): (AttentionConfig(16, 32, 2, 3), 1),
     (97 * 8, 256 * 8): (AttentionConfig(16, 32, 2, 2), 1),
 }
+#: The same over an e4m3 cache (its values read as 16-bit pairs, ``paged_attention``'s
+#: ``V_PAIRS``), where the default 64-key tiles in 2 warps were not the fastest at large batches:
+#: 128-key tiles in 4 warps, 3 stages. CUDA-graph replays on the H200 (2026-12-04,
+#: docs/benchmarks.md), µs a layer: 256 requests at 640 tokens 105.6 -> 102.7, at 1152 182.1 ->
+#: 175.6; 128 requests at 1152 92.0 -> 90.8.
+H200_FP8_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
+    (128 * 8, 256 * 8): (AttentionConfig(16, 128, 4, 3), 1),
+}
 H200_SMS = 132
 
 
@@ -76,9 +84,13 @@ def decode_plan(
     and machine the table was measured on: a different SM count moves every wave boundary."""
     if (arch, num_sms, head_size, group) != ("sm90", H200_SMS, 128, 4):
         return None
-    if dtype not in (torch.bfloat16, torch.float16):
+    if dtype == torch.float8_e4m3fn:
+        plans = H200_FP8_DECODE_PLANS
+    elif dtype in (torch.bfloat16, torch.float16):
+        plans = H200_DECODE_PLANS
+    else:
         return None
-    for (fewest, most), plan in H200_DECODE_PLANS.items():
+    for (fewest, most), plan in plans.items():
         if fewest <= programs <= most:
             return plan
     return None
