@@ -253,7 +253,8 @@ def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
     fp8_default = tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn)
     for num_reqs in (1, 64, 96, 257):
         assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (
-            fp8_default, num_kv_splits(num_reqs, 8, 131072, 132)
+            fp8_default,
+            num_kv_splits(num_reqs, 8, 131072, 132),
         )
     assert launch(40, num_sms=114) == (default, 1)  # H100 PCIe: its waves end elsewhere
     assert launch(40, group=8)[1] == 1
