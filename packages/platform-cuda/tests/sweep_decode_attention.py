@@ -25,7 +25,7 @@ from torch import Tensor
 
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.paged_attention import AttentionConfig, num_kv_splits, paged_attention
-from kvik_cuda.tuning import attention_config
+from kvik_cuda.tuning import attention_config, decode_plan
 
 HEADS, KV_HEADS, HEAD_SIZE, BLOCK = 32, 8, 128, 16
 CASES = [(256, 640), (256, 1152), (1, 640)]  # (batch, context)
@@ -43,6 +43,18 @@ SPLIT_CASES = [
 
 #: The cache's dtype (``--kv-fp8``: e4m3) and the scales an FP8 cache is read with.
 KV_FP8 = "--kv-fp8" in sys.argv[1:]
+
+
+def engine_launch(batch: int, arch: str, num_sms: int) -> tuple[AttentionConfig, int]:
+    """What the engine launches for ``batch`` decodes over this sweep's cache: kvik_cuda's
+    measured plan where it has one (``decode_plan``), else the default tiling and split count."""
+    dtype = torch.float8_e4m3fn if KV_FP8 else torch.bfloat16
+    group = HEADS // KV_HEADS
+    plan = decode_plan(arch, HEAD_SIZE, group, dtype, batch * KV_HEADS, num_sms)
+    if plan is not None:
+        return plan
+    config = attention_config(arch, HEAD_SIZE, group, 1, dtype)
+    return config, num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
 
 
 def main() -> None:
@@ -139,8 +151,7 @@ def joint_sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     against the configuration and split count the backend picks now."""
     q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     nbytes = kv_bytes(batch, context)
-    now = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
-    now_splits = num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
+    now, now_splits = engine_launch(batch, arch, num_sms)
     results, reference = {}, None
     for tile_n, warps, stages, splits in itertools.product(
         (32, 64), (2, 4), (2, 3, 4), (1, 2, 3, 4)
@@ -181,8 +192,7 @@ def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
     q, cache, table, seq_lens, starts = decode_inputs(batch, context)
     out = torch.empty_like(q)
     nbytes = kv_bytes(batch, context)
-    splits = num_kv_splits(batch, KV_HEADS, MAX_MODEL_LEN, num_sms)
-    now = attention_config(arch, HEAD_SIZE, HEADS // KV_HEADS, 1, torch.bfloat16)
+    now, splits = engine_launch(batch, arch, num_sms)
 
     def run(config: AttentionConfig) -> None:
         paged_attention(
@@ -192,7 +202,9 @@ def sweep(batch: int, context: int, arch: str, num_sms: int) -> None:
 
     results = {}
     reference = None
-    for tile_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (2, 3, 4)):
+    # An e4m3 tile holds half the bytes of a bf16 one, so its sweep also tries 256 keys a step.
+    tiles = (32, 64, 128, 256) if KV_FP8 else (32, 64, 128)
+    for tile_n, warps, stages in itertools.product(tiles, (2, 4, 8), (2, 3, 4)):
         config = AttentionConfig(16, tile_n, warps, stages)
         try:
             run(config)
