@@ -19,10 +19,10 @@ final normalisation. They are read through pointers (device tensors, as a captur
 
 The values' product reduces over keys, but a cache row holds one key's head dimension, so each
 tensor-core operand needs bytes of different rows side by side; there is no 8-bit transposing
-``ldmatrix``, and read as bytes the e4m3 values went through shared memory a byte at a time.
-``V_PAIRS`` (decodes' programs) reads them two a 16-bit word instead: word j of a key holds its
-dimensions 2j and 2j + 1, so the tile is copied asynchronously and transposed by the 16-bit
-``ldmatrix``, and the even and odd bytes widen into two products of half the head's width
+``ldmatrix``, so read as bytes the e4m3 values left shared memory a byte at a time (sm90 SASS:
+128 ``LDS.U8`` a thread per 64-key tile). ``V_PAIRS`` (decodes' programs) reads them two a 16-bit
+word instead: word j of a key holds its dimensions 2j and 2j + 1, so the tile is transposed by the
+16-bit ``ldmatrix``, and the even and odd bytes widen into two products of half the head's width
 (``acc``, ``acc_odd``), interleaved once at the end. On the H200 at batch 256 over 640-token
 contexts: 110.0 -> 105.6 µs a layer (docs/benchmarks.md).
 
