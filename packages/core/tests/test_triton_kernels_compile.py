@@ -113,8 +113,15 @@ def types(kernel, dtype: torch.dtype, **overrides: str) -> dict[str, str]:
     return {n: overrides.get(n, ptr if n.endswith("_ptr") else "i32") for n in kernel.arg_names}
 
 
+#: Run-time arguments every launch passes as 1 (the caches' values are contiguous), which
+#: Triton's JIT turns into constants: compiled so, a test's variant is the one that runs (left
+#: generic, the attention kernel's value loads compile to scalar ones).
+RUNTIME_ONES = {paged_attention_kernel: {"v_stride_d": 1}}
+
+
 def compiled_ok(kernel, arch: str, **kwargs):
     target, shared_memory_limit, _ = TARGETS[arch]
+    kwargs["constexprs"] = {**RUNTIME_ONES.get(kernel, {}), **kwargs["constexprs"]}
     compiled = compile_kernel(kernel, target, **kwargs)
     assert compiled.metadata.shared <= shared_memory_limit
     if arch == "sm90" and "PDL" in kernel.arg_names:
@@ -391,9 +398,14 @@ def test_paged_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    ptx = compiled.asm["ptx"] if arch.startswith("sm") else ""
     if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
         # 64-row tiles run on Hopper's warpgroup MMA; fp32 in IEEE precision cannot.
-        assert "wgmma" in compiled.asm["ptx"]
+        assert "wgmma" in ptx
+    if arch.startswith("sm") and constexprs["V_PAIRS"] and dtype != torch.float32:
+        # e4m3 values as 16-bit pairs: transposed by ldmatrix, no byte reads of shared memory.
+        assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
+        assert "ld.shared.b8" not in ptx
     if splits > 1:
         compiled_ok(
             reduce_splits_kernel,
