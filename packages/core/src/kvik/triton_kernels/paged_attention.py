@@ -591,10 +591,11 @@ def paged_attention(
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
-    if constexprs["V_PAIRS"] and value_cache.stride(-1) != 1:
-        constexprs = {**constexprs, "V_PAIRS": False}  # a view whose pairs are not adjacent
     # Each stride() call is host time, paid per launch (a PIECEWISE step launches from Python).
     q_strides, o_strides, k_strides = query.stride(), output.stride(), key_cache.stride()
+    v_strides = value_cache.stride()
+    if constexprs["V_PAIRS"] and v_strides[-1] != 1:
+        constexprs = {**constexprs, "V_PAIRS": False}  # a view whose pairs are not adjacent
     assert q_strides[-1] == 1 and o_strides[-1] == 1 and k_strides[-1] == 1
     if num_splits > 1:
         if part_acc is None:
@@ -612,7 +613,7 @@ def paged_attention(
             split_counters if reduce_last else seq_lens, query_start_loc, seq_lens, block_table,
             seq_lens if row_requests is None else row_requests, k_scale, v_scale, num_reqs,
             scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1], *k_strides[:3],
-            *value_cache.stride(), block_table.stride(0),
+            *v_strides, block_table.stride(0),
         ),
         constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=constexprs["PDL"],
