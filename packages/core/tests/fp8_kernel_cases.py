@@ -229,8 +229,14 @@ def test_rms_norm_writes_what_the_group_quantization_of_its_result_gives(
         assert torch.equal(summed.cpu(), plain_summed.cpu())
     ref_values, ref_scales = per_token_group_quant_fp8(plain)
     assert values.dtype == FP8 and scales.shape == (m, -(-k // 128))
+    assert in_producers_layout(scales)
     assert torch.equal(scales.cpu(), ref_scales.cpu())
     assert same_bits(values, ref_values)
+
+
+def in_producers_layout(scales: Tensor) -> bool:
+    """Tokens contiguous: a [T, groups] view of a [groups, T] tensor (empty_group_scales)."""
+    return scales.t().is_contiguous()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -245,20 +251,25 @@ def test_silu_and_mul_writes_what_the_group_quantization_of_its_result_gives(
     values, scales = silu_and_mul_fp8_group_quant(x)
     ref_values, ref_scales = per_token_group_quant_fp8(silu_and_mul(x))
     assert values.shape == (m, inter) and scales.shape == (m, -(-inter // 128))
+    assert in_producers_layout(scales)
     assert torch.equal(scales.cpu(), ref_scales.cpu())
     assert same_bits(values, ref_values)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), LINEAR_SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_block_linear_on_quantized_input(m: int, n: int, k: int, bias: bool) -> None:
-    """Each kernel the configuration names, given the activations quantized already, equals the
-    reference's product, and the plain path's bits where that path quantizes by its own launch."""
+@pytest.mark.parametrize("producers_layout", [False, True])
+def test_block_linear_on_quantized_input(
+    m: int, n: int, k: int, bias: bool, producers_layout: bool
+) -> None:
+    """Each kernel the configuration names, given the activations quantized already (scales
+    row-major, or tokens contiguous as the producers write them), equals the reference's
+    product, and the plain path's bits where that path quantizes by its own launch."""
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     x = activations(m, k, dtype)
     weight, weight_scale = fp8_weight(n, k), block_scales(n, k).to(DEVICE)
     b = randn(n, dtype=dtype) if bias else None
-    q, scales = per_token_group_quant_fp8(x)
+    q, scales = per_token_group_quant_fp8(x, column_major_scales=producers_layout)
     config = block_config(m, n, k)
     poison_allocator()
     out = fp8_block_linear_quantized(q, scales, weight, weight_scale, b, dtype, config)
@@ -413,13 +424,15 @@ def test_cublas_blockwise_where_it_takes_the_case(rows: int) -> None:
 
 
 @pytest.mark.parametrize("rows", [300, 301, 130, 7])
-def test_cublas_blockwise_on_quantized_input(rows: int) -> None:
-    """The same on activations a producer quantized (row-major scales, which cuBLAS takes
-    column-major): padded rows or not, the reference's product."""
+@pytest.mark.parametrize("producers_layout", [False, True])
+def test_cublas_blockwise_on_quantized_input(rows: int, producers_layout: bool) -> None:
+    """The same on activations quantized already, with the scales row-major (copied for cuBLAS,
+    which takes them column-major) or in the producers' tokens-contiguous layout (read in place
+    where no row is padded): padded rows or not, the reference's product."""
     m, n, k = (rows, 6144, 4096) if ON_GPU else (rows % 8 + 1, 256, 512)
     x, weight = activations(m, k, torch.bfloat16), fp8_weight(n, k)
     weight_scale = block_scales(n, k).to(DEVICE)
-    q, scales = per_token_group_quant_fp8(x)
+    q, scales = per_token_group_quant_fp8(x, column_major_scales=producers_layout)
     poison_allocator()
     config = CublasBlockwise(gemm_config(m, n, k))
     out = fp8_block_linear_quantized(q, scales, weight, weight_scale, None, torch.bfloat16, config)
@@ -588,6 +601,28 @@ def test_skinny_block_linear(m: int, n: int, k: int, dtype: torch.dtype, bias: b
     out = fp8_block_linear(x, weight, weight_scale.to(DEVICE), b, skinny_config(m, n, k))
     assert out.dtype == dtype
     check(out, ref_block_linear(x, weight, weight_scale, b), dtype)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "dtype", "bias"), SKINNY_BLOCK_CASES[1:])
+def test_skinny_block_linear_on_the_producers_scales(
+    m: int, n: int, k: int, dtype: torch.dtype, bias: bool
+) -> None:
+    """The few-rows kernel on input quantized already reads the scales through both strides:
+    tokens contiguous, as the producers write them, the same bits as row-major."""
+    x, weight, weight_scale = activations(m, k, dtype), fp8_weight(n, k), block_scales(n, k)
+    b = randn(n, dtype=dtype) if bias else None
+    config = skinny_config(m, n, k)
+    outs = []
+    for producers_layout in (False, True):
+        q, scales = per_token_group_quant_fp8(x, column_major_scales=producers_layout)
+        poison_allocator()
+        outs.append(
+            fp8_block_linear_quantized(
+                q, scales, weight, weight_scale.to(DEVICE), b, dtype, config
+            ).cpu()
+        )
+    check(outs[1], ref_block_linear(x, weight, weight_scale, b), dtype)
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("config", SKINNY_VARIANTS, ids=str)

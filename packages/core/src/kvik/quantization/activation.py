@@ -38,7 +38,12 @@ FP8_PER_TOKEN_GROUP = "fp8_per_token_group"
 class QuantizedActivation(NamedTuple):
     """Activations [..., K] as a producer quantized them for its consumer: e4m3 ``values``
     [..., K], fp32 ``scales`` [..., ceil(K / 128)], and the ``dtype`` they had (the product's
-    output dtype). A NamedTuple, so that torch.compile traces it as a tuple of tensors."""
+    output dtype). A NamedTuple, so that torch.compile traces it as a tuple of tensors.
+
+    The scales are tokens-contiguous (a [T, groups] view of a [groups, T] tensor, as
+    ``kvik.triton_kernels.fp8_quant.empty_group_scales`` makes them) on every platform: the
+    layout cuBLAS's blockwise-scaled products read, so that a GPU's large products take them
+    without a transposing copy; consumers read them through their strides."""
 
     values: Tensor
     scales: Tensor

@@ -8,6 +8,7 @@ its device key when it is selected (``torch.library.register_kernel("kvik::fp8_b
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -72,15 +73,26 @@ def _unquantized_op(name: str):
     return getattr(torch.ops.kvik, name)
 
 
+# The producers' scales are tokens-contiguous, [T, groups] views of [groups, T] tensors
+# (kvik.quantization.activation says why), here as on every platform: a compiled graph's fake
+# tensors carry that layout too.
+
+
+def _group_scales_layout(scales: Tensor) -> Tensor:
+    """Row-major [T, groups] scales copied into the producers' layout."""
+    return scales.t().contiguous().t()
+
+
 def _group_quantized(y: Tensor) -> tuple[Tensor, Tensor]:
     q, scales = fp8_reference.quantize_per_token_group(y.reshape(-1, y.shape[-1]))
-    return q.view(y.shape), scales.view(*y.shape[:-1], scales.shape[-1])
+    return q.view(y.shape), _group_scales_layout(scales).view(*y.shape[:-1], scales.shape[-1])
 
 
 def _group_quantized_fake(like: Tensor) -> tuple[Tensor, Tensor]:
     groups = -(-like.shape[-1] // fp8_reference.BLOCK)
     values = like.new_empty(like.shape, dtype=fp8_reference.FP8_DTYPE)
-    return values, like.new_empty(*like.shape[:-1], groups, dtype=torch.float32)
+    scales = like.new_empty(groups, math.prod(like.shape[:-1]), dtype=torch.float32).t()
+    return values, scales.view(*like.shape[:-1], groups)
 
 
 @custom_op("kvik::rms_norm_fp8_group_quant", mutates_args=())

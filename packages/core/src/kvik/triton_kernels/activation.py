@@ -14,18 +14,21 @@ from torch import Tensor
 from kvik.triton_kernels.fp8_quant import (
     FP8_DTYPE,
     GROUP_SIZE,
+    empty_group_scales,
     rounds_in_software,
     store_group_quantized,
 )
 from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
-@triton.jit
+# rows changes with the batch: unspecialised, so a batch size of 1 compiles no variant of its own.
+@triton.jit(do_not_specialize=["rows"])
 def silu_and_mul_kernel(
     x_ptr,
     out_ptr,  # [T, I]: the result, or with QUANTIZE its e4m3 values
-    scale_ptr,  # QUANTIZE: [T, ceil(I / GROUP)] fp32
+    scale_ptr,  # QUANTIZE: [T, ceil(I / GROUP)] fp32, tokens contiguous
     x_stride,
+    rows,  # T: the stride between a token's scale groups
     inter,
     QUANTIZE: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -44,9 +47,8 @@ def silu_and_mul_kernel(
         # A block holds whole groups (BLOCK is a multiple of GROUP): the unquantized result in
         # x's dtype, quantized.
         y = out.to(x_ptr.dtype.element_ty).to(tl.float32)
-        groups = (inter + GROUP - 1) // GROUP
         store_group_quantized(
-            y, out_ptr + row * inter, scale_ptr + row * groups, tl.program_id(1) * (BLOCK // GROUP),
+            y, out_ptr + row * inter, scale_ptr + row, rows, tl.program_id(1) * (BLOCK // GROUP),
             inter, BLOCK // GROUP, GROUP, ROUND_IN_SOFTWARE,
         )  # fmt: skip
     else:
@@ -65,14 +67,15 @@ def _launch(x: Tensor, quantize: bool) -> tuple[Tensor, Tensor | None]:
     if quantize:
         out = torch.empty(rows, inter, dtype=FP8_DTYPE, device=x.device)
         groups = triton.cdiv(inter, GROUP_SIZE)
-        scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+        scales = empty_group_scales(rows, groups, x.device)
     else:
         out = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     if rows > 0:
         grid = (rows, triton.cdiv(inter, SILU_BLOCK))
         pdl = uses_pdl(x.device)
         silu_and_mul_kernel[grid](
-            x2, out, out if scales is None else scales, x2.stride(0), inter, QUANTIZE=quantize,
+            x2, out, out if scales is None else scales, x2.stride(0), rows, inter,
+            QUANTIZE=quantize,
             BLOCK=SILU_BLOCK, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
             PDL=pdl, num_warps=SILU_WARPS, launch_pdl=pdl,
         )  # fmt: skip

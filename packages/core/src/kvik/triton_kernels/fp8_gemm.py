@@ -82,6 +82,7 @@ def fp8_gemm_kernel(
     w_stride,
     out_stride,
     a_scale_stride,  # between rows' scales (0: one scale for all)
+    a_scale_group_stride,  # block: between a row's groups (1 row-major, M the producers' layout)
     w_scale_stride,  # between weight-scale rows (block) or channels (0: one scale for all)
     K: tl.constexpr,  # a layer's constant: the loop's trip count, and whether K needs masks
     BLOCK_SCALES: tl.constexpr,
@@ -126,7 +127,7 @@ def fp8_gemm_kernel(
             a = tl.load(a_ptrs, mask=k_valid[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_valid[:, None], other=0.0)
         if BLOCK_SCALES:
-            a_scale = tl.load(a_scale_ptrs + k0 // BLOCK_K)
+            a_scale = tl.load(a_scale_ptrs + (k0 // BLOCK_K) * a_scale_group_stride)
             if BLOCK_K % BLOCK_N == 0:
                 w_scale = tl.load(w_scale_block_ptr + k0 // BLOCK_K)
                 acc += tl.dot(a, w) * (a_scale * w_scale)[:, None]
@@ -154,7 +155,7 @@ def fp8_gemm_kernel(
 @triton.jit
 def fp8_block_gemv_kernel(
     x_ptr,  # [M, K], K contiguous: bf16/fp16/fp32, or e4m3 where PREQUANTIZED
-    x_scale_ptr,  # PREQUANTIZED: [M, ceil(K/128)] fp32, rows contiguous; else unused
+    x_scale_ptr,  # PREQUANTIZED: [M, ceil(K/128)] fp32, either order; else unused
     w_ptr,  # [N, K] e4m3, K contiguous
     w_scale_ptr,  # [ceil(N/128), ceil(K/128)] fp32
     bias_ptr,  # [N] or unused
@@ -163,6 +164,7 @@ def fp8_block_gemv_kernel(
     N,
     x_stride,
     x_scale_stride,
+    x_scale_group_stride,
     w_stride,
     w_scale_stride,
     out_stride,
@@ -202,7 +204,7 @@ def fp8_block_gemv_kernel(
             if PREQUANTIZED:
                 q = x
                 x_scale = tl.load(
-                    x_scale_ptr + m * x_scale_stride + group,
+                    x_scale_ptr + m * x_scale_stride + group * x_scale_group_stride,
                     mask=(group * GROUP < K) & (tl.full([GROUPS], m, tl.int32) < M),
                     other=0.0,
                 )  # [GROUPS]
@@ -267,8 +269,9 @@ def fp8_gemm(
 ) -> Tensor:
     """a e4m3 [M, K] (rows contiguous), weight e4m3 [N, K] -> [M, N] in ``out_dtype``.
 
-    ``block_scales``: a_scale fp32 [M, ceil(K/128)], weight_scale fp32 [ceil(N/128), ceil(K/128)]
-    (any row stride, elements contiguous within a row). Else per channel: a_scale [M] or [M, 1] per
+    ``block_scales``: a_scale fp32 [M, ceil(K/128)] (any strides: row-major, or the producers'
+    tokens-contiguous layout), weight_scale fp32 [ceil(N/128), ceil(K/128)] (any row stride,
+    elements contiguous within a row). Else per channel: a_scale [M] or [M, 1] per
     token, or one element for all; weight_scale [N] per channel, or one element."""
     if a.dtype != FP8_DTYPE or a.dim() != 2 or a.stride(1) != 1:
         raise ValueError(f"activations must be float8_e4m3fn [M, K] rows, not {a.dtype} {a.shape}")
@@ -277,15 +280,16 @@ def fp8_gemm(
     check_bias(bias, n)
     if block_scales:
         groups = triton.cdiv(k, GROUP_SIZE)
-        if a_scale.dtype != torch.float32 or a_scale.shape != (m, groups) or a_scale.stride(1) != 1:
+        if a_scale.dtype != torch.float32 or a_scale.shape != (m, groups):
             raise ValueError(
-                f"activation scales must be fp32 [{m}, {groups}] (rows contiguous), "
+                f"activation scales must be fp32 [{m}, {groups}], "
                 f"not {a_scale.dtype} of shape {tuple(a_scale.shape)}"
             )
         check_block_weight_scale(weight_scale, n, k)
-        a_scale_stride, w_scale_stride = a_scale.stride(0), weight_scale.stride(0)
+        a_scale_stride, a_group_stride = a_scale.stride()
+        w_scale_stride = weight_scale.stride(0)
     else:
-        a_scale_stride = per_channel_stride(a_scale, m, "activation")
+        a_scale_stride, a_group_stride = per_channel_stride(a_scale, m, "activation"), 0
         w_scale_stride = per_channel_stride(weight_scale, n, "weight")
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -295,7 +299,8 @@ def fp8_gemm(
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     fp8_gemm_kernel[grid](
         a, weight, a_scale, weight_scale, weight if bias is None else bias, out, m, n,
-        a.stride(0), weight.stride(0), out.stride(0), a_scale_stride, w_scale_stride, K=k,
+        a.stride(0), weight.stride(0), out.stride(0), a_scale_stride, a_group_stride,
+        w_scale_stride, K=k,
         BLOCK_SCALES=block_scales, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=GEMM_BLOCK_K,
         GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
@@ -341,8 +346,8 @@ def fp8_block_gemv_quantized(
     config: Fp8GemvConfig,
 ) -> Tensor:
     """``fp8_block_gemv`` on activations already quantized per token group (e4m3 ``q`` [M, K],
-    fp32 ``scales`` [M, ceil(K/128)], rows contiguous): the prequantized launch of ``config``'s
-    tiling, whatever its ``prequantize``."""
+    rows contiguous; fp32 ``scales`` [M, ceil(K/128)] in either order): the prequantized launch
+    of ``config``'s tiling, whatever its ``prequantize``."""
     m, k = q.shape
     n = _check_gemv(m, k, weight, weight_scale, bias, config)
     if m == 0 or n == 0:
@@ -378,7 +383,8 @@ def _launch_gemv(
     pdl = uses_pdl(inputs.device)
     fp8_block_gemv_kernel[(triton.cdiv(n, config.block_n),)](
         inputs, scales, weight, weight_scale, weight if bias is None else bias, out, m, n,
-        inputs.stride(0), scales.stride(0), weight.stride(0), weight_scale.stride(0),
+        inputs.stride(0), scales.stride(0), scales.stride(1), weight.stride(0),
+        weight_scale.stride(0),
         out.stride(0), K=k, HAS_BIAS=bias is not None, M_PAD=triton.next_power_of_2(m),
         BLOCK_N=config.block_n, GROUPS=config.groups, GROUP=GROUP_SIZE,
         PREQUANTIZED=config.prequantize, PDL=pdl, num_warps=config.num_warps,

@@ -100,20 +100,22 @@ def dynamic_scale(amax):
 
 @triton.jit
 def store_group_quantized(
-    y, q_row_ptr, scale_row_ptr, first_group, K, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-    ROUND_IN_SOFTWARE: tl.constexpr,
+    y, q_row_ptr, scale_row_ptr, scale_group_stride, first_group, K, GROUPS: tl.constexpr,
+    GROUP: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
 ):  # fmt: skip
     """One token's features ``y`` (fp32 [GROUPS * GROUP], from column ``first_group * GROUP``,
     zeros past K) quantized per group as ``per_token_group_quant_kernel`` does: the e4m3 values
-    stored at ``q_row_ptr`` + column, the scales at ``scale_row_ptr`` + group. For kernels that
-    produce a linear layer's input and quantize it as they write it (kvik.quantization.activation)."""
+    stored at ``q_row_ptr`` + column, the scales at ``scale_row_ptr`` + group *
+    ``scale_group_stride`` (the producers' layout, ``empty_group_scales``: the number of rows).
+    For kernels that produce a linear layer's input and quantize it as they write it
+    (kvik.quantization.activation)."""
     groups = tl.reshape(y, [GROUPS, GROUP])
     scale = dynamic_scale(tl.max(tl.abs(groups), axis=1))
     q = quantize_for_cast(groups, scale[:, None], ROUND_IN_SOFTWARE)
     group = first_group + tl.arange(0, GROUPS)
     col = group[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     tl.store(q_row_ptr + col, q.to(q_row_ptr.dtype.element_ty), mask=col < K)
-    tl.store(scale_row_ptr + group, scale, mask=group * GROUP < K)
+    tl.store(scale_row_ptr + group * scale_group_stride, scale, mask=group * GROUP < K)
 
 
 @triton.jit
@@ -188,6 +190,15 @@ TOKEN_QUANT_BLOCK = 1024
 TOKEN_QUANT_WARPS = 4
 
 
+def empty_group_scales(rows: int, groups: int, device: torch.device) -> Tensor:
+    """fp32 scales for ``rows`` tokens' ``groups`` groups in the layout the activations' producers
+    write them (kvik.quantization.activation): an [rows, groups] view of a [groups, rows] tensor,
+    tokens contiguous. cuBLAS's blockwise-scaled products read that layout as it is (rows in
+    fours), where row-major scales took a transposing copy before each product; kvik's Triton
+    products read either layout through both strides. One row's scales are contiguous either way."""
+    return torch.empty(groups, rows, dtype=torch.float32, device=device).t()
+
+
 def as_rows(x: Tensor) -> Tensor:
     """``x [..., K]`` as ``[M, K]`` with contiguous rows, or a ValueError saying what is wrong."""
     if x.dtype not in ACTIVATION_DTYPES:
@@ -204,8 +215,8 @@ def per_token_group_quant_fp8(
     """x [..., K] -> (q e4m3 [..., K], scales fp32 [..., ceil(K / group_size)]): each run of
     ``group_size`` consecutive features of a token gets its own dynamic scale.
 
-    ``column_major_scales``: the scales as an [M, groups] view of a [groups, M] tensor (tokens
-    contiguous), the layout cuBLAS's blockwise-scaled products take; x must then be 2-D."""
+    ``column_major_scales``: the scales in the producers' layout (``empty_group_scales``: tokens
+    contiguous), the one cuBLAS's blockwise-scaled products take."""
     if group_size <= 0 or group_size & (group_size - 1):
         raise ValueError(f"the quantization group size must be a power of two, not {group_size}")
     rows = as_rows(x)
@@ -213,9 +224,7 @@ def per_token_group_quant_fp8(
     groups = triton.cdiv(k, group_size)
     q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
     if column_major_scales:
-        if x.dim() != 2:
-            raise ValueError("column-major scales are for 2-D activations [M, K]")
-        scales = torch.empty(groups, m, dtype=torch.float32, device=x.device).t()
+        scales = empty_group_scales(m, groups, x.device)
     else:
         scales = torch.empty(m, groups, dtype=torch.float32, device=x.device)
     per_group = min(GROUP_QUANT_GROUPS_PER_PROGRAM, triton.next_power_of_2(groups))
@@ -227,8 +236,6 @@ def per_token_group_quant_fp8(
             ROUND_IN_SOFTWARE=rounds_in_software(x.device), PDL=pdl, num_warps=GROUP_QUANT_WARPS,
             launch_pdl=pdl,
         )  # fmt: skip
-    if column_major_scales:
-        return q, scales
     return q.view(*x.shape), scales.view(*x.shape[:-1], groups)
 
 

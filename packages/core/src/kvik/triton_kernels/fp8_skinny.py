@@ -107,6 +107,7 @@ def fp8_skinny_kernel(
     N,
     x_stride,
     x_scale_stride,  # between rows' scales (0: one scale for all)
+    x_scale_group_stride,  # block: between a row's groups (1 row-major, M the producers' layout)
     w_stride,
     w_scale_stride,  # between weight-scale rows (block) or channels (0: one scale for all)
     out_stride,
@@ -150,7 +151,9 @@ def fp8_skinny_kernel(
         w_scale_ahead = tl.load(w_scale_row + g_first)
         if not QUANTIZE:
             x_scale_row = x_scale_ptr + rows * x_scale_stride
-            x_scale_ahead = tl.load(x_scale_row + g_first, mask=row_valid, other=0.0)
+            x_scale_ahead = tl.load(
+                x_scale_row + g_first * x_scale_group_stride, mask=row_valid, other=0.0
+            )
     # The splits take equal runs of groups (split_k divides the groups): a constant trip count.
     for i in range(0, GROUPS_PER_SPLIT):
         g = g_first + i
@@ -161,7 +164,9 @@ def fp8_skinny_kernel(
             w_scale_ahead = tl.load(w_scale_row + g_ahead)
             if not QUANTIZE:
                 x_scale = x_scale_ahead
-                x_scale_ahead = tl.load(x_scale_row + g_ahead, mask=row_valid, other=0.0)
+                x_scale_ahead = tl.load(
+                    x_scale_row + g_ahead * x_scale_group_stride, mask=row_valid, other=0.0
+                )
         if K % GROUP == 0:
             w = tl.load(w_ptrs + k0)
             x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
@@ -267,6 +272,7 @@ def launch(
     x: Tensor,
     x_scale: Tensor,
     x_scale_stride: int,
+    x_scale_group_stride: int,
     weight: Tensor,
     weight_scale: Tensor,
     w_scale_stride: int,
@@ -300,7 +306,8 @@ def launch(
     pdl = uses_pdl(x.device)
     fp8_skinny_kernel[(tiles, split_k)](
         x, x_scale, weight, weight_scale, weight if bias is None else bias, out, partial,
-        counters, m, n, x.stride(0), x_scale_stride, weight.stride(0), w_scale_stride,
+        counters, m, n, x.stride(0), x_scale_stride, x_scale_group_stride, weight.stride(0),
+        w_scale_stride,
         out.stride(0), K=k, BLOCK_SCALES=block_scales, QUANTIZE=quantize,
         ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
@@ -325,8 +332,9 @@ def fp8_skinny_block_matmul(
     else:
         inputs, scales = per_token_group_quant_fp8(x)
     return launch(
-        inputs, scales, scales.stride(0), weight, weight_scale, weight_scale.stride(0), bias,
-        x.dtype, config, block_scales=True, quantize=config.quantize,
+        inputs, scales, scales.stride(0), scales.stride(1), weight, weight_scale,
+        weight_scale.stride(0), bias, x.dtype, config, block_scales=True,
+        quantize=config.quantize,
     )  # fmt: skip
 
 
@@ -340,8 +348,8 @@ def fp8_skinny_block_matmul_quantized(
     config: Fp8SkinnyConfig,
 ) -> Tensor:
     """``fp8_skinny_block_matmul`` on activations already quantized per token group (e4m3 ``q``
-    [M, K], fp32 ``scales`` [M, ceil(K/128)], rows contiguous): ``config``'s tiling with the
-    activations read as they are, whatever its ``quantize``."""
+    [M, K], rows contiguous; fp32 ``scales`` [M, ceil(K/128)] in either order): ``config``'s
+    tiling with the activations read as they are, whatever its ``quantize``."""
     if q.dtype != FP8_DTYPE or q.dim() != 2 or q.stride(1) != 1:
         raise ValueError(f"activations must be float8_e4m3fn [M, K] rows, not {q.dtype} {q.shape}")
     m, k = q.shape
@@ -351,8 +359,8 @@ def fp8_skinny_block_matmul_quantized(
     check_block_weight_scale(weight_scale, n, k)
     check_bias(bias, n)
     return launch(
-        q, scales, scales.stride(0), weight, weight_scale, weight_scale.stride(0), bias,
-        out_dtype, config, block_scales=True, quantize=False,
+        q, scales, scales.stride(0), scales.stride(1), weight, weight_scale,
+        weight_scale.stride(0), bias, out_dtype, config, block_scales=True, quantize=False,
     )  # fmt: skip
 
 
@@ -374,6 +382,6 @@ def fp8_skinny_scaled_matmul(
     q, a_scale = per_token_quant_fp8(x, input_scale)
     a_scale_stride = per_channel_stride(a_scale, m, "activation")
     return launch(
-        q, a_scale, a_scale_stride, weight, weight_scale, w_scale_stride, bias, x.dtype, config,
-        block_scales=False, quantize=False,
+        q, a_scale, a_scale_stride, 0, weight, weight_scale, w_scale_stride, bias, x.dtype,
+        config, block_scales=False, quantize=False,
     )  # fmt: skip

@@ -18,6 +18,7 @@ from torch import Tensor
 from kvik.triton_kernels.fp8_quant import (
     FP8_DTYPE,
     GROUP_SIZE,
+    empty_group_scales,
     per_token_group_quant_fp8,
     rounds_in_software,
     store_group_quantized,
@@ -25,16 +26,18 @@ from kvik.triton_kernels.fp8_quant import (
 from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
 
 
-@triton.jit
+# rows changes with the batch: unspecialised, so a batch size of 1 compiles no variant of its own.
+@triton.jit(do_not_specialize=["rows"])
 def rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
     out_ptr,  # [T, hidden]: the result, or with QUANTIZE its e4m3 values
     summed_ptr,
-    scale_ptr,  # QUANTIZE: [T, ceil(hidden / GROUP)] fp32
+    scale_ptr,  # QUANTIZE: [T, ceil(hidden / GROUP)] fp32, tokens contiguous
     x_stride,
     residual_stride,
+    rows,  # T: the stride between a token's scale groups
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
@@ -60,9 +63,8 @@ def rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
         y = (w * normed).to(x.dtype).to(tl.float32)  # the unquantized result, then quantized
-        groups = (hidden + GROUP - 1) // GROUP
         store_group_quantized(
-            y, out_ptr + row * hidden, scale_ptr + row * groups, 0, hidden, BLOCK // GROUP, GROUP,
+            y, out_ptr + row * hidden, scale_ptr + row, rows, 0, hidden, BLOCK // GROUP, GROUP,
             ROUND_IN_SOFTWARE,
         )  # fmt: skip
     else:
@@ -88,9 +90,7 @@ def _launch(
     if quantize:
         block = max(block, GROUP_SIZE)
         out = torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device)
-        scales = torch.empty(
-            x2.shape[0], triton.cdiv(hidden, GROUP_SIZE), dtype=torch.float32, device=x.device
-        )
+        scales = empty_group_scales(x2.shape[0], triton.cdiv(hidden, GROUP_SIZE), x.device)
     else:
         out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
     summed = torch.empty_like(x2) if residual is not None else out
@@ -99,7 +99,7 @@ def _launch(
         pdl = uses_pdl(x.device)
         rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out, summed, out if scales is None else scales, x2.stride(0),
-            res2.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
+            res2.stride(0), x2.shape[0], hidden, eps, HAS_RESIDUAL=residual is not None, QUANTIZE=quantize,
             BLOCK=block, GROUP=GROUP_SIZE, ROUND_IN_SOFTWARE=rounds_in_software(x.device),
             PDL=pdl, num_warps=num_warps, launch_pdl=pdl,
         )  # fmt: skip
@@ -130,7 +130,7 @@ def _quantizes_in_kernel(x: Tensor, weight: Tensor) -> bool:
 def rms_norm_fp8_group_quant(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """rms_norm(x) * weight quantized per token group of 128: (e4m3 values, fp32 scales)."""
     if not _quantizes_in_kernel(x, weight):
-        return per_token_group_quant_fp8(rms_norm(x, weight, eps))
+        return per_token_group_quant_fp8(rms_norm(x, weight, eps), column_major_scales=True)
     out, _, scales = _launch(x, None, weight, eps, quantize=True)
     return out, scales
 
@@ -142,7 +142,7 @@ def fused_add_rms_norm_fp8_group_quant(
     x + residual."""
     if not _quantizes_in_kernel(x, weight):
         out, summed = fused_add_rms_norm(x, residual, weight, eps)
-        return (*per_token_group_quant_fp8(out), summed)
+        return (*per_token_group_quant_fp8(out, column_major_scales=True), summed)
     out, summed, scales = _launch(x, residual, weight, eps, quantize=True)
     return out, scales, summed
 
