@@ -269,6 +269,10 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return reply(f"malformed JSON: {first.get('ctx', {}).get('error', 'invalid')}", 400)
+        if tuple(first.get("loc", ())) == ("body",):
+            # The body as a whole: the error said "body: Field required" or "Input should be a
+            # valid dictionary", naming neither the body's type nor the Content-Type at fault.
+            return reply(_body_error(first, request.headers.get("content-type")), 400)
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = "; ".join(
             f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body') or 'body'}: "
@@ -279,6 +283,14 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        if isinstance(e.__cause__, UnicodeDecodeError):
+            # FastAPI's "There was an error parsing the body" named no fault.
+            cause = e.__cause__
+            return reply(
+                f"malformed JSON: the body is not valid {cause.encoding.upper()} "
+                f"({cause.reason} at byte {cause.start})",
+                400,
+            )
         return reply(str(e.detail), e.status_code)
 
     @app.exception_handler(ValueError)
@@ -292,6 +304,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineRequestError)
     async def engine_refused(request: Request, e: EngineRequestError) -> JSONResponse:
         return reply(str(e), 500)
+
+
+def _body_error(error: dict[str, Any], content_type: str | None) -> str:
+    """What is wrong with a body that is not a JSON object (FastAPI leaves a body that is not
+    sent as application/json unparsed, as bytes: curl -d sends form data unless told)."""
+    body = error.get("input")
+    if error.get("type") == "missing" or body == b"":
+        return "the request body is empty: send a JSON object"
+    if isinstance(body, bytes | bytearray):
+        return (
+            "the request body must be JSON sent with 'Content-Type: application/json'; it came "
+            + (f"as {content_type!r}" if content_type else "without a Content-Type")
+        )
+    return f"the request body must be a JSON object, got {_JSON_TYPES.get(type(body), 'a value')}"
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+_JSON_TYPES |= {bool: "a boolean", type(None): "null"}
 
 
 #: Request fields that the engine's ValueErrors name first ("logit_bias must hold token ids ...").
