@@ -155,3 +155,20 @@ def test_engine_errors_name_their_field(message, param):
     from kvik_server.app import _value_error_param
 
     assert _value_error_param(message) == param
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": float("nan")},  # was "Input should be less than or equal to 2"
+        {"top_p": float("nan")},
+        {"min_p": float("nan")},
+        {"presence_penalty": float("-inf")},
+        {"repetition_penalty": float("nan")},
+        {"repetition_penalty": float("inf")},
+        {"logit_bias": {"5": float("nan")}},
+    ],
+)
+def test_nan_and_infinities_are_refused_as_such(fields):
+    with pytest.raises(ValidationError, match="finite number"):
+        CompletionRequest(**{"prompt": "hi", **fields})

@@ -20,7 +20,9 @@ def random_id(prefix: str) -> str:
 
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as OpenAI and vLLM do; strict types, so "3" is not an int.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # NaN and infinities (Python's JSON reads NaN, Infinity) are refused as such: a NaN
+    # temperature was "Input should be less than or equal to 2".
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(OpenAIModel):
