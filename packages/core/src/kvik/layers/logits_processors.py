@@ -35,19 +35,30 @@ class MinTokensLogitsProcessor:
         return logits
 
 
+#: A penalised logit past this is as good as infinite, and stays finite through the sampler's
+#: division by a temperature (>= 1e-5; below, it samples greedily).
+_PENALISED_LOGIT_MAX = 1e30
+
+
 class RepetitionPenaltyLogitsProcessor:
     """As Hugging Face and vLLM: every token seen in the prompt or output has a positive logit
-    divided by the penalty and a negative one multiplied by it."""
+    divided by the penalty and a negative one multiplied by it.
+
+    A penalty far from 1 is kept finite in fp32: 1e-308 rounded to 0 there and made every seen
+    positive logit inf (and 1e39 to inf, with 0 * inf NaN); a row of infinities samples NaN, which
+    came out as token 0 whatever the model said."""
 
     def __init__(self, penalty: float, prompt_token_ids: Sequence[int]) -> None:
-        self.penalty = penalty
+        fp32 = torch.finfo(torch.float32)
+        self.penalty = min(max(penalty, fp32.tiny), fp32.max)
         self.prompt_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.long)
 
     def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
         seen = torch.cat((self.prompt_ids, torch.tensor(output_token_ids, dtype=torch.long)))
         seen = seen.unique().to(logits.device)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        penalised = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        logits[seen] = penalised.clamp(max=_PENALISED_LOGIT_MAX)
         return logits
 
 
