@@ -177,3 +177,37 @@ def test_tool_choice_rules():
             parse_tools([entry])
     with pytest.raises(APIError, match="more than one"):
         parse_tools([TOOLS[0], TOOLS[0]])
+
+
+def test_a_constraining_tools_bad_schema_is_named():
+    """A schema xgrammar cannot follow was a 400 about structured_outputs (a field the request
+    did not have) with xgrammar's C++ source in it; now it names the tool's parameters. A tool the
+    output is not constrained by (auto, none) only reaches the template, and is left alone."""
+    good = {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}}
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}
+    tools = parse_tools([good, bad])
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        with pytest.raises(APIError) as e:
+            plan_tools(tools, choice, None, False, None)
+        assert e.value.param == "tools[1].function.parameters"
+        assert e.value.message == 'invalid tools[1].function.parameters: Unsupported type "bogus"'
+    plan_tools(tools, {"type": "function", "function": {"name": "ok"}}, None, False, None)
+    plan_tools(tools, "none", None, False, None)
+    assert plan_tools(tools, "auto", None, True, "hermes").mode == "auto"
+    responses = parse_tools([bad["function"] | {"type": "function"}], nested=False)
+    with pytest.raises(APIError, match=r"tools\[0\]\.parameters: Unsupported"):
+        plan_tools(responses, "required", None, False, None, nested_choice=False)
+
+
+def test_a_response_formats_bad_schema_is_named():
+    from kvik_server.responses.items import text_format
+    from kvik_server.structured_outputs import structured_outputs_params
+
+    schema = {"type": "integer", "minimum": 5, "maximum": 1}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(APIError) as e:
+        structured_outputs_params(fmt, None)
+    assert e.value.param == "response_format"
+    assert e.value.message.startswith("invalid response_format.json_schema.schema: Invalid range")
+    with pytest.raises(APIError, match="invalid text.format.schema: Invalid range"):
+        text_format({"format": {"type": "json_schema", "name": "x", "schema": schema}})

@@ -3,7 +3,9 @@
 
 Only the shape is checked here; whether the schema, regex or grammar parses is checked by the
 engine's input processor (kvik.structured_output.grammar), whose ValueError is a 400 carrying the
-parser's message.
+parser's message. A schema from another field (response_format, a Responses text.format, a tool's
+parameters) is parsed here too, with ``check_schema``, so that the 400 names that field rather than
+the structured_outputs the request does not have.
 """
 
 from __future__ import annotations
@@ -81,11 +83,24 @@ def _from_response_format(response_format: dict[str, Any] | None) -> StructuredO
                 "response_format.json_schema.schema must be a JSON object", param="response_format"
             )
         # "strict" is always honoured: the grammar is the schema, so outputs always follow it.
-        return StructuredOutputsParams(json=schema)
+        return check_schema(schema, "response_format.json_schema.schema", "response_format")
     raise APIError(
         f"response_format type must be text, json_object or json_schema, got {kind!r}",
         param="response_format",
     )
+
+
+def check_schema(schema: dict[str, Any], where: str, param: str) -> StructuredOutputsParams:
+    """The constraint of a JSON schema that the request's ``where`` holds; a 400 naming it when
+    the schema does not parse (it said "invalid structured_outputs.json")."""
+    from kvik.structured_output.grammar import check_grammar
+
+    params = StructuredOutputsParams(json=schema)
+    try:
+        check_grammar(params, where)
+    except ValueError as e:
+        raise APIError(str(e), param=param) from None
+    return params
 
 
 def _from_structured_outputs(fields: dict[str, Any] | None) -> StructuredOutputsParams | None:

@@ -7,6 +7,7 @@ takes seconds, which an engine without such requests should not pay.
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -51,6 +52,15 @@ def choice_ebnf(choices: list[str]) -> str:
     return f"root ::= {alternatives}"
 
 
+#: The log prefix of xgrammar's errors ("[22:38:43] /project/cpp/json_schema_converter.cc:5082: "):
+#: its clock and C++ source, nothing a client can act on.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:.]+\] \S+:\d+: ")
+
+
+def _reason(error: Exception) -> str:
+    return _XGRAMMAR_PREFIX.sub("", str(error)).strip()
+
+
 def compile_grammar(compiler: Any, key: tuple[str, str, bool]) -> Any:
     """An ``xgrammar.CompiledGrammar`` for a ``grammar_key``; raises ValueError with xgrammar's
     message when the schema, regex or grammar is not valid."""
@@ -68,12 +78,14 @@ def compile_grammar(compiler: Any, key: tuple[str, str, bool]) -> Any:
             return compiler.compile_grammar(choice_ebnf(json.loads(spec)))
         return compiler.compile_grammar(spec)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"invalid structured_outputs.{kind}: {e}") from None
+        raise ValueError(f"invalid structured_outputs.{kind}: {_reason(e)}") from None
 
 
-def check_grammar(params: StructuredOutputsParams) -> None:
+def check_grammar(params: StructuredOutputsParams, where: str | None = None) -> None:
     """Parse the constraint without a tokenizer (cheap), so that a bad schema, regex or grammar is
-    a ValueError in the front end rather than a failed request in the engine core."""
+    a ValueError in the front end rather than a failed request in the engine core. ``where``
+    names the constraint in the message (default ``structured_outputs.<kind>``): a server names
+    the request field it came from."""
     import xgrammar as xgr
 
     kind, spec, disable_any_whitespace = grammar_key(params)
@@ -91,7 +103,7 @@ def check_grammar(params: StructuredOutputsParams) -> None:
         else:
             xgr.Grammar.from_ebnf(spec)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"invalid structured_outputs.{kind}: {e}") from None
+        raise ValueError(f"invalid {where or 'structured_outputs.' + kind}: {_reason(e)}") from None
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> Any:

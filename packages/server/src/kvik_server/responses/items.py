@@ -8,6 +8,7 @@ from typing import Any
 from kvik.sampling_params import StructuredOutputsParams
 from kvik_server.errors import APIError
 from kvik_server.output_parsing import Message
+from kvik_server.structured_outputs import check_schema
 
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -113,7 +114,7 @@ def text_format(
             raise APIError("text.format.schema must be a JSON schema object", param="text.format")
         if not isinstance(fmt.get("name"), str):
             raise APIError("text.format.name must be a string", param="text.format.name")
-        return fmt, StructuredOutputsParams(json=schema)
+        return fmt, check_schema(schema, "text.format.schema", "text.format")
     raise APIError(
         f"text.format.type must be text, json_object or json_schema, got {kind!r}",
         param="text.format",

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvik.sampling_params import SamplingParams, StructuredOutputsParams
 from kvik_server.errors import APIError
+from kvik_server.structured_outputs import check_schema
 from kvik_server.tools.parsers import (
     TOOL_PARSERS,
     NamedToolParser,
@@ -198,6 +199,8 @@ def plan_tools(
                 "to be set",
                 param="tool_choice",
             )
+        if tool_choice == "required":
+            _check_parameters(tools, {tool.name for tool in tools}, nested_choice)
         auto_parser = TOOL_PARSERS[tool_call_parser] if tool_call_parser else None
         return ToolPlan(tools, tool_choice, None, parallel, auto_parser)
     name = _named_choice(tool_choice, nested_choice)
@@ -207,7 +210,18 @@ def plan_tools(
             f"({', '.join(tool.name for tool in tools) or 'none given'})",
             param="tool_choice",
         )
+    _check_parameters(tools, {name}, nested_choice)
     return ToolPlan(tools, "named", name, parallel)
+
+
+def _check_parameters(tools: list[FunctionTool], names: set[str], nested: bool) -> None:
+    """The parameters that will constrain the output (required, or a named function) parse as
+    a schema: a 400 naming the tool (it said "invalid structured_outputs.json"). Those of tools
+    that only reach the template (auto, none) are the template's business."""
+    for i, tool in enumerate(tools):
+        if tool.name in names and tool.parameters is not None:
+            where = f"tools[{i}].function.parameters" if nested else f"tools[{i}].parameters"
+            check_schema(tool.parameters, where, where)
 
 
 def _named_choice(tool_choice: Any, nested: bool) -> str | None:
