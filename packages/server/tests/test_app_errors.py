@@ -46,3 +46,7 @@ def test_a_field_of_the_body_still_names_its_field(client):
     response = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": "5"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "max_tokens"
+    # A check of the whole body keeps its own message.
+    response = client.post("/v1/responses", json={"input": []})
+    assert response.status_code == 400
+    assert "input must not be empty" in response.json()["error"]["message"]

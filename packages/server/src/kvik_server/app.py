@@ -269,7 +269,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return reply(f"malformed JSON: {first.get('ctx', {}).get('error', 'invalid')}", 400)
-        if tuple(first.get("loc", ())) == ("body",):
+        if tuple(first.get("loc", ())) == ("body",) and first.get("type") in _NOT_AN_OBJECT:
             # The body as a whole: the error said "body: Field required" or "Input should be a
             # valid dictionary", naming neither the body's type nor the Content-Type at fault.
             return reply(_body_error(first, request.headers.get("content-type")), 400)
@@ -304,6 +304,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineRequestError)
     async def engine_refused(request: Request, e: EngineRequestError) -> JSONResponse:
         return reply(str(e), 500)
+
+
+#: Pydantic's errors for a body that is missing or not an object (a validator of the whole body
+#: raises value_error at the same place, with its own message).
+_NOT_AN_OBJECT = frozenset({"missing", "model_attributes_type"})
 
 
 def _body_error(error: dict[str, Any], content_type: str | None) -> str:
