@@ -176,6 +176,20 @@ def test_n_completions_share_the_prompt(tiny_model):
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
 
 
+def test_prefix_hit_on_blocks_computed_in_the_same_step(tiny_model):
+    """A prompt of 33 tokens with n=2: the second completion hits the two blocks the first
+    computes in the same step and computes one token, a decode row beside the first one's prompt
+    chunk. On the CPU the decode rows used to attend before the chunk's keys were in the cache."""
+    folder = tiny_model("llama")
+    prompt = ragged_prompts(1, seed=10, low=33, high=34)[0]
+    params = SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = make_llm(folder)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.stats.prefix_cache_hits == 32
+    assert_greedy_equal([prompt] * 2, [out, out], load_hf(folder), 8)
+    assert out.outputs[1].token_ids == out.outputs[0].token_ids
+
+
 def test_eos_stop_token_ids_and_min_tokens(tiny_model):
     folder = tiny_model("llama")
     llm = make_llm(folder)

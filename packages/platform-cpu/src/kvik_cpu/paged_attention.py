@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from kvik.attention.backend import AttentionImpl, AttentionMetadata
-from kvik.attention.kv_quant import FP8_E4M3
+from kvik.attention.kv_quant import FP8_E4M3, write_slots
 from kvik_cpu import isa
 from kvik_cpu.attention import SdpaMetadata, TorchSdpaBackend, TorchSdpaImpl
 
@@ -75,6 +75,11 @@ class CpuPagedImpl(TorchSdpaImpl):
             super().forward(query, key, value, kv_cache, metadata, output)
             return
         if isinstance(metadata, MixedMetadata):
+            # The prompt chunks' keys and values go into the cache before any decode token
+            # attends: a decode row may read blocks that a prompt chunk of this very step computes
+            # (a prefix-cache hit on them, as a prompt's n > 1 completions have, which leaves one
+            # token to compute). The SDPA path writes them again, unchanged, before it attends.
+            self._write_cache(key, value, kv_cache, metadata.prompt_rows, metadata.prompt)
             for rows, part in (
                 (metadata.decode_rows, metadata.decode),
                 (metadata.prompt_rows, metadata.prompt),
@@ -100,6 +105,15 @@ class CpuPagedImpl(TorchSdpaImpl):
             self.k_scale,
             self.v_scale,
         )
+
+    def _write_cache(
+        self, key: Tensor, value: Tensor, kv_cache: Tensor, rows: Tensor, part: SdpaMetadata
+    ) -> None:
+        """The keys and values of ``rows`` (a part's tokens, in its order) into their slots."""
+        flat = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1)
+        slots = part.common.slot_mapping
+        write_slots(flat[0], slots, key.index_select(0, rows).flatten(1), self.k_scale)
+        write_slots(flat[1], slots, value.index_select(0, rows).flatten(1), self.v_scale)
 
 
 class CpuPagedBackend(TorchSdpaBackend):
