@@ -108,3 +108,45 @@ def test_a_request_the_core_cannot_take_fails_alone(model):
     assert isinstance(error, EngineRequestError), error
     assert "refused the request" in str(error) and "prompt_token_ids" in str(error)
     assert len(beside) == 4 and after == beside and healthy
+
+
+def test_bad_request_fields_are_refused_before_the_core_sees_them(model):
+    """A request id that is not a string (the core's messages carry strings: such a request
+    used to wait forever, and its abort ended the core), a priority under fcfs (silently ignored
+    before) and a NaN arrival time are ValueErrors at submission; the engine runs on."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+
+    async def first(engine: AsyncLLM, request_id, **kwargs):
+        async for out in engine.generate(prompt, params, request_id, **kwargs):
+            return out
+        raise AssertionError("no output")
+
+    async def run() -> tuple[list[str], bool, bool]:
+        args = EngineArgs(model=str(model), dtype="float32", num_kv_blocks=64, enforce_eager=True)
+        engine = await AsyncLLM.create(args)
+        errors = []
+        try:
+            for request_id, kwargs in [
+                (None, {}),
+                (7, {}),
+                ("prio", {"priority": 1}),
+                ("nan", {"arrival_time": float("nan")}),
+                ("str", {"arrival_time": "now"}),
+            ]:
+                with pytest.raises(ValueError) as error:
+                    await asyncio.wait_for(first(engine, request_id, **kwargs), 30)
+                errors.append(str(error.value))
+            after = await asyncio.wait_for(first(engine, "after"), 30)
+            return errors, bool(after.outputs), engine.is_healthy
+        finally:
+            await engine.shutdown()
+
+    errors, answered, healthy = asyncio.run(run())
+    assert errors[:2] == [
+        "request_id must be a string, got NoneType",
+        "request_id must be a string, got int",
+    ]
+    assert "needs an engine made with scheduling_policy='priority'" in errors[2]
+    assert all("arrival_time must be a finite" in e for e in errors[3:])
+    assert answered and healthy

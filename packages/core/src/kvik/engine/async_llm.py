@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -19,7 +20,12 @@ from kvik.config import EngineConfig
 from kvik.engine.args import EngineArgs
 from kvik.engine.core_client import EngineCoreClient, EngineDeadError, EngineRequestError
 from kvik.engine.core_proc import EngineCoreOutputs
-from kvik.engine.input_processor import InputProcessor, PromptType, child_requests
+from kvik.engine.input_processor import (
+    InputProcessor,
+    PromptType,
+    check_priority,
+    child_requests,
+)
 from kvik.engine.output_processor import OutputProcessor, RequestState
 from kvik.outputs import RequestOutput
 from kvik.sampling_params import SamplingParams
@@ -159,10 +165,30 @@ class AsyncLLM:
         that the latency metrics count what the client waited for."""
         if not self.is_healthy:
             raise self.client.error or EngineDeadError("the engine is shutting down")
+        if not isinstance(request_id, str):
+            # The core's messages carry ids as strings: any other id would be refused there, with
+            # no way back to this request, and its abort would end the core.
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         if output_kind not in _OUTPUT_KINDS:
             raise ValueError(f"output_kind must be one of {_OUTPUT_KINDS}, got {output_kind!r}")
+        check_priority(priority)
+        if priority and self.config.scheduler.policy != "priority":
+            # As LLM.generate and vLLM: under fcfs a priority would be silently ignored.
+            raise ValueError(
+                f"priority {priority} needs an engine made with scheduling_policy='priority'; "
+                f"this one schedules by {self.config.scheduler.policy!r}"
+            )
+        if arrival_time is not None and (
+            not isinstance(arrival_time, int | float)
+            or isinstance(arrival_time, bool)
+            or not math.isfinite(arrival_time)
+        ):
+            # A NaN would sort nowhere in the scheduler's queues.
+            raise ValueError(
+                f"arrival_time must be a finite time.monotonic() value, got {arrival_time!r}"
+            )
         prompt_text, token_ids, params = self.input_processor.process(prompt, params)
         children = child_requests(request_id, params)
         # Build every engine request before sending any, so invalid input leaves nothing behind.
