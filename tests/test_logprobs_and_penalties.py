@@ -237,6 +237,25 @@ def test_an_allow_list_with_nothing_left_to_sample_is_refused(llm_and_hf):
         assert set(out.outputs[0].token_ids) <= set(params.allowed_token_ids)
 
 
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        dict(temperature=1e39),  # float32's inf: a masked logit divided by it was NaN
+        dict(repetition_penalty=1e-300),  # float32's 0: -inf * 0 was NaN
+        dict(repetition_penalty=1e-40, temperature=1.0),  # finite logits / 1e-40 were inf
+        dict(repetition_penalty=1e300, temperature=1.0),
+    ],
+)
+def test_extreme_temperature_and_penalty_sample_within_the_allow_list(llm_and_hf, extreme):
+    """Valid but extreme settings past float32's range made NaN or inf logits, from which the
+    sampler returned token 0, outside allowed_token_ids; they now saturate."""
+    llm, _ = llm_and_hf
+    kwargs = dict(allowed_token_ids=[5, 6, 9], seed=3, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(**kwargs, **extreme)
+    (out,) = llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert set(out.outputs[0].token_ids) <= {5, 6, 9}, out.outputs[0].token_ids
+
+
 def test_an_error_mid_generate_aborts_that_calls_requests(llm_and_hf, monkeypatch):
     """An exception (or Ctrl-C) while a batch runs aborts its requests: their KV blocks are free
     and the next generate() runs only its own prompts, correctly."""

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from kvik.request import Request
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+#: The largest logit a processor leaves: the sampler's division by a temperature (at least its
+#: greedy threshold, 1e-5) keeps it finite.
+_SATURATED = _FLOAT32.max * 1e-5
+
+
 class LogitsProcessor(Protocol):
     def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor: ...
 
@@ -35,11 +41,6 @@ class MinTokensLogitsProcessor:
         return logits
 
 
-#: A penalised logit past this is as good as infinite, and stays finite through the sampler's
-#: division by a temperature (>= 1e-5; below, it samples greedily).
-_PENALISED_LOGIT_MAX = 1e30
-
-
 class RepetitionPenaltyLogitsProcessor:
     """As Hugging Face and vLLM: every token seen in the prompt or output has a positive logit
     divided by the penalty and a negative one multiplied by it.
@@ -49,16 +50,19 @@ class RepetitionPenaltyLogitsProcessor:
     came out as token 0 whatever the model said."""
 
     def __init__(self, penalty: float, prompt_token_ids: Sequence[int]) -> None:
-        fp32 = torch.finfo(torch.float32)
-        self.penalty = min(max(penalty, fp32.tiny), fp32.max)
+        # Within float32's range: a penalty that rounds to 0 or to inf makes NaN of a 0 logit.
+        self.penalty = min(max(penalty, _FLOAT32.tiny), _FLOAT32.max)
         self.prompt_ids = torch.tensor(sorted(set(prompt_token_ids)), dtype=torch.long)
 
     def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
         seen = torch.cat((self.prompt_ids, torch.tensor(output_token_ids, dtype=torch.long)))
         seen = seen.unique().to(logits.device)
         values = logits[seen]
-        penalised = torch.where(values > 0, values / self.penalty, values * self.penalty)
-        logits[seen] = penalised.clamp(max=_PENALISED_LOGIT_MAX)
+        scaled = torch.where(values > 0, values / self.penalty, values * self.penalty)
+        # An extreme penalty saturates: a finite logit stays finite, even divided by the smallest
+        # temperature the sampler divides by (an inf among the logits makes NaN of the softmax,
+        # and the sampler then returns token 0, allowed or not); a masked one (-inf) stays masked.
+        logits[seen] = torch.where(values.isfinite(), scaled.clamp(-_SATURATED, _SATURATED), values)
         return logits
 
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from kvik.structured_output.manager import GrammarBitmask
     from kvik.worker.step_runner import StepRunner
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 @dataclass
 class _RequestState:
@@ -728,7 +730,9 @@ class ModelRunner:
             empty = self.temperature.device[:0]
             batch = SamplingBatch(empty, empty, empty, empty, all_greedy=True)
         else:
-            self.temperature.np[:n] = [p.temperature for p in params]
+            # Capped at float32's largest: above it the cast gives inf, and a masked logit (-inf)
+            # divided by inf is NaN, which the sampler would pick.
+            self.temperature.np[:n] = [min(p.temperature, _FLOAT32_MAX) for p in params]
             self.top_k.np[:n] = [p.top_k for p in params]
             self.top_p.np[:n] = [p.top_p for p in params]
             self.min_p.np[:n] = [p.min_p for p in params]
