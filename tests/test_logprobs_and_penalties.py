@@ -363,3 +363,25 @@ def test_an_assistant_message_without_content_renders_as_empty_text():
         {"role": "user", "content": "a\nb"},
         {"role": "assistant", "content": "", "tool_calls": []},
     ]
+
+
+def test_a_chat_template_that_fails_on_the_messages_is_a_value_error(tmp_path):
+    """A given template whose own code raises a Python error (not a jinja2 one) is the
+    request's fault: it was a bare ZeroDivisionError or TypeError from inside jinja2."""
+    from types import SimpleNamespace
+
+    from tiny_models import save_tiny_tokenizer
+
+    from kvik.engine.input_processor import InputProcessor
+
+    folder = save_tiny_tokenizer(tmp_path)
+    model = SimpleNamespace(tokenizer=None, path=folder, eos_token_ids=lambda: {2})
+    processor = InputProcessor(model)
+    hi = [{"role": "user", "content": "hi"}]
+    for template, error in (
+        ("{{ 1 / 0 }}", "ZeroDivisionError"),
+        ("{{ messages + 1 }}", "TypeError"),
+    ):
+        with pytest.raises(ValueError, match=f"the given chat_template failed: {error}"):
+            processor.apply_chat_template(hi, chat_template=template)
+    assert processor.apply_chat_template(hi)["prompt"] == "<s><user>hi\n<assistant>"

@@ -255,8 +255,9 @@ class InputProcessor:
             )
         except Exception as e:
             # A template that does not parse, or one that refuses the conversation
-            # (raise_exception): the request's template or messages are at fault.
-            if not _is_jinja_error(e):
+            # (raise_exception) or fails on it ({{ 1 / 0 }}, {{ messages + 1 }}): the request's
+            # template or messages are at fault.
+            if not _is_jinja_error(e) and not _raised_in_template(e):
                 raise
             what = "the chat template" if chat_template is None else "the given chat_template"
             raise ValueError(f"{what} failed: {type(e).__name__}: {e}") from None
@@ -339,6 +340,17 @@ def _is_jinja_error(error: Exception) -> bool:
     """jinja2's TemplateError or one of its kinds, matched by module: jinja2 is transformers'
     import, not one kvik declares."""
     return type(error).__module__.startswith("jinja2")
+
+
+def _raised_in_template(error: Exception) -> bool:
+    """Whether the error came from a template's own code (a ZeroDivisionError, a TypeError):
+    jinja2 names the frames of template code ``<template>``."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def check_priority(priority: Any) -> None:
