@@ -121,6 +121,16 @@ def test_an_unknown_flag_is_an_error_that_names_the_closest(argv, hint, capsys):
     assert hint in capsys.readouterr().err
 
 
+def test_an_unknown_flag_is_not_matched_to_another_subcommands(capsys):
+    """``bench latency --num-prompts`` was told "did you mean --num-prompts?": the flag of
+    ``bench throughput``, which bench latency does not take either."""
+    with pytest.raises(SystemExit):
+        main(["bench", "latency", "--num-prompts", "2"])
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --num-prompts 2" in err
+    assert "did you mean --num-prompts?" not in err
+
+
 def test_flags_are_never_abbreviated(capsys):
     """An abbreviation would silently change meaning once a field with a longer name is added."""
     with pytest.raises(SystemExit):

@@ -66,12 +66,16 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
     """``parser.parse_args(argv)``, but an unknown flag's error suggests the closest known flag."""
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        parser.error(unknown_arguments_message(parser, unknown))
+        parser.error(unknown_arguments_message(parser, unknown, argv))
     return args
 
 
-def unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
-    known = sorted(_option_strings(parser))
+def unknown_arguments_message(
+    parser: argparse.ArgumentParser, unknown: list[str], argv: Sequence[str] | None = None
+) -> str:
+    """The error for unknown flags, each with the closest flag of the command line's
+    subcommands (``argv``'s; every subcommand's where it is not given)."""
+    known = sorted(_option_strings(parser, None if argv is None else set(argv)))
     hints = []
     for arg in unknown:
         flag = arg.split("=", 1)[0]
@@ -83,13 +87,16 @@ def unknown_arguments_message(parser: argparse.ArgumentParser, unknown: list[str
     return f"{message} ({'; '.join(hints)})" if hints else message
 
 
-def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
-    """The long flags of ``parser`` and of its subcommands' parsers, recursively. (argparse lists
-    a parser's actions only in ``_actions``; Python 3.14's ``suggest_on_error`` covers choices,
-    not flags.)"""
+def _option_strings(parser: argparse.ArgumentParser, words: set[str] | None = None) -> set[str]:
+    """The long flags of ``parser`` and of its subcommands' parsers, recursively: those of the
+    subcommands named in ``words`` (the command line's), or of all of them. (A flag of another
+    subcommand is no hint: ``kvik bench latency --num-prompts`` was told "did you mean
+    --num-prompts?", a flag of ``bench throughput``. argparse lists a parser's actions only in
+    ``_actions``; Python 3.14's ``suggest_on_error`` covers choices, not flags.)"""
     flags = {s for action in parser._actions for s in action.option_strings if s.startswith("--")}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                flags |= _option_strings(sub)
+            for name, sub in action.choices.items():
+                if words is None or name in words:
+                    flags |= _option_strings(sub, words)
     return flags
