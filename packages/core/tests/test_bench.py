@@ -176,6 +176,17 @@ def test_bench_refuses_requests_longer_than_the_context(tiny_config, benchmark, 
     )
 
 
+@pytest.mark.parametrize("warmup", [["--num-warmup-prompts", "-2"], ["--warmup-output-len", "0"]])
+def test_bench_throughput_refuses_a_bad_warmup(tiny_config, warmup, capsys) -> None:
+    """A negative warm-up count ran no warm-up and was recorded as -2 in the results; a
+    warm-up output length of 0 was refused as 'num_prompts, input_len and output_len'."""
+    argv = ["bench", "throughput", *engine_options(tiny_config), *warmup]
+    assert main(argv) == 2
+    assert "--num-warmup-prompts must be >= 0 and --warmup-output-len >= 1" in (
+        capsys.readouterr().err
+    )
+
+
 def test_bench_latency_reports_mean_and_percentiles(tiny_config, tmp_path) -> None:
     out = tmp_path / "latency.json"
     argv = ["bench", "latency", *engine_options(tiny_config), "--batch-size", "2"]

@@ -50,6 +50,11 @@ def run(args: argparse.Namespace) -> int:
     from kvik import LLM
 
     try:
+        if args.num_warmup_prompts < 0 or args.warmup_output_len < 1:
+            raise ValueError(
+                "--num-warmup-prompts must be >= 0 and --warmup-output-len >= 1, got "
+                f"{args.num_warmup_prompts} and {args.warmup_output_len}"
+            )
         llm = LLM(**engine_kwargs(args))
         vocab = llm.config.model.vocab_size
         workload = random_workload(
