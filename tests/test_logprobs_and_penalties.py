@@ -189,6 +189,13 @@ def test_the_offline_api_names_what_it_was_given(llm_and_hf):
         llm.generate(b"hi", params, use_tqdm=False)  # not the token ids [104, 105]
     with pytest.raises(ValueError, match="'prompt_token_ids' must be a list of ints, got NoneType"):
         llm.generate({"prompt_token_ids": None}, params, use_tqdm=False)
+    for prompt, message in (  # ignored, or run as token ids, before
+        ({"prompt_token_ids": [5, 6], "multi_modal_data": {}}, r"\['multi_modal_data'\] are not"),
+        ({"prompt": [5, 6]}, "'prompt' must be a string, got list"),
+        ({"prompt": 5, "prompt_token_ids": [5, 6]}, "'prompt' must be a string, got int"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, params, use_tqdm=False)
     with pytest.raises(ValueError, match="messages must be a conversation .* got dict"):
         llm.chat({"role": "user", "content": "hi"}, params, use_tqdm=False)  # was KeyError: 0
     changed = SamplingParams(max_tokens=2)

@@ -179,6 +179,22 @@ class InputProcessor:
 
     def _tokens(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(map(str, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                # vLLM's multi_modal_data, prompt_embeds, cache_salt...: kvik has none of them,
+                # and a prompt must not run as if they were not there.
+                raise ValueError(
+                    f"a dict prompt holds 'prompt' and/or 'prompt_token_ids'; {unknown} are not "
+                    "supported"
+                )
+            if not prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+            text = prompt.get("prompt")
+            if not isinstance(text, str) and (text is not None or "prompt_token_ids" not in prompt):
+                # {"prompt": [5, 6]} ran as token ids, and {"prompt": 5, ...} kept 5 as its text.
+                raise ValueError(
+                    f"a dict prompt's 'prompt' must be a string, got {type(text).__name__}"
+                )
             if "prompt_token_ids" in prompt:
                 token_ids = prompt["prompt_token_ids"]
                 if not isinstance(token_ids, list | tuple):
@@ -186,11 +202,8 @@ class InputProcessor:
                         "a dict prompt's 'prompt_token_ids' must be a list of ints, got "
                         f"{type(token_ids).__name__}"
                     )
-                return prompt.get("prompt"), list(token_ids)
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("a dict prompt needs 'prompt_token_ids' or 'prompt'")
+                return text, list(token_ids)
+            prompt = text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
