@@ -372,18 +372,29 @@ def test_an_assistant_message_without_content_renders_as_empty_text():
     ]
 
 
-def test_a_chat_template_that_fails_on_the_messages_is_a_value_error(tmp_path):
-    """A given template whose own code raises a Python error (not a jinja2 one) is the
-    request's fault: it was a bare ZeroDivisionError or TypeError from inside jinja2."""
+def tokenizer_only_processor(folder):
+    """An InputProcessor over the tiny tokenizer, with no model behind it."""
     from types import SimpleNamespace
 
     from tiny_models import save_tiny_tokenizer
 
     from kvik.engine.input_processor import InputProcessor
 
-    folder = save_tiny_tokenizer(tmp_path)
-    model = SimpleNamespace(tokenizer=None, path=folder, eos_token_ids=lambda: {2})
-    processor = InputProcessor(model)
+    model = SimpleNamespace(
+        tokenizer=None,
+        path=save_tiny_tokenizer(folder),
+        eos_token_ids=lambda: {2},
+        vocab_size=256,
+        max_model_len=64,
+        max_logprobs=20,
+    )
+    return InputProcessor(model)
+
+
+def test_a_chat_template_that_fails_on_the_messages_is_a_value_error(tmp_path):
+    """A given template whose own code raises a Python error (not a jinja2 one) is the
+    request's fault: it was a bare ZeroDivisionError or TypeError from inside jinja2."""
+    processor = tokenizer_only_processor(tmp_path)
     hi = [{"role": "user", "content": "hi"}]
     for template, error in (
         ("{{ 1 / 0 }}", "ZeroDivisionError"),
@@ -392,3 +403,16 @@ def test_a_chat_template_that_fails_on_the_messages_is_a_value_error(tmp_path):
         with pytest.raises(ValueError, match=f"the given chat_template failed: {error}"):
             processor.apply_chat_template(hi, chat_template=template)
     assert processor.apply_chat_template(hi)["prompt"] == "<s><user>hi\n<assistant>"
+
+
+def test_stop_strings_and_bad_words_must_be_valid_unicode(tmp_path):
+    """A stop string holding a lone surrogate (JSON can carry one) can never be found in an
+    output: it was silently never applied. Both fields are refused by name."""
+    processor = tokenizer_only_processor(tmp_path)
+    for name in ("stop", "bad_words"):
+        with pytest.raises(ValueError, match=f"SamplingParams.{name}: text must be valid Unicode"):
+            processor.process("hi", SamplingParams(**{name: ["ok", "\ud800"]}))
+    assert processor.process("hi", SamplingParams(stop=["ok"], bad_words=["x"]))[1] == [
+        ord("h") - 29,
+        ord("i") - 29,
+    ]

@@ -107,12 +107,16 @@ class InputProcessor:
         # A checked copy: fields set after construction (sp.top_p = 5, sp.stop = "###") are
         # normalised and checked as at construction, and the caller's object is left as it is.
         params = replace(params)
-        if self.tokenizer is None:
-            for name in ("stop", "bad_words"):
-                if getattr(params, name):
-                    raise ValueError(
-                        f"SamplingParams.{name} needs a tokenizer, and the model has none"
-                    )
+        for name in ("stop", "bad_words"):
+            if getattr(params, name) and self.tokenizer is None:
+                raise ValueError(f"SamplingParams.{name} needs a tokenizer, and the model has none")
+            for text in getattr(params, name) or ():
+                try:
+                    # A lone surrogate: a stop string no output can hold (it was silently
+                    # never found), a bad word the tokenizer cannot encode.
+                    check_unicode(text)
+                except ValueError as e:
+                    raise ValueError(f"SamplingParams.{name}: {e}") from None
         text, token_ids = self._tokens(prompt)
         vocab = self.model_config.vocab_size
         if not token_ids:
