@@ -20,8 +20,9 @@ if TYPE_CHECKING:
 
 _FLOAT32 = torch.finfo(torch.float32)
 #: The largest logit a processor leaves: the sampler's division by a temperature (at least its
-#: greedy threshold, 1e-5) keeps it finite.
-_SATURATED = _FLOAT32.max * 1e-5
+#: greedy threshold, 1e-5) keeps it finite, with a factor of ten to spare (at max * 1e-5 exactly,
+#: the division's rounding overflowed to inf, and inf - inf in the softmax sampled token 0).
+_SATURATED = _FLOAT32.max * 1e-6
 
 
 class LogitsProcessor(Protocol):
