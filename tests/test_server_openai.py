@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import threading
@@ -325,6 +326,101 @@ def test_error_statuses(server):
     assert httpx.get(f"{server.url}/v1/nothing", headers=h).status_code == 404
     big = post(f"{server.url}/v1/completions", json={"prompt": "x" * 70000}, headers=h)
     assert big.status_code == 413 and big.json()["error"]["code"] == 413
+
+
+#: Constraints that leave no token to sample, the param a 400 names and the message's start.
+#: Each came back as a 200 with finish_reason "abort", an empty text and 1 completion token.
+NO_TOKEN = [
+    (
+        {"structured_outputs": {"regex": "[^\\x00-\\U0010FFFF]"}},
+        "structured_outputs",
+        "the structured output constraint (regex) admits no token",
+    ),
+    (
+        {"allowed_token_ids": [5], "structured_outputs": {"choice": ["zz"]}},
+        "allowed_token_ids",
+        "allowed_token_ids leave no token",
+    ),
+]
+
+
+def sse_data(server, path: str, body: dict) -> list[str]:
+    """A streamed answer's ``data:`` payloads (its status must be 200: the stream began)."""
+    headers = server.headers | {"Content-Type": "application/json"}
+    with httpx.stream(
+        "POST", f"{server.url}{path}", content=json.dumps(body), headers=headers, timeout=60
+    ) as response:
+        assert response.status_code == 200
+        return [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("extra, param, message", NO_TOKEN)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_admits_no_token_is_a_400(server, extra, param, message, stream):
+    """Completions, chat and Responses: a 400 naming the cause and the field at fault; in a
+    stream, an error event with the same, then the end. Meanwhile a valid request beside them
+    runs to its end."""
+    valid = {"prompt": "Once upon", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(post_json, server, "/v1/completions", valid)
+        for path, body in (
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 5}),
+            ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5}),
+        ):
+            body = body | extra | ({"stream": True} if stream else {})
+            if stream:
+                *events, done = sse_data(server, path, body)
+                assert done == "[DONE]"
+                error = json.loads(events[-1])["error"]
+                assert all("choices" in json.loads(event) for event in events[:-1])
+            else:
+                response = post_json(server, path, body)
+                assert response.status_code == 400, response.text
+                error = response.json()["error"]
+            assert error["message"].startswith(message), error
+            assert (error["param"], error["code"], error["type"]) == (param, 400, "BadRequestError")
+        answer = beside.result()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["finish_reason"] == "length"
+    assert answer.json()["usage"]["completion_tokens"] == 40
+
+
+#: A JSON schema nothing can follow after its opening quote: its constraint fails after 1 token.
+EMPTY_STRING_SCHEMA = {"type": "string", "pattern": "[^\\s\\S]"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_with_a_constraint_that_admits_no_token(server, stream):
+    """/v1/responses: a text.format that leaves nothing to sample is a 400 naming text.format (a
+    stream: an error event, after the text so far); a response_format in chat names itself."""
+    fmt = {"type": "json_schema", "name": "x", "schema": EMPTY_STRING_SCHEMA}
+    body = {"input": "hi", "max_output_tokens": 5, "text": {"format": fmt}}
+    chat = {
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": EMPTY_STRING_SCHEMA},
+        },
+    }
+    message = "the structured output constraint (json) admits no token after 1 output token"
+    if stream:
+        events = [json.loads(e) for e in sse_data(server, "/v1/responses", body | {"stream": True})]
+        assert events[-1]["type"] == "error" and events[-1]["code"] == "400"
+        assert events[-1]["param"] == "text.format"
+        assert events[-1]["message"].startswith(message)
+        assert not any(e["type"] == "response.completed" for e in events)
+        *chunks, done = sse_data(server, "/v1/chat/completions", chat | {"stream": True})
+        error = json.loads(chunks[-1])["error"]
+    else:
+        response = post_json(server, "/v1/responses", body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["message"].startswith(message)) == ("text.format", True)
+        response = post_json(server, "/v1/chat/completions", chat)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert (error["param"], error["message"].startswith(message)) == ("response_format", True)
 
 
 def test_every_route_needs_the_key_but_health(server, model):

@@ -18,6 +18,7 @@ from structured_output_checks import (
 )
 from tiny_models import build_tiny_model, save_tiny_tokenizer
 
+from kvik.outputs import RequestError
 from kvik.request import Request
 from kvik.sampling_params import SamplingParams, StructuredOutputsParams
 from kvik.structured_output.bitmask import apply_token_bitmask, unpack_bitmask
@@ -92,9 +93,10 @@ def test_bad_constraints_are_value_errors_and_the_engine_keeps_running(padded_ll
     assert llm.generate(["a"], greedy(3), use_tqdm=False)[0].outputs[0].token_ids
 
 
-def test_a_grammar_failing_in_the_core_aborts_only_its_request(padded_llm):
+def test_a_grammar_failing_in_the_core_fails_only_its_request(padded_llm):
     """Past the front end's check (a request added to the core directly), a grammar that does
-    not compile finishes its request as aborted; the others run."""
+    not compile finishes its request with "error", the compiler's message and the field at
+    fault (it said "abort", as a request the client left); the others run."""
     core = padded_llm.engine
     bad = Request(
         "bad",
@@ -109,8 +111,87 @@ def test_a_grammar_failing_in_the_core_aborts_only_its_request(padded_llm):
     while core.has_unfinished_requests():
         for out in core.step():
             if out.finish_reason is not None:
-                finished[out.request_id] = out.finish_reason
-    assert finished == {"bad": "abort", "good": "length"}
+                finished[out.request_id] = out
+    assert {id_: out.finish_reason for id_, out in finished.items()} == {
+        "bad": "error",
+        "good": "length",
+    }
+    assert finished["bad"].stop_reason.startswith("invalid structured_outputs.regex")
+    assert finished["bad"].error_param == "structured_outputs"
+    assert finished["good"].error_param is None
+
+
+#: Constraints that leave no token to sample at the start of the output, the field at fault and
+#: the message's start. Sampled, such a request took token 0, which its grammar refused: it ended
+#: "abort" with an empty text, the one trace an ERROR line in the log.
+_NO_TOKEN_AT_ALL = "the structured output constraint"
+DEAD_ENDS = [
+    ({"regex": "[^\\x00-\\U0010FFFF]"}, {}, "structured_outputs", _NO_TOKEN_AT_ALL + " (regex)"),
+    ({"grammar": "root ::= [\\U00110000]"}, {}, "structured_outputs", _NO_TOKEN_AT_ALL),
+    (
+        {"choice": ["zz"]},
+        {"allowed_token_ids": [5]},
+        "allowed_token_ids",
+        "allowed_token_ids leave",
+    ),
+    ({"choice": ["y", "n"]}, {"bad_words": ["y", "n"]}, "bad_words", "bad_words forbid"),
+]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_constraint_that_admits_no_token_is_an_error_naming_why(padded, async_scheduling):
+    """Each failing request ends "error" before it samples anything, and the batch raises
+    RequestError (a ValueError) naming the first one's prompt, cause and field, once the valid
+    requests beside them have run to their end (their outputs ride on the error)."""
+    llm = make_llm(padded, "cpu", async_scheduling=async_scheduling)
+    for spec, extra, param, message in DEAD_ENDS:
+        bad = SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(**spec), **extra
+        )
+        with pytest.raises(RequestError, match=re.escape(f"prompt 1: {message}")) as error:
+            llm.generate(["Hello", "Hello"], [greedy(6), bad], use_tqdm=False)
+        assert isinstance(error.value, ValueError) and error.value.param == param
+        good, failed = (out.outputs[0] for out in error.value.outputs)
+        assert (good.finish_reason, len(good.token_ids)) == ("length", 6)
+        assert (failed.finish_reason, failed.token_ids, failed.text) == ("error", [], "")
+        assert failed.stop_reason.startswith(message)
+    # The engine runs on.
+    assert len(llm.generate(["Hello"], greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+def test_a_dead_end_after_some_tokens_and_a_complete_grammar(padded_llm):
+    """A constraint left with nothing after some tokens fails there, with those tokens and no
+    foreign one; a grammar allowing only its end (EOS) where allowed_token_ids forbid EOS has a
+    complete output: it stops, as when min_tokens forbids EOS."""
+    llm = padded_llm
+    ids = llm.get_tokenizer().encode("yes", add_special_tokens=False)
+    dead = [
+        (StructuredOutputsParams(regex="a[^\\x00-\\U0010FFFF]"), {}, "after 1 output token"),
+        (StructuredOutputsParams(choice=["yes"]), {"allowed_token_ids": ids[:2]}, "after 2 output"),
+    ]
+    for constraint, extra, where in dead:
+        params = SamplingParams(max_tokens=8, structured_outputs=constraint, **extra)
+        with pytest.raises(RequestError, match=where) as error:
+            llm.generate(["Hello"], params, use_tqdm=False)
+        (failed,) = error.value.outputs[0].outputs
+        assert failed.finish_reason == "error" and 0 not in failed.token_ids
+    params = SamplingParams(
+        max_tokens=8,
+        allowed_token_ids=ids,
+        structured_outputs=StructuredOutputsParams(choice=["yes"]),
+    )
+    (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+    assert (out.outputs[0].text, out.outputs[0].finish_reason) == ("yes", "stop")
+
+
+def test_stream_raises_for_a_constraint_that_admits_no_token(padded_llm):
+    params = SamplingParams(
+        max_tokens=8,
+        allowed_token_ids=[5],
+        structured_outputs=StructuredOutputsParams(choice=["zz"]),
+    )
+    with pytest.raises(RequestError, match="allowed_token_ids leave no token"):
+        list(padded_llm.stream("Hello", params))
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -194,3 +275,43 @@ def test_bitmask_kernels_agree():
     expected = logits.clone()
     expected[rows] = logits[rows].masked_fill(~expected_allowed[rows], float("-inf"))
     assert torch.equal(masked, expected)
+
+
+def test_dead_end_verdicts_on_hand_made_masks():
+    """The check before sampling, on mask rows made by hand (vocabulary 64, EOS 2): what is left
+    once allowed_token_ids, the bad words the output completes and min_tokens have forbidden
+    theirs; the field blamed; "stop" (None) where only EOS was left."""
+    import numpy as np
+
+    from kvik.structured_output.manager import _dead_end
+
+    def row(*ids):
+        words = np.zeros(2, dtype=np.uint32)
+        for i in ids:
+            words[i // 32] |= np.uint32(1 << (i % 32))
+        return words
+
+    def verdict(allowed_ids, output=(), bad=(), **sp):
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a"), **sp)
+        request = Request("r", [1], params, max_tokens=8, eos_token_ids=frozenset({2}))
+        request.bad_words_token_ids = [list(w) for w in bad]
+        for token in output:
+            request.append_output_token(token)
+        return _dead_end(request, row(*allowed_ids))
+
+    assert verdict([])[1] == "structured_outputs"
+    assert verdict([40]) is None
+    assert verdict([40], allowed_token_ids=[41])[1] == "allowed_token_ids"
+    assert verdict([40, 41], allowed_token_ids=[41]) is None
+    assert verdict([40], bad=[[40]])[1] == "bad_words"
+    assert verdict([40], bad=[[7, 40]]) is None  # the word's start is not the output's end
+    message, param = verdict([40], output=[7], bad=[[7, 40]])
+    assert param == "bad_words" and message.endswith("after 1 output token")
+    assert verdict([40, 41], allowed_token_ids=[41], bad=[[41]])[1] == "bad_words"
+    assert verdict([2, 40], min_tokens=3, bad=[[40]])[1] == "bad_words"
+    assert verdict([2, 33], min_tokens=3, stop_token_ids=[33])[1] == "min_tokens"
+    assert verdict([2, 33], min_tokens=3, stop_token_ids=[33], output=[5, 6, 7]) is None
+    # Only EOS left, which the others forbid: the output is complete.
+    assert verdict([2], min_tokens=3) == (None, None)
+    assert verdict([2], allowed_token_ids=[40]) == (None, None)
+    assert verdict([2], min_tokens=3, ignore_eos=True) is None

@@ -230,6 +230,32 @@ def test_abort_between_schedule_and_update() -> None:
     scheduler.kv.check_invariants()
 
 
+def test_fail_and_stop_between_schedule_and_update() -> None:
+    """A request the engine core finds with nothing to sample (its constraint admits no token)
+    is finished after scheduling and before the step's output: "error" with the message and
+    the field at fault, or "stop"; its output comes early, its token from the step is dropped,
+    its blocks are freed and the runner hears of it at the next schedule."""
+    scheduler = make_scheduler()
+    for rid in ("a", "b", "c"):
+        scheduler.add_request(make_request(rid, 5))
+    out = scheduler.schedule()
+    a, b, _ = (s.request for s in out.scheduled)
+    scheduler.fail_request(a, "no token left", "allowed_token_ids")
+    scheduler.stop_request(b)
+    scheduler.fail_request(a, "again", "bad_words")  # finished already: nothing happens
+    early = scheduler.take_early_outputs()
+    assert [(o.request_id, o.finish_reason, o.stop_reason, o.error_param) for o in early] == [
+        ("a", "error", "no token left", "allowed_token_ids"),
+        ("b", "stop", None, None),
+    ]
+    assert all(o.new_token_ids == [] for o in early)
+    outputs = scheduler.update_from_output(out, {"a": [7], "b": [7], "c": [7]})
+    assert [o.request_id for o in outputs] == ["c"] and a.output_token_ids == []
+    assert [r.request_id for r in scheduler.running] == ["c"]
+    assert scheduler.schedule().finished_req_ids == {"a", "b"}
+    scheduler.kv.check_invariants()
+
+
 def sequence(tokens: list[int]) -> Callable[[Request], int]:
     return lambda request: tokens[request.num_output_tokens]
 

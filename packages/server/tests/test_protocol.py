@@ -172,3 +172,26 @@ def test_engine_errors_name_their_field(message, param):
 def test_nan_and_infinities_are_refused_as_such(fields):
     with pytest.raises(ValidationError, match="finite number"):
         CompletionRequest(**{"prompt": "hi", **fields})
+
+
+def test_an_engine_request_error_names_the_field_at_fault():
+    """A request the engine ended for its own fault (its constraint admits no token) is a 400
+    naming the field its constraint came from, or the field the engine blames."""
+    from kvik.outputs import RequestError
+    from kvik_server.serving import constraint_param, request_error
+    from kvik_server.tools.choice import ToolPlan
+
+    messages = [{"role": "user", "content": "hi"}]
+    plain = ChatCompletionRequest(messages=messages, structured_outputs={"regex": "a"})
+    json_format = ChatCompletionRequest(messages=messages, response_format={"type": "json_object"})
+    text_format = CompletionRequest(prompt="hi", response_format={"type": "text"})
+    assert constraint_param(plain) == "structured_outputs"
+    assert constraint_param(json_format) == "response_format"
+    assert constraint_param(text_format) == "structured_outputs"
+    for mode, param in (("required", "tool_choice"), ("named", "tool_choice"), ("auto", None)):
+        expected = param or "response_format"
+        assert constraint_param(json_format, ToolPlan([], mode)) == expected
+    error = request_error(RequestError("nothing left", "structured_outputs"), "response_format")
+    assert (error.status, error.param, error.message) == (400, "response_format", "nothing left")
+    error = request_error(RequestError("nothing left", "allowed_token_ids"), "response_format")
+    assert error.param == "allowed_token_ids"

@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from kvik.engine.llm import LLM
-    from kvik.outputs import CompletionOutput, RequestOutput
+    from kvik.outputs import CompletionOutput, RequestError, RequestOutput
     from kvik.sampling_params import SamplingParams
 
 _LAZY = {
@@ -23,6 +23,7 @@ _LAZY = {
     "SamplingParams": "kvik.sampling_params",
     "RequestOutput": "kvik.outputs",
     "CompletionOutput": "kvik.outputs",
+    "RequestError": "kvik.outputs",
 }
 
 
@@ -38,6 +39,7 @@ __all__ = [
     "LLM",
     "PLUGIN_API_VERSION",
     "CompletionOutput",
+    "RequestError",
     "RequestOutput",
     "SamplingParams",
     "__version__",

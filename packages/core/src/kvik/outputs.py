@@ -26,7 +26,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    finish_reason: str | None  # "stop", "length" or "abort"; None while unfinished
+    # "stop", "length", "abort" or "error" (the request failed: stop_reason says why, and
+    # LLM.generate raises RequestError for it); None while unfinished
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     logprobs: SampleLogprobs | None = None
 
@@ -43,3 +45,26 @@ class RequestOutput:
     num_cached_tokens: int = 0
     finished: bool = False
     prompt_logprobs: PromptLogprobs | None = None
+
+
+class RequestError(ValueError):
+    """A request the engine ended because of its own parameters: its structured-output
+    constraint admits no token where the output stands (alone, or with its allowed_token_ids,
+    bad_words or min_tokens), or its grammar does not compile. The caller's error, as any
+    ValueError for bad input; the engine and its other requests run on.
+
+    ``param``: the SamplingParams field at fault ("structured_outputs", "allowed_token_ids",
+    "bad_words", "min_tokens"). ``outputs`` (from ``LLM.generate``): every output of the call,
+    the failed ones finished "error" with the reason as their stop_reason, the others complete.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        outputs: list[RequestOutput] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.outputs = outputs

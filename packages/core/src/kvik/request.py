@@ -24,6 +24,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH_CAPPED = 4
     FINISHED_ABORTED = 5
+    # Ended by the engine for a fault of the request's own (its constraint admits no token);
+    # stop_reason says why and error_param names the parameter at fault.
+    FINISHED_ERROR = 6
 
     def is_finished(self) -> bool:
         return self > RequestStatus.PREEMPTED
@@ -33,6 +36,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -72,6 +76,9 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list, init=False)
     # The stop token id that ended the request (a stop string is set by the front end).
     stop_reason: int | str | None = field(default=None, init=False)
+    # A request finished with an error (FINISHED_ERROR): the SamplingParams field at fault
+    # ("structured_outputs", "allowed_token_ids", "bad_words"); stop_reason holds the message.
+    error_param: str | None = field(default=None, init=False)
     # Output tokens scheduled to be sampled whose ids are not known yet (asynchronous scheduling
     # only; always 0 otherwise). At most 1 when a step is scheduled, 2 between scheduling a step
     # and collecting the one before it.

@@ -11,7 +11,7 @@ from typing import Any
 
 from kvik.engine.async_llm import AsyncLLM, EngineDeadError
 from kvik.engine.input_processor import encode_text
-from kvik.outputs import CompletionOutput, Logprob, RequestOutput
+from kvik.outputs import CompletionOutput, Logprob, RequestError, RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik_server.errors import APIError, error_body
 from kvik_server.output_parsing import OutputParser, output_parser
@@ -111,6 +111,26 @@ def check_priority(engine: AsyncLLM, priority: int) -> None:
             f"one schedules {engine.config.scheduler.policy}",
             param="priority",
         )
+
+
+def constraint_param(request: Any, plan: ToolPlan | None = None) -> str:
+    """The request field a request's structured-output constraint came from: what a 400 about
+    it names."""
+    if plan is not None and plan.mode in ("named", "required"):
+        return "tool_choice"
+    response_format = getattr(request, "response_format", None)
+    if isinstance(response_format, dict) and response_format.get("type") != "text":
+        return "response_format"
+    return "structured_outputs"
+
+
+def request_error(error: RequestError, constraint: str) -> APIError:
+    """A request the engine ended for its own fault (its constraint admits no token) as a 400
+    naming the field at fault: ``constraint`` (the field the constraint came from) where the
+    engine blames the constraint itself, else the field it names (allowed_token_ids,
+    bad_words, min_tokens)."""
+    param = constraint if error.param == "structured_outputs" else error.param
+    return APIError(error.message, 400, param)
 
 
 class _Choice:
@@ -249,8 +269,11 @@ class Completions:
             for i, prompt in enumerate(prompts)
         ]
         # Start (and so validate) every prompt before answering: a bad one is a 400, not a stream.
-        firsts = await _start_all(streams, wait_for_output=not request.stream)
-        events = _merge([_chain(first, stream) for first, stream in zip(firsts, streams)])
+        constraint = constraint_param(request)
+        firsts = await _start_all(streams, not request.stream, constraint)
+        events = _merge(
+            [_chain(first, stream, constraint) for first, stream in zip(firsts, streams)]
+        )
         if request.stream:
             return _sse_stream(self._stream(request, request_id, events, len(prompts)))
         return await self._collect(request, request_id, events, len(prompts))
@@ -490,8 +513,9 @@ class ChatCompletions:
         stream = self.engine.generate(
             prompt, params, request_id, request.priority, kind, arrival_time
         )
-        (first,) = await _start_all([stream], wait_for_output=not request.stream)
-        events = _chain(first, stream)
+        constraint = constraint_param(request, plan)
+        (first,) = await _start_all([stream], not request.stream, constraint)
+        events = _chain(first, stream, constraint)
         top = request.top_logprobs or 0
         parsers = _ParserFactory(self.engine, plan, prompt.get("prompt"))
         if request.stream:
@@ -627,7 +651,9 @@ class _ParserFactory:
 
 
 async def _start_all(
-    streams: list[AsyncIterator[RequestOutput]], wait_for_output: bool = True
+    streams: list[AsyncIterator[RequestOutput]],
+    wait_for_output: bool = True,
+    constraint: str = "structured_outputs",
 ) -> list[asyncio.Task[RequestOutput]]:
     """Start each stream's first output: this validates and queues every prompt, and raises
     (after aborting the others) when one is invalid. With ``wait_for_output`` it returns once
@@ -636,7 +662,9 @@ async def _start_all(
     that a stream's headers go out while its prompt is computed and its first token travels the
     same short path as the others (awaited here, the first chunk went out behind the headers and
     the response machinery: at 16 req/s on the H200 the client's TTFT ran 7.2 ms above the
-    server's histogram, 6.0 ms with this). A refusal then ends the stream with an error event."""
+    server's histogram, 6.0 ms with this). A refusal then ends the stream with an error event.
+    A request the engine ended for its own fault is a 400 naming the field at fault
+    (``request_error``; ``constraint``: the field its constraint came from)."""
     tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
     try:
         if wait_for_output:
@@ -650,19 +678,25 @@ async def _start_all(
                 if task.done():
                     task.result()  # raises what validation raised
         return tasks
-    except BaseException:
+    except BaseException as e:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+        if isinstance(e, RequestError):
+            raise request_error(e, constraint) from None
         raise
 
 
 async def _chain(
-    first: asyncio.Task[RequestOutput], rest: AsyncIterator[RequestOutput]
+    first: asyncio.Task[RequestOutput],
+    rest: AsyncIterator[RequestOutput],
+    constraint: str = "structured_outputs",
 ) -> AsyncIterator:
-    """The stream's first output (from its _start_all task), then the rest of it."""
+    """The stream's first output (from its _start_all task), then the rest of it; a request the
+    engine ended for its own fault raises a 400 (``request_error``), which a stream sends as its
+    error event."""
     try:
         out = await first
         yield out
@@ -670,6 +704,8 @@ async def _chain(
             return
         async for out in rest:
             yield out
+    except RequestError as e:
+        raise request_error(e, constraint) from None
     finally:
         if not first.done():  # the client left before the first token: the task holds `rest`
             first.cancel()

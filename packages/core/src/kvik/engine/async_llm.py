@@ -27,7 +27,7 @@ from kvik.engine.input_processor import (
     child_requests,
 )
 from kvik.engine.output_processor import OutputProcessor, RequestState
-from kvik.outputs import RequestOutput
+from kvik.outputs import RequestError, RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import SchedulerStats
 
@@ -36,6 +36,7 @@ __all__ = [
     "EngineDeadError",
     "EngineRequestError",
     "IterationStats",
+    "RequestError",
     "FinishedRequestStats",
     "OutputKind",
     "StatLogger",
@@ -158,9 +159,10 @@ class AsyncLLM:
         """Stream one request's progress. Each RequestOutput holds the completions that changed
         (text, tokens and logprobs as ``output_kind`` says; text held back while it may still be
         the start of a stop string); the last one has ``finished`` set. Raises ValueError for
-        invalid input, EngineDeadError when the engine is down and EngineRequestError when the
-        engine core could not take this request (it runs on). Leaving the iteration early
-        aborts the request. ``arrival_time`` (``time.monotonic()``; default now): when the request
+        invalid input (RequestError, a ValueError, when the engine ends the request for a fault
+        of its own: its constraint admits no token), EngineDeadError when the engine is down and
+        EngineRequestError when the engine core could not take this request (it runs on).
+        Leaving the iteration early aborts the request. ``arrival_time`` (``time.monotonic()``; default now): when the request
         arrived, e.g. when its HTTP request came in, before its body was read and validated, so
         that the latency metrics count what the client waited for."""
         if not self.is_healthy:
@@ -305,7 +307,10 @@ class AsyncLLM:
             if parent_id is None:
                 continue
             stream = self._streams[parent_id]
-            if state.finish_reason == "error":  # the core refused it: its consumer raises
+            if state.finish_reason == "error" and state.error_param is not None:
+                # Its own fault (its constraint admits no token): its consumer raises.
+                stream.queue.put_nowait(RequestError(str(state.stop_reason), state.error_param))
+            elif state.finish_reason == "error":  # the core refused it: its consumer raises
                 stream.queue.put_nowait(EngineRequestError(str(state.stop_reason)))
             # A "final" consumer is woken once, when its last completion finishes.
             elif stream.kind != "final" or stream.finished:

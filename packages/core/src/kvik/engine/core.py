@@ -48,6 +48,7 @@ from kvik.worker.nvtx import nvtx_range
 if TYPE_CHECKING:
     from kvik.executor.base import PendingOutput
     from kvik.platforms.base import Platform
+    from kvik.structured_output.manager import GrammarBitmask
     from kvik.worker.model_runner import ModelRunner
     from kvik.worker.step_io import ModelRunnerOutput
 
@@ -192,18 +193,21 @@ class EngineCore:
         launch the next step, then collect and return the one launched by the previous call (none
         on the first call); with nothing left to schedule, only collect.
         """
-        outputs = self.scheduler.take_early_outputs()
         if not self.async_scheduling:
             scheduler_output = self._schedule()
+            # Requests scheduling finished (a grammar that failed or admits no token).
+            outputs = self.scheduler.take_early_outputs()
             runner_output = self.executor.execute_model(scheduler_output)
             return outputs + self._update(scheduler_output, runner_output)
 
+        outputs = []
         previous, self._in_flight = self._in_flight, None
         if previous is not None and self.scheduler.must_collect_before_schedule():
             # A request to schedule reads its output history and has a token in flight.
             outputs.extend(self._collect(previous))
             previous = None
         scheduler_output = self._schedule()
+        outputs.extend(self.scheduler.take_early_outputs())
         # An empty step is still launched when it carries finished or preempted ids for the
         # runner (they are handed out once); otherwise there is nothing to launch.
         if (
@@ -220,9 +224,10 @@ class EngineCore:
         with nvtx_range("schedule", self.config.enable_nvtx):
             scheduler_output = self.scheduler.schedule()
             if scheduler_output.scheduled:
-                scheduler_output.grammar_bitmask = self.structured_outputs.grammar_bitmask(
-                    scheduler_output.scheduled
-                )
+                grammar = self.structured_outputs.grammar_bitmask(scheduler_output.scheduled)
+                scheduler_output.grammar_bitmask = grammar
+                if grammar is not None:
+                    self._finish_dead_ends(scheduler_output, grammar)
             elif self._in_flight is None:
                 # Nothing to run but requests whose grammar is compiling: wait for one of them
                 # rather than spin.
@@ -230,6 +235,20 @@ class EngineCore:
                 if waiting:
                     self.structured_outputs.wait_for_compiles(waiting, 0.01)
             return scheduler_output
+
+    def _finish_dead_ends(self, scheduler_output: SchedulerOutput, grammar: GrammarBitmask) -> None:
+        """Finish, before they sample, the step's requests whose constraint leaves no token to
+        sample (``StructuredOutputManager.dead_ends``): with "error" and why, or with "stop"
+        where their grammar allows only its end. They stay in the step (the runner has their
+        state), and their tokens are dropped when it is collected."""
+        for request, message, param in self.structured_outputs.dead_ends(
+            scheduler_output.scheduled, grammar
+        ):
+            if message is None:
+                self.scheduler.stop_request(request)
+            else:
+                logger.info("request %s failed: %s", request.request_id, message)
+                self.scheduler.fail_request(request, message, param)
 
     def _collect(self, in_flight: _InFlight) -> list[EngineCoreOutput]:
         return self._update(in_flight.scheduler_output, in_flight.pending.collect())

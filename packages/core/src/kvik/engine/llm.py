@@ -23,8 +23,8 @@ from kvik.engine.input_processor import (
     child_requests,
 )
 from kvik.engine.options import option_specs
-from kvik.engine.output_processor import OutputProcessor
-from kvik.outputs import RequestOutput
+from kvik.engine.output_processor import OutputProcessor, RequestState
+from kvik.outputs import RequestError, RequestOutput
 from kvik.sampling_params import SamplingParams
 from kvik.scheduler.output import SchedulerStats
 
@@ -140,15 +140,21 @@ class LLM:
             # KV blocks nor run on in the next call.
             self._abort([state.request_id for state in states])
             raise
-        by_parent = iter(results)
-        result = None
+        prompt_index = -1
+        failed = []
         for state in states:
             if state.index == 0:
-                result = next(by_parent)
+                prompt_index += 1
+                result = results[prompt_index]
                 result.prompt_logprobs = state.prompt_logprobs
                 result.finished = True
             result.num_cached_tokens = max(result.num_cached_tokens, state.num_cached_tokens)
             result.outputs.append(state.completion())
+            if state.finish_reason == "error":
+                failed.append((prompt_index, state))
+        if failed:
+            # Raised once the whole batch has finished: the other requests ran to their end.
+            raise _request_error(failed, results)
         return results
 
     def chat(
@@ -201,6 +207,8 @@ class LLM:
                     _, to_abort = self.output_processor.process_outputs(self.engine.step())
                 if to_abort:
                     self.engine.abort_requests(to_abort)
+                if state.finish_reason == "error":
+                    raise RequestError(str(state.stop_reason), state.error_param)
                 ready = state.streamable_text_len()
                 if ready > sent:
                     yield state.text[sent:ready]
@@ -229,6 +237,20 @@ class LLM:
                 if to_abort:
                     self.engine.abort_requests(to_abort)
                 bar.update(sum(state.finished for state in changed))
+
+
+def _request_error(
+    failed: list[tuple[int, RequestState]], results: list[RequestOutput]
+) -> RequestError:
+    """The error of a batch whose requests (prompt index, state) failed through their own fault,
+    raised once every request of the batch has finished: the first one's reason, a count of
+    the others, and every output (``RequestError.outputs``)."""
+    index, state = failed[0]
+    message = f"prompt {index}: {state.stop_reason}"
+    if len(failed) > 1:
+        others = ", ".join(str(i) for i in sorted({i for i, _ in failed[1:]}))
+        message += f"; {len(failed) - 1} more failed (prompts {others}): see the error's outputs"
+    return RequestError(message, state.error_param, results)
 
 
 class _Deferral:

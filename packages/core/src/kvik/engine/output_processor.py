@@ -31,6 +31,9 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # A finish "error" that is the request's own fault: the SamplingParams field at fault
+    # (EngineCoreOutput.error_param); stop_reason holds the message.
+    error_param: str | None = None
     num_cached_tokens: int = 0
     # The tokens whose sampling ended the request (Request.stop_token_set): a "stop" finish on
     # one adds no text; on another token (a grammar complete before min_tokens) the text stays.
@@ -128,6 +131,7 @@ class OutputProcessor:
                 to_abort.append(out.request_id)
             elif out.finish_reason is not None:
                 state.finish_reason, state.stop_reason = out.finish_reason, out.stop_reason
+                state.error_param = out.error_param
             changed.append(state)
             if state.finished:
                 del self.requests[out.request_id]

@@ -62,6 +62,11 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (reason: stop_reason)
     stop_reason: int | str | None = None
+    # An "error" that is the request's own fault (its structured-output constraint admits no
+    # token, alone or with its allowed_token_ids / bad_words; its grammar does not compile): the
+    # SamplingParams field at fault. None for an "error" that is the engine's (a request the
+    # engine core could not take).
+    error_param: str | None = None
     num_cached_tokens: int = 0
     # One entry per new token, when the request asked for logprobs.
     new_logprobs: list[TokenLogprobs] | None = None

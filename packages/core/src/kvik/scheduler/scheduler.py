@@ -38,10 +38,13 @@ their KV slots are simply overwritten later, and no block hash ever covers them 
 known tokens only). Speculation runs with synchronous scheduling only (the EngineCore's rule).
 
 Structured outputs: a waiting request whose grammar is still compiling is passed over (it keeps
-its place) while the others are admitted; one whose grammar failed to compile is finished as
-aborted, its output handed out by ``take_early_outputs``. A request whose grammar has reached its
-end finishes with "stop". With speculation its drafts are cut, as they arrive, to the prefix its
-grammar accepts (``StructuredOutputManager.valid_drafts``).
+its place) while the others are admitted; one whose grammar failed to compile finishes with
+"error" (``RequestStatus.FINISHED_ERROR``: the request's own fault, stop_reason says why), its
+output handed out by ``take_early_outputs``. So does a request whose constraint admits no token
+where it stands (``fail_request``, called by the engine core when it fills the step's masks), and
+one whose grammar refused a sampled token (only possible when its mask allowed nothing). A request
+whose grammar has reached its end finishes with "stop". With speculation its drafts are cut, as
+they arrive, to the prefix its grammar accepts (``StructuredOutputManager.valid_drafts``).
 """
 
 from __future__ import annotations
@@ -167,7 +170,8 @@ class Scheduler:
         self._num_prefill_chunks = 0
         self._num_steps = 0
         self.structured_outputs = structured_outputs
-        # Outputs of requests finished outside a step (a grammar that failed to compile).
+        # Outputs of requests finished outside a step (a grammar that failed to compile, or that
+        # admits no token: fail_request).
         self._early_outputs: list[EngineCoreOutput] = []
         if config.num_speculative_tokens and config.async_scheduling:
             raise ValueError("speculative decoding runs with synchronous scheduling only")
@@ -206,6 +210,35 @@ class Scheduler:
             self._release(request)
             outputs.append(self._output(request, []))
         return outputs
+
+    def fail_request(self, request: Request, message: str, param: str) -> None:
+        """Finish an unfinished request with "error", the request's own fault (its constraint
+        admits no token): ``message`` says why, ``param`` names the SamplingParams field at
+        fault. Its output is handed out by ``take_early_outputs``. The request may be in the
+        step just scheduled: its token from there is dropped, as an aborted request's."""
+        self._finish_early(request, message, param)
+
+    def stop_request(self, request: Request) -> None:
+        """Finish an unfinished request with "stop" before its next token: its grammar allows
+        only its end (EOS), which its other parameters forbid (allowed_token_ids, bad_words,
+        min_tokens). The grammar wins, as in ``_check_stop``; otherwise as ``fail_request``."""
+        self._finish_early(request)
+
+    def _finish_early(
+        self, request: Request, message: str | None = None, param: str | None = None
+    ) -> None:
+        if request.is_finished():
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        if message is None:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self._finish_with_error(request, message, param)
+        self._release(request)
+        self._early_outputs.append(self._output(request, []))
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -370,7 +403,8 @@ class Scheduler:
         return bool(self.requests) or bool(self._early_outputs)
 
     def take_early_outputs(self) -> list[EngineCoreOutput]:
-        """Outputs of requests finished between steps (their grammar did not compile)."""
+        """Outputs of requests finished between steps (their grammar did not compile, or admits
+        no token: ``fail_request``)."""
         outputs, self._early_outputs = self._early_outputs, []
         return outputs
 
@@ -383,12 +417,11 @@ class Scheduler:
         ]
 
     def _grammar_ready(self, request: Request) -> bool:
-        """Whether a waiting request's grammar is compiled; one that failed finishes (aborted)."""
+        """Whether a waiting request's grammar is compiled; one that failed finishes ("error")."""
         if self.structured_outputs.is_ready(request):
             return True
         if request.structured_output.error is not None:
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.stop_reason = request.structured_output.error
+            self._finish_with_error(request, request.structured_output.error, "structured_outputs")
             self._release(request)
             self._early_outputs.append(self._output(request, []))
         return False
@@ -515,11 +548,22 @@ class Scheduler:
             # forbids those: nothing would be left to sample. The grammar wins; the request stops.
             request.status = RequestStatus.FINISHED_STOPPED
             return True
-        if so is not None and (so.is_terminated() or so.rejected):
-            # The grammar allows nothing more (or was broken by a token it refused).
-            request.status = (
-                RequestStatus.FINISHED_ABORTED if so.rejected else RequestStatus.FINISHED_STOPPED
+        if so is not None and so.rejected:
+            # The grammar refused the token: the mask allowed nothing the sampler could pick (a
+            # dead end the engine core's check before sampling did not see: a row of a
+            # speculative step after the drafts).
+            n = request.num_output_tokens - 1  # before the refused one
+            self._finish_with_error(
+                request,
+                "no token satisfies the structured output constraint "
+                f"({request.sampling_params.structured_outputs.kind}) together with the other "
+                f"sampling parameters after {n} output token{'s' * (n != 1)}",
+                "structured_outputs",
             )
+            return True
+        if so is not None and so.is_terminated():
+            # The grammar allows nothing more.
+            request.status = RequestStatus.FINISHED_STOPPED
             return True
         if (
             request.num_output_tokens >= request.max_tokens
@@ -528,6 +572,12 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
+
+    @staticmethod
+    def _finish_with_error(request: Request, message: str, param: str) -> None:
+        request.status = RequestStatus.FINISHED_ERROR
+        request.stop_reason = message
+        request.error_param = param
 
     def _release(self, request: Request) -> None:
         """Forget a finished request; the caller takes it out of running or waiting.
@@ -553,4 +603,5 @@ class Scheduler:
             finish_reason=request.finish_reason,
             stop_reason=request.stop_reason,
             num_cached_tokens=max(request.num_cached_tokens, 0),
+            error_param=request.error_param,
         )

@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvik.config import StructuredOutputsConfig
@@ -213,6 +214,39 @@ class StructuredOutputManager:
             [s.request.request_id for s in constrained], bitmask, counts if speculative else None
         )
 
+    def dead_ends(
+        self, scheduled: list[ScheduledRequest], grammar: GrammarBitmask
+    ) -> list[tuple[Request, str | None, str | None]]:
+        """The step's constrained requests that have nothing to sample: where each stands (its
+        first mask row), no token its grammar admits survives its other parameters
+        (allowed_token_ids, the bad words its output completes, min_tokens' ban on stop
+        tokens), or the grammar admits none at all. Sampled, such a request took token 0, which
+        its grammar refused. Each comes with ``(message, param)``: why, and the SamplingParams
+        field at fault; or ``(None, None)`` where the grammar allows only its end (EOS), which
+        the other parameters forbid: the output is complete and the request stops, as in the
+        scheduler's min_tokens rule. The caller finishes them; their rows are set to allow
+        everything, so that the sampler still draws from a distribution (the token is dropped).
+        Host work only: one row of ceil(V / 32) words looked at per request."""
+        requests = {s.request.request_id: s.request for s in scheduled}
+        words = grammar.bitmask.numpy().view(np.uint32)
+        found = []
+        first = 0
+        for request_id, count in zip(grammar.request_ids, grammar.row_counts(), strict=True):
+            request = requests[request_id]
+            verdict = _dead_end(request, words[first])
+            if verdict is not None:
+                words[first : first + count] = 0xFFFFFFFF
+                found.append((request, *verdict))
+            elif count > 1:
+                # A verification's rows after its drafts: one that allows nothing (the grammar
+                # dead-ends after a draft) allows everything instead; the token sampled there,
+                # if the drafts before it are accepted, is refused by the grammar, which fails
+                # the request in the scheduler.
+                later = words[first + 1 : first + count]
+                later[~later.any(axis=1)] = 0xFFFFFFFF
+            first += count
+        return found
+
     def _fill_rows(
         self, request: Request, drafts: tuple[int, ...], bitmask: torch.Tensor, first: int
     ) -> None:
@@ -294,6 +328,87 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _ids(ids: Any, width: int) -> Any:
+    return np.array(sorted({i for i in ids if 0 <= i < width}), dtype=np.int64)
+
+
+def _bits(row: Any, ids: Any) -> Any:
+    """Whether each of ``ids`` (an int64 array) is allowed in a mask row (uint32 words)."""
+    return ((row[ids >> 5] >> (ids & 31).astype(row.dtype)) & 1).astype(bool)
+
+
+def _without(row: Any, ids: Any) -> Any:
+    """A copy of a mask row (uint32 words) with ``ids`` (an int64 array) forbidden."""
+    rest = row.copy()
+    np.bitwise_and.at(rest, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+    return rest
+
+
+def _dead_end(request: Request, row: Any) -> tuple[str | None, str | None] | None:
+    """``StructuredOutputManager.dead_ends`` for one request and its mask row (uint32 words):
+    None when some token is left to sample. Mirrors the logits processors of
+    ``kvik.layers.logits_processors`` that forbid tokens (allowed tokens, bad words, min
+    tokens); logit bias and penalties keep logits finite."""
+    params = request.sampling_params
+    kind = params.structured_outputs.kind
+    n = request.num_output_tokens
+    where = "at the start of the output" if n == 0 else f"after {n} output token{'s' * (n != 1)}"
+    if not row.any():
+        return (
+            f"the structured output constraint ({kind}) admits no token {where}: no text this "
+            "model can generate satisfies it",
+            "structured_outputs",
+        )
+    width = row.shape[0] * 32
+    output = request.output_token_ids
+    by_words = {
+        word[-1]
+        for word in request.bad_words_token_ids
+        if len(word) == 1 or output[-(len(word) - 1) :] == word[:-1]
+    }
+    by_min_tokens: set[int] = set()
+    if n < params.min_tokens:
+        by_min_tokens.update(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            by_min_tokens.update(request.eos_token_ids)
+    banned = by_words | by_min_tokens
+    allowed = params.allowed_token_ids
+    if allowed is not None:
+        ids = _ids(allowed, width)
+        admitted = set(ids[_bits(row, ids)].tolist())
+        if admitted - banned:
+            return None
+    else:
+        if not banned:
+            return None
+        ids = _ids(banned, width)
+        if _without(row, ids).any():
+            return None
+        admitted = set(ids[_bits(row, ids)].tolist())
+    # Nothing is left to sample.
+    if not _without(row, _ids(request.eos_token_ids, width)).any():
+        return None, None  # the grammar allows only its end: the output is complete
+    constraint = f"the structured output constraint ({kind})"
+    if not admitted:
+        return (
+            f"allowed_token_ids leave no token that {constraint} admits {where}: none of them "
+            "can continue the output",
+            "allowed_token_ids",
+        )
+    causes = []  # (the field at fault, how the message names it)
+    if admitted & by_words:
+        causes.append(("bad_words", "bad_words"))
+    if admitted & by_min_tokens:
+        causes.append(("min_tokens", f"min_tokens={params.min_tokens} (no stop token before it)"))
+    verb = "forbids" if causes == [causes[0]] and causes[0][0] == "min_tokens" else "forbid"
+    if allowed is not None:
+        admits = f"both allowed_token_ids and {constraint} admit"
+    else:
+        admits = f"{constraint} admits"
+    names = " and ".join(name for _, name in causes)
+    return f"{names} {verb} every token that {admits} {where}", causes[0][0]
 
 
 def check_settings(settings: StructuredOutputsConfig) -> None:

@@ -113,8 +113,10 @@ class Responses:
             "delta" if request.stream else "final",
             arrival_time,
         )
-        (first,) = await _start_all([stream], wait_for_output=not request.stream)
-        events = _chain(first, stream)
+        # A constraint the engine fails on is a 400 naming the field it came from.
+        constraint = "tool_choice" if plan.mode in ("named", "required") else "text.format"
+        (first,) = await _start_all([stream], not request.stream, constraint)
+        events = _chain(first, stream, constraint)
         parser = output_parser(self.engine, plan, prompt.get("prompt"))
         if request.stream:
             return self._stream(response, events, parser)
