@@ -4,6 +4,7 @@ vocabularies, asynchronous scheduling, reasoning gating, compile errors, the bit
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -87,6 +88,9 @@ def test_bad_constraints_are_value_errors_and_the_engine_keeps_running(padded_ll
         StructuredOutputsParams(grammar="root ::= missing"),
         StructuredOutputsParams(json={"type": "object", "minProperties": "x"}),
         StructuredOutputsParams(json="{not json"),
+        # Keywords xgrammar compiles without enforcing.
+        StructuredOutputsParams(json={"not": {"type": "string"}}),
+        StructuredOutputsParams(json={"allOf": [{"type": "string"}, {"type": "integer"}]}),
     ):
         with pytest.raises(ValueError, match="structured_outputs"):
             llm.generate(["a"], SamplingParams(structured_outputs=bad), use_tqdm=False)
@@ -315,3 +319,42 @@ def test_dead_end_verdicts_on_hand_made_masks():
     assert verdict([2], min_tokens=3) == (None, None)
     assert verdict([2], allowed_token_ids=[40]) == (None, None)
     assert verdict([2], min_tokens=3, ignore_eos=True) is None
+
+
+def test_schema_keywords_the_grammar_engine_does_not_enforce_are_found_with_their_place():
+    """Each keyword xgrammar 0.2 ignores (its grammar accepted a document breaking it), found in
+    subschemas but not in data: a property named "not", enum values, an allOf of one schema."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from kvik.structured_output.grammar import unenforced_schema_keywords
+
+    ignored = {
+        '"x"': {"not": {"type": "string"}},
+        "5": {"allOf": [{"type": "string"}, {"type": "integer"}]},
+        "1": {"if": {"type": "integer"}, "then": {"minimum": 5}},
+        "[1, 1]": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        '{"a": 1}': {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+    }
+    for document, schema in ignored.items():
+        # Still true of the installed xgrammar? Then kvik must refuse the schema.
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema))
+        if accepts(grammar, document):
+            assert unenforced_schema_keywords(schema), schema
+    nested = {
+        "type": "object",
+        "properties": {
+            "not": {"type": "string", "enum": ["not", "allOf"]},
+            "list": {"type": "array", "items": {"anyOf": [{"not": {"const": 1}}]}},
+            "one": {"allOf": [{"type": "integer"}]},
+        },
+        "$defs": {"d": {"uniqueItems": True}},
+    }
+    assert unenforced_schema_keywords(nested) == [
+        "'not' at #/properties/list/items/anyOf/0",
+        "'uniqueItems' at #/$defs/d",
+    ]

@@ -81,6 +81,51 @@ def compile_grammar(compiler: Any, key: tuple[str, str, bool]) -> Any:
         raise ValueError(f"invalid structured_outputs.{kind}: {_reason(e)}") from None
 
 
+#: JSON-schema validation keywords xgrammar 0.2 compiles without enforcing: probed one by one on a
+#: document that breaks each, its grammar accepted it (``not``, ``if``/``then``/``else``,
+#: ``dependentRequired``, ``dependentSchemas``; ``uniqueItems: true``; ``allOf`` of two or more
+#: schemas, of which it follows one). A schema that uses one is refused, as vLLM refuses schemas
+#: its xgrammar backend cannot follow, rather than served output that may break it.
+_UNENFORCED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
+#: Where a schema holds subschemas: maps of them, lists of them, one (or a list, for "items").
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = (
+    "additionalProperties", "items", "additionalItems", "contains", "propertyNames",
+    "unevaluatedProperties", "unevaluatedItems", "not", "if", "then", "else",
+)  # fmt: skip
+
+
+def unenforced_schema_keywords(schema: Any, path: str = "#") -> list[str]:
+    """The keywords of a JSON schema (and of its subschemas, not of its data: property names,
+    enum and const values, defaults) that xgrammar would not enforce, each with its JSON
+    pointer, e.g. ``'not' at #/properties/a``."""
+    if not isinstance(schema, dict):
+        return []
+    found = [f"{key!r} at {path}" for key in _UNENFORCED if key in schema]
+    if schema.get("uniqueItems") is True:
+        found.append(f"'uniqueItems' at {path}")
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) > 1:
+        found.append(f"'allOf' of {len(all_of)} schemas at {path}")
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                found += unenforced_schema_keywords(sub, f"{path}/{key}/{name}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                found += unenforced_schema_keywords(sub, f"{path}/{key}/{i}")
+    for key in _SUBSCHEMAS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, item in enumerate(sub):
+                found += unenforced_schema_keywords(item, f"{path}/{key}/{i}")
+        else:
+            found += unenforced_schema_keywords(sub, f"{path}/{key}")
+    return found
+
+
 def check_grammar(params: StructuredOutputsParams, where: str | None = None) -> None:
     """Parse the constraint without a tokenizer (cheap), so that a bad schema, regex or grammar is
     a ValueError in the front end rather than a failed request in the engine core. ``where``
@@ -89,6 +134,14 @@ def check_grammar(params: StructuredOutputsParams, where: str | None = None) -> 
     import xgrammar as xgr
 
     kind, spec, disable_any_whitespace = grammar_key(params)
+    if kind == "json":
+        unenforced = unenforced_schema_keywords(json.loads(spec))
+        if unenforced:
+            raise ValueError(
+                f"invalid {where or 'structured_outputs.json'}: the schema uses keywords the "
+                f"grammar engine (xgrammar) does not enforce: {', '.join(unenforced)}; outputs "
+                "would not be held to them, so the schema is refused"
+            )
     try:
         if kind in ("json", "json_object"):
             xgr.Grammar.from_json_schema(
