@@ -309,8 +309,9 @@ def test_kvik_chat_command():
     kvik = [sys.executable, "-m", "kvik"]
     chat = subprocess.run(
         [*kvik, "chat", "--max-model-len", "512", "--max-tokens", "24", "--enforce-eager"],
-        # A line that is not UTF-8 first: refused alone, and the chat goes on.
-        input=b"\xff\xfe\nWhat is the capital of France?\n",
+        # A line that is not UTF-8 first: refused alone, and the chat goes on; then a line that
+        # takes the conversation past max_model_len: refused, with the way out (/reset).
+        input=b"\xff\xfe\nWhat is the capital of France?\n" + b"word " * 600 + b"\n",
         capture_output=True,
         timeout=300,
         env=env,
@@ -319,6 +320,7 @@ def test_kvik_chat_command():
     assert chat.returncode == 0, stderr
     assert "kvik chat: text must be valid Unicode" in stderr
     assert "Paris" in stdout
+    assert "max_model_len is 512" in stderr and "/reset starts a new one" in stderr
 
 
 def test_stop_string_spanning_two_tokens(llm_fp32):

@@ -60,6 +60,13 @@ def run(args: argparse.Namespace) -> int:
             # and go on with the conversation.
             print(f"kvik chat: {e}", file=sys.stderr)
             conversation.pop()
+            if "max_model_len" in str(e) and len(conversation) > len(start):
+                # Every later line would be refused the same way: say how to go on.
+                print(
+                    "kvik chat: the conversation so far fills the model's length: /reset starts "
+                    "a new one",
+                    file=sys.stderr,
+                )
             continue
         print(flush=True)
         conversation.append({"role": "assistant", "content": "".join(reply)})
