@@ -74,6 +74,19 @@ def test_an_unusable_default_fails_at_load_not_at_the_first_request():
         sampling_defaults("auto", {"top_p": 1.5})
 
 
+@pytest.mark.parametrize(
+    "content, message",
+    [("{oops", "is not a valid JSON file"), ("[]", "holds a JSON list, not an object")],
+    ids=["not-json", "a-list"],
+)
+def test_a_damaged_generation_config_names_its_file(tmp_path, content, message):
+    """json's own error (no file named), or an AttributeError from reading a list, before."""
+    folder = model_folder(tmp_path, None)
+    (folder / "generation_config.json").write_text(content)
+    with pytest.raises(ValueError, match=f"generation_config.json {message}"):
+        load_model_config(str(folder), load_format="dummy")
+
+
 def test_loader_applies_the_option(tmp_path):
     folder = model_folder(tmp_path, QWEN3_LIKE)
     auto = load_model_config(str(folder), load_format="dummy")

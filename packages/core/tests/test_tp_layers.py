@@ -84,6 +84,17 @@ def test_row_parallel_keeps_its_columns_and_rank_0_the_bias(as_rank, rank):
     assert torch.equal(layer.bias, full_b if rank == 0 else torch.zeros(3))
 
 
+def test_a_rank_refuses_a_checkpoint_tensor_of_another_size(as_rank):
+    """Rank 0 of a layer of 8 columns read its 4 from a tensor of 12 (and rank 1 the next 4),
+    the rest unread: a checkpoint larger than the config loaded, wrong, on every rank."""
+    as_rank(0)
+    with pytest.raises(ValueError, match=r"shape \(3, 12\) has 12 along dim 1, where down takes 8"):
+        load(RowParallelLinear(8, 3, prefix="down"), "weight", torch.randn(3, 12))
+    with pytest.raises(ValueError, match=r"has 4 along dim 0, where qkv takes 2"):
+        qkv = QKVLinear(5, 2, num_heads=4, num_kv_heads=1, prefix="qkv")
+        load(qkv, "weight", torch.randn(4, 5), "k")
+
+
 def test_merged_column_splits_each_projection(as_rank):
     as_rank(1)
     gate, up = torch.randn(6, 2), torch.randn(6, 2)

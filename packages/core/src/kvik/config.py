@@ -123,8 +123,13 @@ def read_generation_config(path: Path) -> dict[str, Any]:
     file = path / "generation_config.json"
     if not file.is_file():
         return {}
-    with open(file) as f:
-        return json.load(f)
+    try:
+        config = json.loads(file.read_text())
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{file} is not a valid JSON file: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    return config
 
 
 @dataclass

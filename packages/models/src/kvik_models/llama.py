@@ -23,6 +23,7 @@ from kvik.layers.linear import (
 )
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from kvik.quantization.parameters import check_dtype
 
 if TYPE_CHECKING:
     from kvik.models.decoder_stack import DecoderStack
@@ -244,7 +245,11 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint weight {name!r} matches no parameter of {type(self).__name__}"
                 )
             param = params[target]
+            if shard_id in loaded.get(target, ()):
+                # Two files of the checkpoint hold it: the last read would silently win.
+                raise ValueError(f"checkpoint weight {name!r} is in the checkpoint twice")
             try:
+                check_dtype(param, tensor)
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             except ValueError as e:
                 raise ValueError(f"checkpoint weight {name!r}: {e}") from None

@@ -33,7 +33,13 @@ def load_tokenizer(name_or_path: str | Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # a damaged file fails deep in transformers, in several kinds
+        files = ", ".join(f for f in TOKENIZER_FILES if (path / f).is_file())
+        raise ValueError(
+            f"the tokenizer in {path} does not load ({files}): {type(e).__name__}: {e}"
+        ) from e
 
 
 def encode_text(tokenizer: Any, text: str, **kwargs: Any) -> list[int]:

@@ -66,7 +66,8 @@ class Linear(nn.Module):
     ``prefix`` is the layer's module name in the model (``model.layers.0.mlp.down_proj``): the
     quantization config reads its ignore list by it. ``tp_starts`` (parallel layers): where this
     rank's part begins along ``tp_dim`` in the checkpoint tensor of each shard (key None: of a
-    layer that is not fused).
+    layer that is not fused); ``tp_lengths``: that tensor's whole length along ``tp_dim`` (the
+    loaders refuse a checkpoint tensor of another length instead of reading a part of it).
     """
 
     #: The dim of the checkpoint's weight that is split between ranks: 0 (the output rows,
@@ -83,6 +84,7 @@ class Linear(nn.Module):
         prefix: str = "",
         shard_sizes: dict[int | str, int] | None = None,
         tp_starts: dict[int | str | None, int] | None = None,
+        tp_lengths: dict[int | str | None, int] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
@@ -91,6 +93,7 @@ class Linear(nn.Module):
         tp = get_tp_group()
         self.tp_rank, self.tp_size = tp.rank_in_group, tp.world_size
         self._tp_starts = tp_starts or {}
+        self._tp_lengths = tp_lengths or {}
         self.shards: dict[int | str, tuple[int, int]] = {}
         if shard_sizes:
             offset = 0
@@ -115,6 +118,11 @@ class Linear(nn.Module):
         """Where this rank's part of shard ``shard_id`` (None: the whole layer) begins along
         ``tp_dim`` in the checkpoint's tensor."""
         return self._tp_starts.get(shard_id, 0)
+
+    def tp_length(self, shard_id: int | str | None) -> int | None:
+        """The whole length along ``tp_dim`` of the checkpoint's tensor of shard ``shard_id``
+        (None: of the whole layer), or None where it is not known."""
+        return self._tp_lengths.get(shard_id)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.quant_method.apply(self, x)
@@ -152,6 +160,7 @@ class ColumnParallelLinear(Linear):
             quant_config=quant_config,
             prefix=prefix,
             tp_starts={None: tp.rank_in_group * rows},
+            tp_lengths={None: out_features},
         )
 
 
@@ -179,6 +188,7 @@ class RowParallelLinear(Linear):
             quant_config=quant_config,
             prefix=prefix,
             tp_starts={None: tp.rank_in_group * columns},
+            tp_lengths={None: in_features},
         )
         if self.bias is not None and self.tp_rank != 0:
             # The bias is added before the sum, so only rank 0 holds it; the others hold zeros
@@ -221,6 +231,7 @@ class MergedColumnLinear(ColumnParallelLinear):
             prefix=prefix,
             shard_sizes=dict(enumerate(sizes)),
             tp_starts={i: tp.rank_in_group * size for i, size in enumerate(sizes)},
+            tp_lengths={None: sum(out_sizes), **dict(enumerate(out_sizes))},
         )
 
 
@@ -285,6 +296,12 @@ class QKVLinear(ColumnParallelLinear):
                 "q": tp.rank_in_group * q_size,
                 "k": kv_block * kv_size,
                 "v": kv_block * kv_size,
+            },
+            tp_lengths={
+                None: (num_heads + 2 * num_kv_heads) * head_size,
+                "q": num_heads * head_size,
+                "k": num_kv_heads * head_size,
+                "v": num_kv_heads * head_size,
             },
         )
         self.num_heads, self.num_kv_heads = heads, kv_heads

@@ -73,6 +73,7 @@ def load_model_config(
         model_generation_config = read_generation_config(path)
     if load_format == "auto":
         load_format = "gguf" if resolved.kind == "gguf" else "safetensors"
+    _check_sizes(hf_config, path if resolved.kind == "gguf" else path / "config.json")
     max_position = hf_config.max_position_embeddings
     if max_model_len is None:
         max_model_len = max_position
@@ -106,6 +107,30 @@ def load_model_config(
     if load_format == "safetensors":
         safetensors_files(path)
     return config
+
+
+def _check_sizes(hf_config, source) -> None:
+    """The sizes transformers takes as they come and the model would fail on far from the
+    cause: a division by zero, a weight shape error, a scheduler's limit."""
+
+    def at_least(key: str, value, least: int = 1) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            what = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ValueError(f"{source}: {key} must be {what}, got {value!r}")
+
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    kv_heads = heads if kv_heads is None else kv_heads
+    at_least("num_attention_heads", heads)
+    at_least("num_key_value_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+            f"{kv_heads} (each KV head serves a whole group of query heads)"
+        )
+    at_least("max_position_embeddings", hf_config.max_position_embeddings)
+    if (window := getattr(hf_config, "sliding_window", None)) is not None:
+        at_least("sliding_window", window, 0)  # 0: none, in some configs
 
 
 def _architecture(hf_config, path) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,14 +20,28 @@ def safetensors_files(folder: Path) -> list[Path]:
     """The shards listed by ``model.safetensors.index.json``, else ``model.safetensors``."""
     index = folder / INDEX_FILE
     if index.is_file():
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [folder / name for name in sorted(set(weight_map.values()))]
-    if (folder / SINGLE_FILE).is_file():
-        return [folder / SINGLE_FILE]
-    raise ValueError(
-        f"model folder {folder} has no weights: looked for {INDEX_FILE} and {SINGLE_FILE}"
-    )
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [folder / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{index} is not a safetensors index (a JSON object whose 'weight_map' maps "
+                f"tensor names to files): {type(e).__name__}: {e}"
+            ) from None
+        if absent := [file.name for file in files if not file.is_file()]:
+            raise ValueError(
+                f"{index} lists weight files the folder does not have: {', '.join(absent)}"
+            )
+    elif (folder / SINGLE_FILE).is_file():
+        files = [folder / SINGLE_FILE]
+    else:
+        raise ValueError(
+            f"model folder {folder} has no weights: looked for {INDEX_FILE} and {SINGLE_FILE}"
+        )
+    # safetensors reports a file it may not open as "No such file or directory".
+    if denied := [str(file) for file in files if not os.access(file, os.R_OK)]:
+        raise ValueError(f"no permission to read {', '.join(denied)}")
+    return files
 
 
 def unreadable(file: Path, error: SafetensorError) -> ValueError:

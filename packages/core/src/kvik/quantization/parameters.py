@@ -45,6 +45,33 @@ def default_weight_loader(
     param.data.copy_(loaded)
 
 
+#: The dtypes a checkpoint tensor may be cast between as it loads (the same numbers, rounded).
+PLAIN_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_dtype(param: Tensor, loaded: Tensor | CheckpointSlice) -> None:
+    """Refuse a checkpoint tensor that the copy into ``param`` would cast to other numbers:
+    integers, booleans or FP8 (values that mean something only with their scales) into a
+    floating-point parameter, anything but its own FP8 dtype into an FP8 one. Integer parameters
+    are their method's business."""
+    if param.dtype in PLAIN_FLOATS:
+        if loaded.dtype in PLAIN_FLOATS:
+            return
+        hint = (
+            " (FP8 weights need their scales: a checkpoint quantized without config.json's "
+            "quantization_config, or a layer its ignore list leaves unquantized)"
+            if loaded.dtype.is_floating_point
+            else ""
+        )
+    elif param.dtype.is_floating_point:  # FP8
+        if loaded.dtype == param.dtype:
+            return
+        hint = " (the quantization_config says this layer is FP8)"
+    else:
+        return
+    raise ValueError(f"checkpoint dtype {loaded.dtype} where the parameter is {param.dtype}{hint}")
+
+
 def new_parameter(
     shape: tuple[int, ...] | list[int],
     dtype: torch.dtype,
@@ -80,6 +107,13 @@ def rank_part(
     dim = layer.tp_dim
     if dim is None or dim >= target.dim():
         return materialize(loaded)  # replicated, or whole on every rank (a row-parallel bias)
+    length = layer.tp_length(shard_id)
+    if length is not None and loaded.shape[dim] != -(-length // per_entry):
+        # A larger tensor would have its first rows (or columns) read and the rest ignored.
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} has {loaded.shape[dim]} along dim {dim}, "
+            f"where {layer.prefix or 'the layer'} takes {-(-length // per_entry)}"
+        )
     start = layer.tp_start(shard_id)
     if start % per_entry:
         raise ValueError(
