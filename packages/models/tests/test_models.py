@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -119,6 +120,9 @@ def test_sliding_window_follows_transformers_per_layer() -> None:
     assert [sliding_window(CONFIGS[k], i) for k in ("llama3", "qwen2") for i in range(2)] == [
         None
     ] * 4
+    no_window = copy.deepcopy(CONFIGS["mistral"])
+    no_window.sliding_window = 0
+    assert [sliding_window(no_window, i) for i in range(2)] == [None, None]
 
 
 def test_tied_head_shares_the_embedding(tmp_path: Path) -> None:

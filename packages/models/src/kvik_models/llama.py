@@ -36,11 +36,14 @@ def head_size(config: Any) -> int:
 
 def sliding_window(config: Any, layer_idx: int) -> int | None:
     """Hugging Face's rule: per layer where the config lists ``layer_types`` (Qwen2, Qwen3), else
-    the config's ``sliding_window`` for every layer (Mistral)."""
+    the config's ``sliding_window`` for every layer (Mistral). A window of 0 (some configs' way
+    of saying none) is none: as a window it would hide every key from the CPU backend's mask."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        return config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)
+        window = config.sliding_window if layer_types[layer_idx] == "sliding_attention" else None
+    else:
+        window = getattr(config, "sliding_window", None)
+    return window or None
 
 
 class LlamaAttention(nn.Module):
