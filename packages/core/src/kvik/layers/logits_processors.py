@@ -103,6 +103,21 @@ class AllowedTokensLogitsProcessor:
         return logits
 
 
+def bad_word_endings(
+    bad_words_token_ids: Sequence[Sequence[int]], output_token_ids: Sequence[int]
+) -> list[int]:
+    """The tokens bad words forbid next: each word's last token, where the output ends with the
+    word's other tokens (the structured outputs' dead-end check asks the same)."""
+    endings = []
+    for word in bad_words_token_ids:
+        if not word:
+            continue
+        prefix = list(word[:-1])
+        if not prefix or list(output_token_ids[-len(prefix) :]) == prefix:
+            endings.append(word[-1])
+    return endings
+
+
 class BadWordsLogitsProcessor:
     """Forbid the last token of a bad word whenever the output ends with the word's other tokens."""
 
@@ -110,10 +125,8 @@ class BadWordsLogitsProcessor:
         self.words = [list(w) for w in bad_words_token_ids if w]
 
     def __call__(self, output_token_ids: Sequence[int], logits: Tensor) -> Tensor:
-        for word in self.words:
-            prefix = word[:-1]
-            if not prefix or list(output_token_ids[-len(prefix) :]) == prefix:
-                logits[word[-1]] = float("-inf")
+        for token in bad_word_endings(self.words, output_token_ids):
+            logits[token] = float("-inf")
         return logits
 
 

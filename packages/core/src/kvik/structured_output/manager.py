@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvik.config import StructuredOutputsConfig
+from kvik.layers.logits_processors import bad_word_endings
 from kvik.structured_output.bitmask import unpack_bitmask
 from kvik.structured_output.grammar import compile_grammar, grammar_key, tokenizer_info
 from kvik.structured_output.reasoning import REASONING_TOKENS, ReasoningEnd
@@ -362,12 +363,7 @@ def _dead_end(request: Request, row: Any) -> tuple[str | None, str | None] | Non
             "structured_outputs",
         )
     width = row.shape[0] * 32
-    output = request.output_token_ids
-    by_words = {
-        word[-1]
-        for word in request.bad_words_token_ids
-        if len(word) == 1 or output[-(len(word) - 1) :] == word[:-1]
-    }
+    by_words = set(bad_word_endings(request.bad_words_token_ids, request.output_token_ids))
     by_min_tokens: set[int] = set()
     if n < params.min_tokens:
         by_min_tokens.update(params.stop_token_ids or ())
