@@ -12,7 +12,7 @@ import pytest
 
 from kvik.model_loader import default_model
 from kvik.model_loader.default_model import ALIAS, GGUF_SHA256, WHEEL_SPEC, default_model_path
-from kvik.model_loader.resolve import resolve_model
+from kvik.model_loader.resolve import resolve_model, resolve_tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -103,6 +103,18 @@ def test_unresolvable_names(tmp_path: Path) -> None:
     for name in ("no-such-model", "smollm2", str(tmp_path / "missing" / "deep" / "path")):
         with pytest.raises(ValueError, match="neither a local folder, a .gguf file, the alias"):
             resolve_model(name)
+
+
+def test_empty_name_is_not_the_current_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    for name in ("", " "):
+        with pytest.raises(ValueError, match="model name is empty"):
+            resolve_model(name)
+        with pytest.raises(ValueError, match="tokenizer name is empty"):
+            resolve_tokenizer(name)
 
 
 def test_hub_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,10 @@ def resolve_model(name: str | None) -> ResolvedModel:
     ``.gguf`` file, a hub id ``org/name``. Raises ValueError saying what was tried."""
     if name is None or name == ALIAS:
         return ResolvedModel(default_model_path(), "gguf", ALIAS)
+    if not name.strip():
+        # Path("") is the current folder: an empty name (an unset variable in a script) would
+        # load whatever model happens to sit there.
+        raise ValueError("model name is empty: give a folder, a .gguf file, a hub id or the alias")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -77,6 +81,8 @@ def resolve_tokenizer(name: str) -> str:
     """The ``tokenizer`` option: a local folder holding a tokenizer, a ``.gguf`` file, or a hub id
     ``org/name`` (its tokenizer files are downloaded). Raises ValueError saying what was tried,
     rather than leave the model without a tokenizer."""
+    if not name.strip():
+        raise ValueError("tokenizer name is empty: give a folder, a .gguf file or a hub id")
     path = Path(name).expanduser()
     if path.is_dir():
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
