@@ -386,9 +386,11 @@ def test_paged_attention(
     attention_config = TARGETS[arch][2]
     cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
     config = attention_config(arch, head_size, group, max_query_len, cache_dtype)
+    # NVIDIA targets widen an e4m3 cache's value pairs in PTX, as the launcher does on their GPUs.
+    pair_asm = kv_fp8 and arch.startswith("sm")
     constexprs = attention_constexprs(
         kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1,
-        kv_fp8,
+        kv_fp8, pair_asm=pair_asm,
     )  # fmt: skip
     compiled = compiled_ok(
         paged_attention_kernel,
@@ -403,9 +405,11 @@ def test_paged_attention(
         # 64-row tiles run on Hopper's warpgroup MMA; fp32 in IEEE precision cannot.
         assert "wgmma" in ptx
     if arch.startswith("sm") and constexprs["V_PAIRS"] and dtype != torch.float32:
-        # e4m3 values as 16-bit pairs: transposed by ldmatrix, no byte reads of shared memory.
+        # e4m3 values as 16-bit pairs: transposed by ldmatrix, no byte reads of shared memory,
+        # their bytes widened by the PTX of _pair_bytes_to_f16.
         assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx
         assert "ld.shared.b8" not in ptx
+        assert (", 0, 0x0031;" in ptx) == pair_asm  # the odd bytes' selector
     if splits > 1:
         compiled_ok(
             reduce_splits_kernel,
@@ -465,8 +469,9 @@ def test_h200_decode_plans(config, splits: int, kv_fp8: bool) -> None:
     reduction when split."""
     kv_heads, group, head_size, dtype = 8, 4, 128, torch.bfloat16
     constexprs = attention_constexprs(
-        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, kv_fp8
-    )
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, True, kv_fp8,
+        pair_asm=kv_fp8,
+    )  # fmt: skip
     cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
     compiled_ok(
         paged_attention_kernel,

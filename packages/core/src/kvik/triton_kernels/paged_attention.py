@@ -35,6 +35,7 @@ through the same ``AttentionMetadata``.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +45,10 @@ from torch import Tensor
 
 from kvik.triton_kernels.kv_cache import kv_scale_pointers
 from kvik.triton_kernels.launch import FastLauncher
-from kvik.triton_kernels.pdl import uses_pdl, wait_for_prior_kernel
+from kvik.triton_kernels.pdl import cuda_capability, uses_pdl, wait_for_prior_kernel
 
 LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -62,6 +64,24 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _pair_bytes_to_f16(words, selector: tl.constexpr):
+    """fp16 of one byte of each 16-bit word (``selector``: "0x0020" the low bytes, "0x0031" the
+    high ones), in PTX: a pair of words is one 32-bit register, one ``prmt`` gathers the two
+    bytes and one ``cvt`` widens them, where Triton's integer ops took about three instructions
+    a pair. Element-wise for any pairing of the words, so Triton still moves the layout change
+    for the product above it (the tile is transposed as 16-bit words). NVIDIA, sm_89 and later."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; .reg .b16 lo, hi; prmt.b32 t, $1, 0, " + selector + "; "
+        "mov.b32 {lo, hi}, t; cvt.rn.f16x2.e4m3x2 $0, lo; }",
+        "=r,r",
+        [words],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=2,
+    )
 
 
 @triton.jit
@@ -93,6 +113,7 @@ def _attend_tile(
     SLIDING_WINDOW: tl.constexpr,
     KV_FP8: tl.constexpr,
     V_PAIRS: tl.constexpr,
+    PAIR_ASM: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the sequence and seen by every row
 ):
     """One tile of keys into the online softmax: the updated (acc, acc_odd, row_max, row_sum)."""
@@ -122,8 +143,12 @@ def _attend_tile(
             words = tl.load(pair_ptrs, mask=pair_mask, other=0).to(tl.uint16, bitcast=True)
         else:
             words = tl.load(pair_ptrs).to(tl.uint16, bitcast=True)
-        v = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
-        v_odd = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        if q.dtype == tl.float16 and PAIR_ASM:
+            v = _pair_bytes_to_f16(words, "0x0020")
+            v_odd = _pair_bytes_to_f16(words, "0x0031")
+        else:
+            v = (words & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+            v_odd = (words >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
     else:
         if MASKED or HEAD_PAD != HEAD_SIZE:
             v = tl.load(v_ptrs + d[None, :] * v_stride_d, mask=tl.trans(kv_mask), other=0.0)
@@ -219,6 +244,7 @@ def paged_attention_kernel(
     # KV_FP8 with the values' head dimension contiguous: values read two a 16-bit word, the even
     # and the odd dimensions multiplied apart (module doc).
     V_PAIRS: tl.constexpr = False,
+    PAIR_ASM: tl.constexpr = False,  # V_PAIRS: the bytes widened by PTX (_pair_bytes_to_f16)
 ):
     wait_for_prior_kernel(PDL)
     q_block = tl.program_id(0)
@@ -304,14 +330,14 @@ def paged_attention_kernel(
                 acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
                 k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
                 v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW,
-                KV_FP8, V_PAIRS, False,
+                KV_FP8, V_PAIRS, PAIR_ASM, False,
             )  # fmt: skip
     for tile in range(unmasked_hi, tile_hi):
         acc, acc_odd, row_max, row_sum = _attend_tile(
             acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
             k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
             v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8,
-            V_PAIRS, True,
+            V_PAIRS, PAIR_ASM, True,
         )  # fmt: skip
     if V_PAIRS:  # dimension 2j from acc[:, j], 2j + 1 from acc_odd[:, j]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
@@ -494,6 +520,7 @@ def attention_constexprs(
     row_requests: bool = False,
     pdl: bool = False,
     reduce_last: bool = False,
+    pair_asm: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -517,6 +544,7 @@ def attention_constexprs(
         # Decodes' 16-row programs only (each half of the head a product of at least 16 columns,
         # tl.dot's least): prompt chunks' 64-row programs ran 4-5% slower with pairs on the H200.
         "V_PAIRS": kv_fp8 and head_size % 2 == 0 and head_size >= 32 and config.block_m < 64,
+        "PAIR_ASM": pair_asm,
     }
 
 
@@ -541,6 +569,14 @@ def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
 
 
 REDUCE_WARPS = 4
+
+
+def widens_e4m3_pairs_in_ptx(device: torch.device) -> bool:
+    """Whether ``_pair_bytes_to_f16``'s PTX runs on ``device``: an NVIDIA GPU of sm_89 or later
+    (``cvt.rn.f16x2.e4m3x2``), not the interpreter (which runs no assembly)."""
+    if device.type != "cuda" or torch.version.hip is not None or _INTERPRET:
+        return False
+    return cuda_capability(device.index) >= (8, 9)
 
 
 def paged_attention(
@@ -587,6 +623,7 @@ def paged_attention(
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
         decode_only, fp8, row_requests is not None, uses_pdl(query.device), reduce_last,
+        fp8 and widens_e4m3_pairs_in_ptx(query.device),
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
