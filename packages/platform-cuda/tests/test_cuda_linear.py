@@ -1,8 +1,9 @@
 """Which layers the CUDA platform's unquantized kernel puts on the one-row GEMV
-(kvik_cuda.linear, kvik_cuda.tuning)."""
+(kvik_cuda.linear, kvik_cuda.tuning), and the LM head's fp32 logits."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -10,7 +11,7 @@ from kvik.layers.embedding import LMHead
 from kvik.layers.linear import Linear, MergedColumnLinear, QKVLinear
 from kvik.triton_kernels.gemv import OneRowLinear
 from kvik_cuda import fp8
-from kvik_cuda.linear import OneRowGemvKernel, one_row_gemv_kernel
+from kvik_cuda.linear import Fp32LogitsKernel, OneRowGemvKernel, one_row_gemv_kernel
 from kvik_cuda.tuning import GEMV_MAX_K, gemv_config
 
 
@@ -73,3 +74,36 @@ def test_fp8_schemes_run_on_kvik_cudas_kernels() -> None:
     assert scaled.function is torch.ops.kvik.fp8_scaled_linear
     assert KERNELS["kvik::fp8_block_linear"] is fp8.fp8_block_linear
     assert KERNELS["kvik::fp8_scaled_linear"] is fp8.fp8_scaled_linear
+
+
+def test_a_16_bit_lm_head_writes_fp32_logits() -> None:
+    """A bf16 or fp16 LM head takes the fp32-output kernel (torch.mm's out_dtype on CUDA); an
+    fp32 one and the other layers do not."""
+    from kvik_cuda.platform import CudaPlatform
+
+    head = LMHead(1000, 409).to(torch.bfloat16)
+    assert isinstance(CudaPlatform.linear_kernel("unquantized", head), Fp32LogitsKernel)
+    assert isinstance(
+        CudaPlatform.linear_kernel("unquantized", LMHead(1000, 409).half()), Fp32LogitsKernel
+    )
+    assert not isinstance(
+        CudaPlatform.linear_kernel("unquantized", LMHead(1000, 409)), Fp32LogitsKernel
+    )
+    assert not isinstance(
+        CudaPlatform.linear_kernel("unquantized", Linear(512, 409).to(torch.bfloat16)),
+        Fp32LogitsKernel,
+    )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's fp32-output product")
+@pytest.mark.parametrize("rows", [1, 3, 256])
+def test_fp32_logits_are_the_unrounded_sums(rows: int) -> None:
+    head = LMHead(50_000, 4096).to("cuda", torch.bfloat16)
+    nn.init.normal_(head.weight, std=0.02)
+    hidden = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    logits = Fp32LogitsKernel().apply(head, hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 50_000)
+    exact = hidden.double() @ head.weight.double().t()
+    rounded = (hidden @ head.weight.t()).double()
+    # Closer to the exact sums than bf16's rounding of them.
+    assert (logits.double() - exact).abs().max() < (rounded - exact).abs().max()

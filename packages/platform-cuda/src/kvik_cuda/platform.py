@@ -221,16 +221,20 @@ class CudaPlatform(Platform):
     @classmethod
     def linear_kernel(cls, scheme: str, layer: nn.Module) -> LinearKernel:
         """Unquantized batch-1 decode products on the one-row GEMV where it beats cuBLAS
-        (kvik_cuda.linear), other unquantized products on cuBLAS (core's kernel); the FP8 schemes
-        on kvik's Triton kernels and cuBLAS's scaled products as kvik_cuda.fp8 chooses them."""
+        (kvik_cuda.linear), the LM head on cuBLAS writing fp32 logits, other unquantized
+        products on cuBLAS (core's kernel); the FP8 schemes on kvik's Triton kernels and cuBLAS's
+        scaled products as kvik_cuda.fp8 chooses them."""
         if scheme in ("fp8_block", "fp8_scaled"):
             # Core's kernels: torch.ops.kvik.fp8_*_linear, whose CUDA implementations are
             # kvik_cuda.fp8's (registered when the platform is selected: kvik_cuda.registration).
             return super().linear_kernel(scheme, layer)
         if scheme == "unquantized":
             from kvik.triton_kernels.attention import device_arch
-            from kvik_cuda.linear import one_row_gemv_kernel
+            from kvik_cuda.linear import fp32_logits_kernel, one_row_gemv_kernel
 
+            logits_kernel = fp32_logits_kernel(layer)
+            if logits_kernel is not None:
+                return logits_kernel
             arch, _ = device_arch(layer.weight.device)
             kernel = one_row_gemv_kernel(layer, arch)
             if kernel is not None:
