@@ -24,7 +24,8 @@ tensor-core operand needs bytes of different rows side by side; there is no 8-bi
 word instead: word j of a key holds its dimensions 2j and 2j + 1, so the tile is transposed by the
 16-bit ``ldmatrix``, and the even and odd bytes widen into two products of half the head's width
 (``acc``, ``acc_odd``), interleaved once at the end. On the H200 at batch 256 over 640-token
-contexts: 110.0 -> 105.6 µs a layer (docs/benchmarks.md).
+contexts: 110.0 -> 105.6 µs a layer (docs/benchmarks.md). On NVIDIA GPUs of sm_89 and later the
+bytes widen in PTX (``PAIR_ASM``, ``_pair_bytes_to_f16``): another 2-4% a layer on the H200.
 
 The launch configuration (tile sizes, warps, stages) is each platform's choice for its architectures
 (``kvik_cuda.tuning``, ``kvik_rocm.tuning``), passed in as an ``AttentionConfig``. The PyTorch
