@@ -139,6 +139,21 @@ def test_reasoning():
     check_both(both, text, None, [("weather", json.loads(WEATHER))], "Need weather.")
 
 
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_reasoning_after_whitespace_streamed_alone(name):
+    """Whitespace before ``<think>`` in a step of its own: it was sent at once (as content for
+    Qwen3, as reasoning for DeepSeek-R1), and the text the whole parse gives lost its first
+    character once ``<think>`` came ("Hi!" streamed as " i!")."""
+    text = "\n<think>Hmm.</think>Hi!"
+    whole = OutputParser(reasoning=REASONING_PARSERS[name]()).parse(text)
+    assert (whole.reasoning, whole.content) == ("Hmm.", "Hi!")
+    parser = OutputParser(reasoning=REASONING_PARSERS[name]())
+    deltas = [parser.feed(piece) for piece in ("\n", "<think>Hmm.", "</think>Hi!")]
+    deltas.append(parser.finish())
+    assert "".join(d.reasoning for d in deltas) == "Hmm."
+    assert "".join(d.content for d in deltas) == "Hi!"
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "time"}},

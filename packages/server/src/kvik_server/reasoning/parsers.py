@@ -41,8 +41,11 @@ class ReasoningParser:
         stripped = text.lstrip()
         if stripped.startswith(self.START):
             return self._inside(stripped[len(self.START) :], final)
-        if not final and stripped and self.START.startswith(stripped):
-            return Split()  # perhaps the start of <think>
+        if not final and self.START.startswith(stripped):
+            # Perhaps the start of <think>, or only whitespace so far (which may come before
+            # it): sent now, as content or reasoning, it could not be taken back once <think>
+            # came and the whole parse dropped it.
+            return Split()
         if self.starts_inside:
             return self._inside(text, final)
         return Split(content=text, ended=True)
