@@ -12,6 +12,7 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+from kvik import SamplingParams
 from kvik.bench.server_metrics import SERVER_HISTOGRAMS, parse_histograms
 from kvik.model_loader.default_model import ALIAS
 
@@ -214,3 +215,95 @@ def test_a_stream_answers_before_its_first_token_and_still_refuses_bad_input(ser
         time.sleep(0.2)
     again = client.completions.create(model=ALIAS, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     assert again.choices[0].finish_reason == "length"
+
+
+# The serving layer driven with exact token ids: a real OutputProcessor (the default model's
+# tokenizer) makes the engine's outputs, delta ones for a stream and one final for an unstreamed
+# answer, and the routes' own code turns them into chunks and bodies.
+
+
+class _Engine:
+    """What the routes read of AsyncLLM besides generate()."""
+
+    def __init__(self, tokenizer) -> None:
+        from types import SimpleNamespace
+
+        self.tokenizer = tokenizer
+        self.config = SimpleNamespace(structured_outputs=SimpleNamespace(reasoning_parser=None))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvik.engine.input_processor import load_tokenizer
+    from kvik.model_loader.default_model import default_model_path
+
+    return load_tokenizer(default_model_path())
+
+
+async def _engine_outputs(tokenizer, prompt, steps, params, kind):
+    """(0, RequestOutput) as AsyncLLM.generate gives them for ``steps`` (token ids per engine
+    step; the request ends "length" after the last, or earlier at a stop string)."""
+    from kvik.engine.output_processor import OutputProcessor
+    from kvik.outputs import RequestOutput
+    from kvik.scheduler.output import EngineCoreOutput, TokenLogprobs
+
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    processor = OutputProcessor(tokenizer)
+    state = processor.add_request("r", prompt, prompt_ids, params)
+    for k, ids in enumerate(steps):
+        logprobs = [TokenLogprobs([t], [-0.5], [1]) for t in ids]
+        finish = "length" if k == len(steps) - 1 else None
+        processor.process_outputs([EngineCoreOutput("r", ids, finish, new_logprobs=logprobs)])
+        if kind == "delta":
+            out = RequestOutput("r", prompt, prompt_ids, [state.delta_completion()])
+            out.finished = state.finished
+            yield 0, out
+        if state.finished:
+            break
+    if kind == "final":
+        yield 0, RequestOutput("r", prompt, prompt_ids, [state.completion()], finished=True)
+
+
+def _served_completion(tokenizer, body: dict, steps: list[list[int]]) -> tuple[dict, list[dict]]:
+    """The unstreamed answer's body and the stream's chunks for ``body`` on ``steps``."""
+    import json
+
+    from kvik_server.protocol import CompletionRequest
+    from kvik_server.serving import Completions
+
+    routes = Completions(_Engine(tokenizer), ALIAS)
+
+    async def run():
+        request = CompletionRequest.model_validate({"model": ALIAS, **body})
+        params = SamplingParams(max_tokens=64, logprobs=request.logprobs, stop=request.stop)
+        final = await routes._collect(
+            request, "c", _engine_outputs(tokenizer, request.prompt, steps, params, "final"), 1
+        )
+        request = CompletionRequest.model_validate({"model": ALIAS, "stream": True, **body})
+        events = _engine_outputs(tokenizer, request.prompt, steps, params, "delta")
+        chunks = [
+            json.loads(event.removeprefix("data: "))
+            async for event in routes._stream(request, "c", events, 1)
+        ]
+        return final.model_dump(), chunks
+
+    return asyncio.run(run())
+
+
+def test_streamed_logprob_offsets_are_the_unstreamed_ones(tokenizer):
+    """A stream's text_offset restarted each chunk from the length of the text streamed so far,
+    which lags behind the tokens' texts while text is held back (a stop string's possible
+    start, the first bytes of a character): the offsets differed from the unstreamed answer's."""
+    text = " Tokyo 東京 🙂, see you soon!"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for echo in (False, True):
+        body = {"prompt": "Say:", "logprobs": 1, "echo": echo, "stop": ["never said"]}
+        final, chunks = _served_completion(tokenizer, body, [[i] for i in ids])
+        (choice,) = final["choices"]
+        want = choice["logprobs"]
+        got = {key: [] for key in want}
+        for chunk in chunks:
+            for key in got:
+                got[key] += chunk["choices"][0]["logprobs"][key]
+        assert got == want
+        assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == choice["text"]

@@ -137,12 +137,14 @@ class _Choice:
     """What has been sent of one streamed choice so far (its outputs are deltas)."""
 
     def __init__(self) -> None:
-        self.text_len = 0
+        # The next generated token's logprobs text_offset: as unstreamed, the echoed prompt's
+        # length, then each token's text length (a chunk's text may be shorter: a character's
+        # first bytes or a stop string's possible start are held back).
+        self.text_offset = 0
         self.num_tokens = 0
         self.chunks_sent = 0
 
     def advance(self, delta: CompletionOutput) -> None:
-        self.text_len += len(delta.text)
         self.num_tokens += len(delta.token_ids)
 
 
@@ -385,16 +387,14 @@ class Completions:
                         yield _sse(self._chunk(request_id, index, echo, echo_logprobs, None))
                         # The generated text's offsets follow the echoed prompt's, as they do
                         # unstreamed (they restarted at 0).
-                        choice.text_len += len(echo)
-                offset = choice.text_len
+                        choice.text_offset = len(echo)
                 choice.advance(delta)
                 if not _worth_a_chunk(delta):
                     continue
-                chunk_logprobs = (
-                    _completion_logprobs(delta.logprobs, offset)
-                    if request.logprobs is not None
-                    else None
-                )
+                chunk_logprobs = None
+                if request.logprobs is not None:
+                    chunk_logprobs = _completion_logprobs(delta.logprobs, choice.text_offset)
+                    choice.text_offset += sum(len(token) for token in chunk_logprobs.tokens)
                 yield _sse(self._chunk(request_id, index, delta.text, chunk_logprobs, delta))
         if request.stream_options and request.stream_options.include_usage:
             usage = _stream_usage(prompt_tokens, sent)
