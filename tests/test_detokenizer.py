@@ -97,3 +97,40 @@ def test_bad_words_encode_in_one_batch_as_one_by_one(tokenizer):
     assert processor._encode_bad_words(tuple(words)) == tuple(expected)
     with pytest.raises(ValueError, match="lone surrogate"):
         processor._encode_bad_words(("fine", "bad\ud800"))
+
+
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer as Llama 2's and Mistral's: byte tokens for what the
+    vocabulary lacks, "▁" for spaces, the first leading space stripped."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab |= {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {piece: len(vocab) + i for i, piece in enumerate(["▁", "▁a", "▁ab", "▁c"])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    return tokenizer, vocab
+
+
+def test_invalid_utf8_from_a_byte_fallback_tokenizer_does_not_raise():
+    """A lone lead byte (0xD2) then a word: the tokenizer decodes the byte run "h" 0xD2 as two
+    U+FFFD, so the text no longer begins with the "h" the stream handed out and DecodeStream
+    raised "Invalid prefix encountered", which ended the server's output loop and every request
+    in flight. The stream starts again (primed as before): the text handed out stays, the rest
+    follows with the invalid byte as U+FFFD."""
+    tokenizer, vocab = byte_fallback_tokenizer()
+    ids = [vocab["<0x68>"], vocab["<0xD2>"], vocab["▁ab"], vocab["▁c"]]
+    assert tokenizer.decode(ids) == "\ufffd\ufffd ab c"
+    detokenizer = IncrementalDetokenizer(tokenizer, [vocab["▁a"]])
+    assert [detokenizer.step(i) for i in ids] == ["h", "", "\ufffd ab", " c"]
