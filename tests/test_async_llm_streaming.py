@@ -68,10 +68,12 @@ def test_slow_consumer_gets_every_token(model, kind):
 def test_a_request_the_core_cannot_take_fails_alone(model):
     """A request whose fields do not decode in the engine core (here sent corrupted on purpose)
     fails with EngineRequestError naming why; the core runs on: a request beside it and one after
-    it complete, and the engine stays healthy."""
+    it complete, and the engine stays healthy. A front end that fails to process the core's
+    outputs, on the other hand, is dead to its callers: it still called itself healthy and took
+    new requests, which waited forever for outputs nothing read."""
     import msgspec
 
-    from kvik.engine.async_llm import EngineRequestError
+    from kvik.engine.async_llm import EngineDeadError, EngineRequestError
     from kvik.engine.core_proc import EngineCoreRequest, encode
 
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -97,10 +99,20 @@ def test_a_request_the_core_cannot_take_fails_alone(model):
                     return list(out.outputs[0].token_ids)
             raise AssertionError("no finished output")
 
+        def broken(outputs):
+            raise RuntimeError("a bug in output processing")
+
         try:
             results = await asyncio.gather(tokens("bad"), tokens("beside"), return_exceptions=True)
             after = await tokens("after")
-            return results[0], results[1], after, engine.is_healthy
+            healthy = engine.is_healthy
+            engine.output_processor.process_outputs = broken
+            with pytest.raises(EngineDeadError, match="a bug in output processing"):
+                await asyncio.wait_for(tokens("doomed"), 60)
+            assert not engine.is_healthy
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(tokens("later"), 5)
+            return results[0], results[1], after, healthy
         finally:
             await engine.shutdown()
 

@@ -279,7 +279,10 @@ class AsyncLLM:
             pass  # the client has called _fail_all
         except Exception as e:
             logger.exception("the output loop failed")
-            self._fail_all(EngineDeadError(f"the front end's output loop failed: {e!r}"))
+            # Nothing reads the core's outputs any more: the engine is dead to its callers, as
+            # when the core dies (every request in flight fails, /health says so, and new
+            # requests are refused; they were accepted and waited for outputs forever).
+            self.client._die(EngineDeadError(f"the front end's output loop failed: {e!r}"))
 
     def _handle_outputs(self, batch: EngineCoreOutputs) -> None:
         now = time.monotonic()
