@@ -264,7 +264,9 @@ async def _engine_outputs(tokenizer, prompt, steps, params, kind):
         yield 0, RequestOutput("r", prompt, prompt_ids, [state.completion()], finished=True)
 
 
-def _served_completion(tokenizer, body: dict, steps: list[list[int]]) -> tuple[dict, list[dict]]:
+def _served_completion(
+    tokenizer, body: dict, steps: list[list[int]], stream_options: dict | None = None
+) -> tuple[dict, list[dict]]:
     """The unstreamed answer's body and the stream's chunks for ``body`` on ``steps``."""
     import json
 
@@ -279,7 +281,8 @@ def _served_completion(tokenizer, body: dict, steps: list[list[int]]) -> tuple[d
         final = await routes._collect(
             request, "c", _engine_outputs(tokenizer, request.prompt, steps, params, "final"), 1
         )
-        request = CompletionRequest.model_validate({"model": ALIAS, "stream": True, **body})
+        streamed = {"stream": True, "stream_options": stream_options, **body}
+        request = CompletionRequest.model_validate({"model": ALIAS, **streamed})
         events = _engine_outputs(tokenizer, request.prompt, steps, params, "delta")
         chunks = [
             json.loads(event.removeprefix("data: "))
@@ -307,3 +310,24 @@ def test_streamed_logprob_offsets_are_the_unstreamed_ones(tokenizer):
                 got[key] += chunk["choices"][0]["logprobs"][key]
         assert got == want
         assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == choice["text"]
+
+
+def test_continuous_usage_stats_give_every_chunk_its_usage_so_far(tokenizer):
+    """vLLM's ``stream_options.continuous_usage_stats`` (with include_usage) puts the usage so
+    far on every chunk; it was ignored, so no chunk but the last had any."""
+    ids = tokenizer.encode(" one two three four", add_special_tokens=False)
+    steps = [ids[:2], ids[2:3], ids[3:]]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    final, chunks = _served_completion(tokenizer, {"prompt": "Count:"}, steps, options)
+    *deltas, last = chunks
+    assert last["choices"] == [] and last["usage"] == final["usage"]
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    assert [chunk["usage"] for chunk in deltas] == [
+        {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+        for n in (2, 3, len(ids))
+    ]
+    # Without include_usage, continuous_usage_stats alone adds nothing (as vLLM).
+    _, chunks = _served_completion(
+        tokenizer, {"prompt": "Count:"}, steps, {"continuous_usage_stats": True}
+    )
+    assert all(chunk["usage"] is None for chunk in chunks)

@@ -368,6 +368,13 @@ class Completions:
         # Each prompt's logprobs come once, on its stream's first output: kept for the echo of
         # every choice of that prompt.
         prompt_logprobs: dict[int, Any] = {}
+        continuous = request.stream_options is not None and request.stream_options.continuous
+
+        def event(chunk: CompletionResponse, i: int, choice: _Choice) -> str:
+            if continuous:
+                chunk.usage = _choice_usage(prompt_tokens[i], choice)
+            return _sse(chunk)
+
         async for i, out in events:
             prompt_tokens[i] = len(out.prompt_token_ids)
             if out.prompt_logprobs is not None:
@@ -384,7 +391,9 @@ class Completions:
                             echo_logprobs = self._echo_logprobs(
                                 out.prompt_token_ids, prompt_logprobs.get(i), request.logprobs
                             )
-                        yield _sse(self._chunk(request_id, index, echo, echo_logprobs, None))
+                        yield event(
+                            self._chunk(request_id, index, echo, echo_logprobs, None), i, choice
+                        )
                         # The generated text's offsets follow the echoed prompt's, as they do
                         # unstreamed (they restarted at 0).
                         choice.text_offset = len(echo)
@@ -395,7 +404,9 @@ class Completions:
                 if request.logprobs is not None:
                     chunk_logprobs = _completion_logprobs(delta.logprobs, choice.text_offset)
                     choice.text_offset += sum(len(token) for token in chunk_logprobs.tokens)
-                yield _sse(self._chunk(request_id, index, delta.text, chunk_logprobs, delta))
+                yield event(
+                    self._chunk(request_id, index, delta.text, chunk_logprobs, delta), i, choice
+                )
         if request.stream_options and request.stream_options.include_usage:
             usage = _stream_usage(prompt_tokens, sent)
             yield _sse(
@@ -582,8 +593,15 @@ class ChatCompletions:
         choice_parsers: dict[int, OutputParser] = {}
         num_prompt_tokens = 0
 
-        def chunk(choice: ChatStreamChoice) -> str:
-            return _sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[choice]))
+        continuous = request.stream_options is not None and request.stream_options.continuous
+
+        def chunk(choice: ChatStreamChoice, sent_so_far: _Choice) -> str:
+            usage = _choice_usage(num_prompt_tokens, sent_so_far) if continuous else None
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id, model=self.model_name, choices=[choice], usage=usage
+                )
+            )
 
         async for out in events:
             num_prompt_tokens = len(out.prompt_token_ids)
@@ -625,7 +643,8 @@ class ChatCompletions:
                         logprobs=_chat_logprobs(delta.logprobs, top) if request.logprobs else None,
                         finish_reason=finish,
                         stop_reason=delta.stop_reason if finish else None,
-                    )
+                    ),
+                    choice,
                 )
         if request.stream_options and request.stream_options.include_usage:
             usage = _stream_usage({0: num_prompt_tokens}, sent)
@@ -722,6 +741,16 @@ def _usage(
         prompt_tokens=prompt,
         completion_tokens=completion_tokens,
         total_tokens=prompt + completion_tokens,
+    )
+
+
+def _choice_usage(prompt_tokens: int, choice: _Choice) -> Usage:
+    """A chunk's usage with ``continuous_usage_stats`` (as vLLM): its prompt's tokens and its
+    choice's tokens so far."""
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=choice.num_tokens,
+        total_tokens=prompt_tokens + choice.num_tokens,
     )
 
 
