@@ -331,3 +331,41 @@ def test_continuous_usage_stats_give_every_chunk_its_usage_so_far(tokenizer):
         tokenizer, {"prompt": "Count:"}, steps, {"continuous_usage_stats": True}
     )
     assert all(chunk["usage"] is None for chunk in chunks)
+
+
+def test_chat_logprob_bytes_join_into_the_text(tokenizer):
+    """OpenAI's ``bytes`` let a client put back a character split over tokens: each token's own
+    UTF-8 bytes. A token holding part of a character decodes alone to U+FFFD, and its bytes were
+    U+FFFD's (EF BF BD), so joined they made "\ufffd\ufffd" where the text has "東"."""
+    import json
+
+    from kvik_server.protocol import ChatCompletionRequest
+    from kvik_server.serving import ChatCompletions, _ParserFactory
+
+    text = " 東京 🙂 naïve"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any(tokenizer.decode([i]) == "\ufffd" for i in ids)
+    routes = ChatCompletions(_Engine(tokenizer), ALIAS, None)
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    params = SamplingParams(max_tokens=64, logprobs=0)
+
+    async def outputs(kind):
+        async for _, out in _engine_outputs(tokenizer, "Hi", [[i] for i in ids], params, kind):
+            yield out
+
+    async def run():
+        parsers = _ParserFactory(routes.engine, None, None)
+        request = ChatCompletionRequest.model_validate(body)
+        final = await routes._collect(request, "c", outputs("final"), 0, parsers)
+        request = ChatCompletionRequest.model_validate(body | {"stream": True})
+        events = routes._stream(request, "c", outputs("delta"), 0, parsers)
+        chunks = [json.loads(event.removeprefix("data: ")) async for event in events]
+        return final.model_dump(), chunks
+
+    final, chunks = asyncio.run(run())
+    (choice,) = final["choices"]
+    assert choice["message"]["content"] == text
+    unstreamed = choice["logprobs"]["content"]
+    streamed = [t for chunk in chunks for t in chunk["choices"][0]["logprobs"]["content"]]
+    for tokens in (unstreamed, streamed):
+        assert bytes(b for token in tokens for b in token["bytes"]).decode() == text

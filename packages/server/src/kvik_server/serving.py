@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -451,6 +452,7 @@ class ChatCompletions:
         self.chat_template = chat_template
         self.tool_options = tool_options or ToolOptions()
         self.trust_request_chat_template = trust_request_chat_template
+        self.token_bytes = TokenBytes(engine.tokenizer)
 
     def prompt(self, request: Any, tools: list[FunctionTool] | None = None) -> dict[str, Any]:
         """The rendered prompt; ``tools`` (default: the request's, unchecked by tool_choice)
@@ -564,7 +566,9 @@ class ChatCompletions:
                         reasoning_content=message.reasoning,
                         tool_calls=tool_calls,
                     ),
-                    logprobs=_chat_logprobs(completion.logprobs, top) if request.logprobs else None,
+                    logprobs=_chat_logprobs(completion.logprobs, top, self.token_bytes)
+                    if request.logprobs
+                    else None,
                     finish_reason=_finish_reason(completion.finish_reason, bool(tool_calls)),
                     stop_reason=completion.stop_reason,
                 )
@@ -640,7 +644,9 @@ class ChatCompletions:
                     ChatStreamChoice(
                         index=delta.index,
                         delta=message,
-                        logprobs=_chat_logprobs(delta.logprobs, top) if request.logprobs else None,
+                        logprobs=_chat_logprobs(delta.logprobs, top, self.token_bytes)
+                        if request.logprobs
+                        else None,
                         finish_reason=finish,
                         stop_reason=delta.stop_reason if finish else None,
                     ),
@@ -800,20 +806,83 @@ def _completion_logprobs(
     return result
 
 
-def _chat_logprobs(logprobs: list[dict[int, Logprob]] | None, top: int) -> ChatLogprobs:
+class TokenBytes:
+    """A token's own UTF-8 bytes, which OpenAI's ``bytes`` are for: a character split over
+    several tokens is whole only in their bytes joined. A token holding part of a character
+    decodes alone to U+FFFD, whose bytes (EF BF BD) are what the logprobs said; a byte-level
+    BPE (GPT-2's, Llama 3's, Qwen's, SmolLM's) and a byte-fallback vocabulary (``<0xE6>``:
+    Llama 2's, Mistral's) know the true ones. Other tokenizers: the decoded text's bytes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.kind = None
+        decoder = getattr(getattr(tokenizer, "_tokenizer", None), "decoder", None)
+        if decoder is not None:
+            state = decoder.__getstate__()
+            if b'"ByteLevel"' in state:
+                self.kind = "byte_level"
+            elif b'"ByteFallback"' in state:
+                self.kind = "byte_fallback"
+        self.added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+        self.cache: dict[int, list[int] | None] = {}
+
+    def __call__(self, token_id: int, text: str) -> list[int]:
+        if token_id not in self.cache:
+            self.cache[token_id] = self._bytes(token_id)
+        found = self.cache[token_id]
+        return list(text.encode()) if found is None else found
+
+    def _bytes(self, token_id: int) -> list[int] | None:
+        if self.kind is None or token_id in self.added:
+            return None
+        try:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        except (IndexError, OverflowError, TypeError):
+            return None
+        if not isinstance(piece, str):
+            return None
+        if self.kind == "byte_level":
+            table = _byte_level_table()
+            if not all(char in table for char in piece):
+                return None
+            return [table[char] for char in piece]
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                return None
+        return list(piece.replace("\u2581", " ").encode())
+
+
+@functools.cache
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte, reversed."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {char: b for b, char in chars.items()}
+
+
+def _chat_logprobs(
+    logprobs: list[dict[int, Logprob]] | None, top: int, token_bytes: TokenBytes
+) -> ChatLogprobs:
     content = []
     for entry in logprobs or []:
         token_id, chosen = next(iter(entry.items()))
         ranked = sorted(entry.items(), key=lambda item: item[1].rank or 0)[:top]
         content.append(
             ChatTokenLogprob(
-                **_top(token_id, chosen).model_dump(),
-                top_logprobs=[_top(t, lp) for t, lp in ranked],
+                **_top(token_id, chosen, token_bytes).model_dump(),
+                top_logprobs=[_top(t, lp, token_bytes) for t, lp in ranked],
             )
         )
     return ChatLogprobs(content=content)
 
 
-def _top(token_id: int, logprob: Logprob) -> TopLogprob:
+def _top(token_id: int, logprob: Logprob, token_bytes: TokenBytes) -> TopLogprob:
     text = _token_text(token_id, logprob)
-    return TopLogprob(token=text, logprob=logprob.logprob, bytes=list(text.encode()))
+    return TopLogprob(token=text, logprob=logprob.logprob, bytes=token_bytes(token_id, text))
