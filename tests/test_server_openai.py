@@ -235,6 +235,8 @@ def post_json(server, path: str, body: dict) -> httpx.Response:
         ({"prompt": "hi", "top_k": 2**70, "max_tokens": 2}, "top_k"),
         ({"prompt": "hi", "min_tokens": 2**70}, "min_tokens"),
         ({"prompt": "hi", "best_of": 0}, "best_of"),  # was silently ignored
+        # No chunk of a stream carries them: they were silently left out.
+        ({"prompt": "hi", "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
         # This server schedules fcfs: a priority was silently ignored.
         ({"prompt": "hi", "priority": 1, "max_tokens": 2}, "priority"),
         # vLLM's old guided fields were ignored: the output was silently unconstrained.
@@ -271,6 +273,7 @@ def test_bad_completion_requests_get_400(server, body, param):
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "needs a string"),
         ({"messages": [{"role": "user", "content": "hi", "name": 5}]}, "name must be a string"),
         ({"messages": [{"role": "user", "content": "\ud800"}]}, "lone surrogate"),
+        ({"stream": True, "prompt_logprobs": 2}, "not available when stream is true"),
     ],
 )
 def test_bad_chat_requests_get_400(server, body, message):

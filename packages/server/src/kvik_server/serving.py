@@ -65,6 +65,12 @@ def sampling_params(
 ) -> SamplingParams:
     """The request's SamplingParams over the model's generation_config defaults, as vLLM does."""
     refuse_old_guided_fields(request)
+    if request.stream and request.prompt_logprobs not in (None, 0):
+        # No chunk carries them: a stream silently lacked what the unstreamed answer holds.
+        raise APIError(
+            "prompt_logprobs are not available when stream is true (as in vLLM)",
+            param="prompt_logprobs",
+        )
     if request.logit_bias is not None:
         try:
             logit_bias = {int(token): bias for token, bias in request.logit_bias.items()}
