@@ -340,10 +340,15 @@ def greedy(
 ) -> list[int]:
     """The reference's greedy continuation, one token a step through transformers' KV cache
     (every activation scale is per token or static, so that is exactly the full recomputation)."""
-    out = model.model(torch.tensor([prompt]), use_cache=True)
+    from transformers import DynamicCache
+
+    from kvik.spec_decode.eagle3_eval import cache_kwargs
+
+    cache = cache_kwargs(model.model, DynamicCache())  # the cache argument's name by release
+    out = model.model(torch.tensor([prompt]), **cache)
     tokens = [int(out.logits[0, -1].argmax())]
     while len(tokens) < max_new_tokens:
-        out = model.model(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)  # fmt: skip
+        out = model.model(torch.tensor([tokens[-1:]]), **cache)
         tokens.append(int(out.logits[0, -1].argmax()))
     return tokens
 

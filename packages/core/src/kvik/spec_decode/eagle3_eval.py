@@ -11,6 +11,7 @@ compares it with plain greedy decoding all the same.
 from __future__ import annotations
 
 import argparse
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,14 @@ from torch import Tensor
 
 from kvik.spec_decode.eagle3 import Eagle3Head
 from kvik.spec_decode.metrics import SpecDecodingStats
+
+
+def cache_kwargs(model, cache) -> dict:
+    """The keyword arguments that give a transformers model's forward ``cache`` to read and extend:
+    transformers renamed forward's ``past_key_values`` to ``cache`` after 5.17 (5.25 warns that
+    the old name goes in 5.40); 5.17 knows only ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
 
 
 @torch.no_grad()
@@ -75,8 +84,7 @@ def speculative_greedy(
 def _cached_pass(target, token_ids: list[int], cache, aux_ids: list[int]) -> tuple[Tensor, Tensor]:
     """The target over new tokens after what ``cache`` holds: (greedy next tokens [n], aux states
     [n, 3 * hidden])."""
-    out = target(input_ids=torch.tensor([token_ids]), past_key_values=cache, use_cache=True,
-                 output_hidden_states=True)  # fmt: skip
+    out = target(input_ids=torch.tensor([token_ids]), output_hidden_states=True, **cache_kwargs(target, cache))  # fmt: skip
     aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
     return out.logits[0].argmax(-1), aux
 
@@ -88,7 +96,7 @@ def plain_greedy(target, prompt_ids: list[int], max_new_tokens: int) -> list[int
 
     cache, fed, output = DynamicCache(), list(prompt_ids), []
     for _ in range(max_new_tokens):
-        logits = target(input_ids=torch.tensor([fed]), past_key_values=cache, use_cache=True).logits
+        logits = target(input_ids=torch.tensor([fed]), **cache_kwargs(target, cache)).logits
         fed = [int(logits[0, -1].argmax())]
         output += fed
     return output
