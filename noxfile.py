@@ -108,6 +108,8 @@ SMOKE_TESTS = [
     "packages/core/tests/test_plugins.py",
     "packages/core/tests/test_plugin_hooks.py",
     "tests/test_engine_vs_transformers.py::test_logits_match_every_position[llama]",
+    # kvik's RoPE against transformers' own init functions (their signatures change: 5.25's).
+    "packages/core/tests/test_layers.py::test_inv_freq_is_bitwise_transformers",
     "packages/core/tests/test_gguf.py::test_default_model_tokenizer_and_chat_template",
     "packages/core/tests/test_gguf_tokenizer.py",
     "packages/core/tests/test_triton_kernels_interpreter.py",  # the newest triton
@@ -164,7 +166,7 @@ def deps_lowest(session: nox.Session) -> None:
     session.run("pytest", *SMOKE_TESTS, "packages/core/tests/test_gguf.py", *session.posargs)
 
 
-VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'triton', 'pluggy', 'gguf', 'fastapi', 'openai')), sep=', ')"  # fmt: skip
+VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'huggingface-hub', 'triton', 'pluggy', 'gguf', 'xgrammar', 'fastapi', 'pydantic', 'uvicorn', 'openai')), sep=', ')"  # fmt: skip
 
 
 def build_dists(session: nox.Session) -> Path:
