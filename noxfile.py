@@ -136,7 +136,7 @@ def deps_latest(session: nox.Session) -> None:
 
 
 #: The dependencies whose lower bounds (in the packages' pyproject.toml) deps_lowest runs.
-FLOORED = ("transformers", "tokenizers", "pluggy", "gguf", "triton")
+FLOORED = ("transformers", "tokenizers", "pluggy", "gguf", "triton", "fastapi", "pydantic", "uvicorn", "openai")  # fmt: skip
 
 
 def declared_floors() -> dict[str, str]:
@@ -154,8 +154,9 @@ def declared_floors() -> dict[str, str]:
 
 @nox.session
 def deps_lowest(session: nox.Session) -> None:
-    """SMOKE_TESTS and the GGUF tests with FLOORED at exactly their declared lower bounds (the
-    rest as pip resolves them, torch 2.13.0): how those bounds were run. Not in CI's command."""
+    """SMOKE_TESTS, the GGUF tests, the server's error bodies and its abort on a disconnect with
+    FLOORED at exactly their declared lower bounds (the rest as pip resolves them, torch 2.13.0):
+    how those bounds were run. Not in CI's command."""
     pins = ["torch==2.13.0", *(f"{name}=={v}" for name, v in declared_floors().items())]
     constraints = Path(session.create_tmp()) / "floors.txt"
     constraints.write_text("\n".join(pins) + "\n")
@@ -163,7 +164,12 @@ def deps_lowest(session: nox.Session) -> None:
     editables = (arg for p in PACKAGES for arg in ("-e", f"packages/{p}[test]"))
     session.install("-c", str(constraints), "hatchling", "hypothesis", "pytest", *editables)
     session.run("python", "-c", VERSIONS)
-    session.run("pytest", *SMOKE_TESTS, "packages/core/tests/test_gguf.py", *session.posargs)
+    lowest = [
+        "packages/core/tests/test_gguf.py",
+        "packages/server/tests/test_app_errors.py",  # fastapi's
+        "tests/test_server_openai.py::test_client_disconnect_aborts",  # uvicorn's
+    ]
+    session.run("pytest", *SMOKE_TESTS, *lowest, *session.posargs)
 
 
 VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'huggingface-hub', 'triton', 'pluggy', 'gguf', 'xgrammar', 'fastapi', 'pydantic', 'uvicorn', 'openai')), sep=', ')"  # fmt: skip
