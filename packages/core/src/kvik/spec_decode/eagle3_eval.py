@@ -84,7 +84,11 @@ def speculative_greedy(
 def _cached_pass(target, token_ids: list[int], cache, aux_ids: list[int]) -> tuple[Tensor, Tensor]:
     """The target over new tokens after what ``cache`` holds: (greedy next tokens [n], aux states
     [n, 3 * hidden])."""
-    out = target(input_ids=torch.tensor([token_ids]), output_hidden_states=True, **cache_kwargs(target, cache))  # fmt: skip
+    out = target(
+        input_ids=torch.tensor([token_ids]),
+        output_hidden_states=True,
+        **cache_kwargs(target, cache),
+    )
     aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1)
     return out.logits[0].argmax(-1), aux
 
