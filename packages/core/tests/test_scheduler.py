@@ -200,6 +200,32 @@ def test_priority_order_and_victim() -> None:
     assert outputs["high"][-1].finish_reason == outputs["low"][-1].finish_reason == "length"
 
 
+def test_a_victim_taken_back_leaves_no_unwritten_block_in_the_cache() -> None:
+    """Priority policy: a victim already scheduled in the step is taken back, so the step writes
+    nothing for it; the block its allocation registered in the prefix cache (the one its known
+    token completes, here kept from eviction by its draft block, which the newcomer takes) must
+    leave the cache, or a later hit reads a position no step wrote."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=24, policy="priority", num_speculative_tokens=2),
+        KVCacheManager(6, 4),
+    )
+    low = make_request("low", 6, max_tokens=10, priority=5)
+    scheduler.add_request(low)
+    step(scheduler)  # low's prompt
+    scheduler.add_request(make_request("high", 12, max_tokens=2, priority=0))
+    step(scheduler)  # low decodes position 6; high's prompt takes 3 of the 4 free blocks
+    low.spec_token_ids = [5, 5]  # a proposer's drafts: low schedules positions 7 to 9
+    out, _ = step(scheduler)
+    assert out.preempted_req_ids == {"low"}  # high needed a block: low was taken back
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+    # Position 7 completes low's second block, which the taken-back step never wrote.
+    scheduler.add_request(make_request("reader", low.all_token_ids + [7, 7], max_tokens=1))
+    out, _ = step(scheduler)
+    reader = next(s for s in out.scheduled if s.request.request_id == "reader")
+    assert reader.start == 4  # a hit on the first block only
+    run(scheduler)
+
+
 def test_abort_waiting_and_running() -> None:
     scheduler = make_scheduler(max_num_seqs=1)
     scheduler.add_request(make_request("run", 9))

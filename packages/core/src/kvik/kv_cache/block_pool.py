@@ -86,6 +86,10 @@ class BlockPool:
                 block.block_hash = block_hash
                 self.cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Take a block out of the prefix cache (its contents are not what its hash says)."""
+        self._evict(block)
+
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash)
 

@@ -103,6 +103,24 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = max(num_full, start)
         return new_blocks
 
+    def uncache_unwritten(self, request: Request, num_written_tokens: int) -> None:
+        """Unregister the request's cached blocks past its first ``num_written_tokens`` tokens.
+
+        ``allocate_slots`` registers a block as soon as the step it schedules is to write it; when
+        that step is taken back before it runs (the scheduler preempts a request it had already
+        scheduled), those blocks are never written, and a later prefix hit on one would read stale
+        KV. Blocks past the written tokens are the request's own (hits cover computed tokens only),
+        so no other request holds them.
+        """
+        first = num_written_tokens // self.block_size
+        for block in self.req_to_blocks.get(request.request_id, [])[first:]:
+            if block.block_hash is not None:
+                self.pool.uncache(block)
+        if request.request_id in self.num_cached_blocks:
+            self.num_cached_blocks[request.request_id] = min(
+                self.num_cached_blocks[request.request_id], first
+            )
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; safe to call again after a preemption or abort."""
         blocks = self.req_to_blocks.pop(request.request_id, [])

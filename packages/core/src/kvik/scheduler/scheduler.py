@@ -272,6 +272,9 @@ class Scheduler:
                     budget += taken.num_tokens
                     if taken.samples and self.config.async_scheduling:
                         victim.num_output_placeholders -= 1
+                    # Its allocation registered the blocks this step was to complete in the
+                    # prefix cache; the step will not write them now.
+                    self.kv.uncache_unwritten(victim, taken.start)
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is request:
