@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -40,10 +41,35 @@ def fake_token(request: Request) -> int:
     return 1000 + sum(request.all_token_ids) % 97
 
 
+# A fake device's KV cache per scheduler: (block id, offset) -> the token id written there.
+_kv_slots: weakref.WeakKeyDictionary[Scheduler, dict[tuple[int, int], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def read_and_write_kv(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Run a step on the fake KV cache: each scheduled request's computed tokens must be in its
+    blocks already (a prefix hit on a block that no step wrote, or wrote with other tokens, would
+    read stale KV), then the step writes its tokens (drafts included) into their slots."""
+    slots = _kv_slots.setdefault(scheduler, {})
+    size = scheduler.kv.block_size
+    for s in out.scheduled:
+        tokens = [*s.request.all_token_ids, *s.spec_token_ids]
+        for pos in range(s.start):
+            held = slots.get((s.block_ids[pos // size], pos % size))
+            assert held == tokens[pos], (
+                f"request {s.request.request_id} reads {held} at position {pos} of block "
+                f"{s.block_ids[pos // size]}, not its token {tokens[pos]}"
+            )
+        for pos in range(s.start, s.start + s.num_tokens):
+            slots[(s.block_ids[pos // size], pos % size)] = tokens[pos]
+
+
 def step(
     scheduler: Scheduler, sample: Callable[[Request], int] = fake_token
 ) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
     out = scheduler.schedule()
+    read_and_write_kv(scheduler, out)
     assert out.total_num_scheduled_tokens == sum(s.num_tokens for s in out.scheduled)
     assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
