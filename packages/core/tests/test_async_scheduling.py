@@ -91,6 +91,8 @@ class FakeDevice:
         self.token_fn = token_fn
         self.delay = delay
         self.kv: dict[str, list[int]] = {}
+        # The paged cache: (block id, offset) -> the token whose key and value are there.
+        self.slots: dict[tuple[int, int], int] = {}
         self.prev_sampled: dict[str, int] = {}
         self.launches: list[dict[str, Seen]] = []
         self.outputs: list[SchedulerOutput] = []
@@ -129,6 +131,11 @@ class FakeDevice:
                 assert s.num_tokens == 1 and s.start == len(known), "a placeholder is a decode"
                 assert rid in self.prev_sampled, f"{rid}: placeholder not sampled just before"
                 tokens.append(self.prev_sampled[rid])
+            for pos in range(s.start):  # what the step reads: the blocks' contents
+                held = self.slots.get((s.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE))
+                assert held == known[pos], f"{rid}: position {pos} holds {held}, not {known[pos]}"
+            for pos, token in enumerate(tokens, s.start):
+                self.slots[(s.block_ids[pos // BLOCK_SIZE], pos % BLOCK_SIZE)] = token
             kv = self.kv.setdefault(rid, [])
             if len(kv) < s.start:  # a prefix-cache hit: positions computed from known tokens
                 assert s.start <= len(known)
