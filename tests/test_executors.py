@@ -173,3 +173,52 @@ def test_killed_rank_fails_requests_and_shuts_down(tiny_model):
         await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 240))
+
+
+_FRONT_END_DYING_AT_START = """
+import asyncio, os, sys
+from kvik.engine.args import EngineArgs
+from kvik.engine.core_client import EngineCoreClient
+
+config = EngineArgs(
+    model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128
+).create_engine_config()
+client = EngineCoreClient(config)
+
+async def main():
+    asyncio.ensure_future(client.start())
+    while client.process is None or client.process.pid is None:
+        await asyncio.sleep(0.01)
+    with open(sys.argv[2], "w") as f:
+        f.write(str(client.process.pid))
+    os._exit(0)  # dies (as by SIGKILL) while its engine core is still being built
+
+asyncio.run(main())
+"""
+
+
+def test_an_engine_core_whose_front_end_died_during_start_up_exits(tiny_model, tmp_path):
+    """The core leaves when its front end is gone (it ignores SIGTERM); it took the parent's pid
+    once its engine was built, so a front end that died during start-up left a core that took
+    init for its parent and never left."""
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "core.pid"
+    subprocess.run(
+        [sys.executable, "-c", _FRONT_END_DYING_AT_START, str(tiny_model("llama")), pid_file],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # not a pipe: the core would hold it open
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+        check=True,
+    )
+    core = int(pid_file.read_text())
+    try:
+        deadline = time.monotonic() + 90
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(core), "the engine core outlived its front end"
+    finally:
+        if _alive(core):
+            os.kill(core, signal.SIGKILL)

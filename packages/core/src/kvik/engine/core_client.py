@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -67,7 +68,8 @@ class EngineCoreClient:
         context = multiprocessing.get_context("spawn")
         self.process = context.Process(
             target=run_engine_core,
-            args=(self.config, input_address, output_address),
+            # Its parent's pid from here: the core may only look once it is running.
+            args=(self.config, input_address, output_address, os.getpid()),
             name="kvik-engine-core",
             daemon=True,
         )

@@ -117,8 +117,15 @@ def encode(kind: str, payload: Any) -> bytes:
     return _encoder.encode((kind, payload))
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str) -> None:
-    """The process's entry point (started with spawn by ``EngineCoreClient``)."""
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int | None = None
+) -> None:
+    """The process's entry point (started with spawn by ``EngineCoreClient``). ``parent_pid``:
+    the front end's pid, which the core leaves when it is gone (default: the parent now)."""
+    # Taken before anything slow: a front end that dies while the engine is built (seconds to
+    # minutes) leaves the core to init, whose pid read afterwards would pass for its parent's.
+    if parent_pid is None:
+        parent_pid = os.getppid()
     import zmq
 
     # Ctrl-C, and a SIGTERM sent to the whole group (timeout, systemd), reach this process too:
@@ -147,7 +154,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         gc.collect()
         gc.freeze()
         output_socket.send(encode("ready", _ready_info(engine)))
-        EngineCoreProc(engine, input_socket, output_socket).run()
+        EngineCoreProc(engine, input_socket, output_socket, parent_pid).run()
     except BaseException as e:
         logger.exception("engine core failed")
         message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -173,11 +180,13 @@ def _ready_info(engine: Any) -> dict[str, Any]:
 
 
 class EngineCoreProc:
-    def __init__(self, engine: Any, input_socket: Any, output_socket: Any) -> None:
+    def __init__(
+        self, engine: Any, input_socket: Any, output_socket: Any, parent_pid: int | None = None
+    ) -> None:
         self.engine = engine  # kvik.engine.core.EngineCore
         self.input = input_socket
         self.output = output_socket
-        self.parent_pid = os.getppid()
+        self.parent_pid = os.getppid() if parent_pid is None else parent_pid
         self.pending: list[EngineCoreOutput] = []  # abort outputs not yet sent
         self.seen_scheduled: set[str] = set()
         self.running = True
