@@ -222,3 +222,48 @@ def test_an_engine_core_whose_front_end_died_during_start_up_exits(tiny_model, t
     finally:
         if _alive(core):
             os.kill(core, signal.SIGKILL)
+
+
+_ENGINE_DYING_AS_RANKS_START = """
+import multiprocessing, os, sys, threading, time
+from kvik import LLM
+
+def die_once_ranks_run():
+    while len(ranks := multiprocessing.active_children()) < 2:
+        time.sleep(0.01)
+    with open(sys.argv[2], "w") as f:
+        f.write(" ".join(str(p.pid) for p in ranks))
+    os._exit(0)  # dies (as by SIGKILL) while its ranks build their workers
+
+threading.Thread(target=die_once_ranks_run, daemon=True).start()
+LLM(sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128,
+    tensor_parallel_size=2)
+time.sleep(600)
+"""
+
+
+def test_ranks_whose_engine_died_during_start_up_exit(tiny_model, tmp_path):
+    """As the engine core's: a rank took its parent's pid once its worker was built, so an engine
+    that died meanwhile left ranks that took init for their parent and never left."""
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "ranks.pid"
+    subprocess.run(
+        [sys.executable, "-c", _ENGINE_DYING_AS_RANKS_START, str(tiny_model("llama")), pid_file],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,  # not pipes: the ranks would hold them open
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+        check=True,
+    )
+    ranks = [int(pid) for pid in pid_file.read_text().split()]
+    try:
+        deadline = time.monotonic() + 90
+        while any(_alive(rank) for rank in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(rank) for rank in ranks), "a rank outlived its engine"
+    finally:
+        for rank in ranks:
+            if _alive(rank):
+                os.kill(rank, signal.SIGKILL)

@@ -98,6 +98,7 @@ class MultiprocExecutor(Executor):
                         init_method,
                         f"ipc://{self._folder / f'rank{rank}'}",
                         f"ipc://{self._folder / 'replies'}",
+                        os.getpid(),  # the rank may only look once it is running
                     ),
                     name=f"kvik-rank-{rank}",
                     daemon=True,

@@ -52,8 +52,14 @@ def run_rank(
     distributed_init_method: str,
     input_address: str,
     output_address: str,
+    parent_pid: int | None = None,
 ) -> None:
-    """The entry point of a rank's process (spawned by ``MultiprocExecutor``)."""
+    """The entry point of a rank's process (spawned by ``MultiprocExecutor``). ``parent_pid``:
+    the engine core's pid, which the rank leaves when it is gone (default: the parent now)."""
+    # Taken before the worker is built: a parent that dies meanwhile leaves the rank to init,
+    # whose pid read afterwards would pass for its parent's.
+    if parent_pid is None:
+        parent_pid = os.getppid()
     import zmq
 
     # Ctrl-C reaches the whole process group: the engine core decides when ranks stop. SIGTERM
@@ -81,7 +87,7 @@ def run_rank(
             distributed_init_method=distributed_init_method,
         )
         outputs.send(encode(rank, "ready", None))
-        RankLoop(worker, inputs, outputs).run()
+        RankLoop(worker, inputs, outputs, parent_pid).run()
     except BaseException as e:
         logger.exception("rank %d failed", rank)
         outputs.send(encode(rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -95,12 +101,14 @@ def run_rank(
 
 
 class RankLoop:
-    def __init__(self, worker: Any, inputs: Any, outputs: Any) -> None:
+    def __init__(
+        self, worker: Any, inputs: Any, outputs: Any, parent_pid: int | None = None
+    ) -> None:
         self.worker = worker
         self.inputs = inputs
         self.outputs = outputs
         self.requests = RankRequests()
-        self.parent_pid = os.getppid()
+        self.parent_pid = os.getppid() if parent_pid is None else parent_pid
         self.sends_outputs = worker.rank == 0
 
     def run(self) -> None:
