@@ -67,6 +67,7 @@ TESTS_IN_BACKGROUND = [
     "tests/test_serve_gpu_script.py",
     "tests/test_bench_serve.py",
     "tests/test_example_plugin.py",
+    "tests/test_orphaned_processes.py",
 ]
 
 

@@ -15,6 +15,7 @@ import signal
 import time
 
 import pytest
+from process_checks import alive
 
 from kvik import LLM, SamplingParams
 from kvik.distributed.parallel_state import get_tp_group
@@ -26,19 +27,6 @@ from kvik_cpu.platform import CpuPlatform
 
 PROMPTS = [{"prompt_token_ids": [1, 5, 9, 13, 2, 7]}, {"prompt_token_ids": [3, 4]}]
 ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128, max_num_seqs=4)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is gone for our purposes.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _greedy(llm: LLM, max_tokens: int) -> list[list[int]]:
@@ -85,7 +73,7 @@ def test_mp_executor_gives_the_tokens_of_one_rank_and_shuts_down(tiny_model):
     assert _greedy(two, 3) == [tokens[:3] for tokens in expected]
     pids = two.engine.executor.rank_pids
     two.shutdown()
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 def test_killed_rank_fails_the_offline_llm(tiny_model):
@@ -108,7 +96,7 @@ def test_killed_rank_fails_the_offline_llm(tiny_model):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - killed_at < 30
-    assert not any(_alive(pid) for pid in ranks)
+    assert not any(alive(pid) for pid in ranks)
 
 
 class RankSkewedCpuPlatform(CpuPlatform):
@@ -163,7 +151,7 @@ def test_killed_rank_fails_requests_and_shuts_down(tiny_model):
                     killed_at = time.monotonic()
         assert killed_at is not None and 3 <= seen < 100
         # The engine core exits by itself, and takes rank 0 with it.
-        while core.is_alive() or any(_alive(pid) for pid in ranks):
+        while core.is_alive() or any(alive(pid) for pid in ranks):
             assert time.monotonic() - killed_at < 30, "the engine did not shut down in 30 s"
             await asyncio.sleep(0.1)
         assert not llm.is_healthy
@@ -173,97 +161,3 @@ def test_killed_rank_fails_requests_and_shuts_down(tiny_model):
         await llm.shutdown()
 
     asyncio.run(asyncio.wait_for(scenario(), 240))
-
-
-_FRONT_END_DYING_AT_START = """
-import asyncio, os, sys
-from kvik.engine.args import EngineArgs
-from kvik.engine.core_client import EngineCoreClient
-
-config = EngineArgs(
-    model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128
-).create_engine_config()
-client = EngineCoreClient(config)
-
-async def main():
-    asyncio.ensure_future(client.start())
-    while client.process is None or client.process.pid is None:
-        await asyncio.sleep(0.01)
-    with open(sys.argv[2], "w") as f:
-        f.write(str(client.process.pid))
-    os._exit(0)  # dies (as by SIGKILL) while its engine core is still being built
-
-asyncio.run(main())
-"""
-
-
-def test_an_engine_core_whose_front_end_died_during_start_up_exits(tiny_model, tmp_path):
-    """The core leaves when its front end is gone (it ignores SIGTERM); it took the parent's pid
-    once its engine was built, so a front end that died during start-up left a core that took
-    init for its parent and never left."""
-    import subprocess
-    import sys
-
-    pid_file = tmp_path / "core.pid"
-    subprocess.run(
-        [sys.executable, "-c", _FRONT_END_DYING_AT_START, str(tiny_model("llama")), pid_file],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # not a pipe: the core would hold it open
-        stderr=subprocess.DEVNULL,
-        timeout=120,
-        check=True,
-    )
-    core = int(pid_file.read_text())
-    try:
-        deadline = time.monotonic() + 90
-        while _alive(core) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not _alive(core), "the engine core outlived its front end"
-    finally:
-        if _alive(core):
-            os.kill(core, signal.SIGKILL)
-
-
-_ENGINE_DYING_AS_RANKS_START = """
-import multiprocessing, os, sys, threading, time
-from kvik import LLM
-
-def die_once_ranks_run():
-    while len(ranks := multiprocessing.active_children()) < 2:
-        time.sleep(0.01)
-    with open(sys.argv[2], "w") as f:
-        f.write(" ".join(str(p.pid) for p in ranks))
-    os._exit(0)  # dies (as by SIGKILL) while its ranks build their workers
-
-threading.Thread(target=die_once_ranks_run, daemon=True).start()
-LLM(sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128,
-    tensor_parallel_size=2)
-time.sleep(600)
-"""
-
-
-def test_ranks_whose_engine_died_during_start_up_exit(tiny_model, tmp_path):
-    """As the engine core's: a rank took its parent's pid once its worker was built, so an engine
-    that died meanwhile left ranks that took init for their parent and never left."""
-    import subprocess
-    import sys
-
-    pid_file = tmp_path / "ranks.pid"
-    subprocess.run(
-        [sys.executable, "-c", _ENGINE_DYING_AS_RANKS_START, str(tiny_model("llama")), pid_file],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,  # not pipes: the ranks would hold them open
-        stderr=subprocess.DEVNULL,
-        timeout=120,
-        check=True,
-    )
-    ranks = [int(pid) for pid in pid_file.read_text().split()]
-    try:
-        deadline = time.monotonic() + 90
-        while any(_alive(rank) for rank in ranks) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(rank) for rank in ranks), "a rank outlived its engine"
-    finally:
-        for rank in ranks:
-            if _alive(rank):
-                os.kill(rank, signal.SIGKILL)
