@@ -201,6 +201,20 @@ def test_fcfs_preempts_the_last_admitted() -> None:
     assert [r.num_output_tokens for r in requests] == [10, 10]
 
 
+def test_priority_ties_preempt_the_last_admitted() -> None:
+    """Equal priorities and arrival times (one offline batch): the victim is the last admitted,
+    as under FCFS, not the first, which has done the most work."""
+    scheduler = make_scheduler(num_blocks=5, max_model_len=20, policy="priority")
+    requests = [make_request("a", 8, max_tokens=10), make_request("b", 4, max_tokens=10)]
+    for request in requests:
+        request.arrival_time = requests[0].arrival_time
+        scheduler.add_request(request)
+    while not (out := step(scheduler)[0]).preempted_req_ids:
+        pass
+    assert out.preempted_req_ids == {"b"}
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+
+
 def test_priority_order_and_victim() -> None:
     scheduler = make_scheduler(num_blocks=5, max_model_len=20, policy="priority", max_num_seqs=1)
     for rid, priority in [("x", 2), ("y", 0), ("z", 1)]:

@@ -512,12 +512,14 @@ class Scheduler:
         )
 
     def _victim_index(self) -> int:
-        """The running request to preempt: the last admitted, or the lowest priority."""
+        """The running request to preempt: the last admitted, or the lowest priority (among
+        equal priorities the latest arrival, and among equal arrivals the last admitted, which has
+        done the least work: an offline batch's requests share one arrival time)."""
         if self.config.policy == "fcfs":
             return len(self.running) - 1
         return max(
             range(len(self.running)),
-            key=lambda i: (self.running[i].priority, self.running[i].arrival_time),
+            key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i),
         )
 
     def _preempt(self, request: Request) -> None:
