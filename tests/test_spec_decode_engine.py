@@ -250,6 +250,41 @@ def test_seeded_sampling_is_reproducible(tiny_model):
     assert generate(llm, params) == generate(llm, params)
 
 
+def test_seeded_sampling_does_not_depend_on_the_drafts_a_step_gets(tiny_model):
+    """A seeded sampled request's tokens are the ones it gets alone, whatever changes how many
+    drafts its steps verify: other requests beside it, a token budget that cuts its drafts (and
+    chunks prompts), few KV blocks (preemptions), disable_by_batch_size, or no speculation at
+    all. Each output position's draws come from (seed, position), and with a proposer's one-hot
+    drafts the token at a position is the one the plain sampler takes there."""
+    folder = tiny_model("llama")
+    # At temperature 0.2 the random-weight model's tokens are likely enough that drafts are
+    # accepted now and then; at 1.0 almost never.
+    seeded = [
+        SamplingParams(temperature=temperature, max_tokens=40, ignore_eos=True, seed=seed)
+        for temperature, seed in ((1.0, 11), (0.2, 12), (0.2, 13))
+    ]
+    alone_llm = make_llm(folder, NGRAM)
+    alone = [generate(alone_llm, params, [p])[0] for params, p in zip(seeded, PROMPTS)]
+    assert alone_llm.stats.spec_decoding.num_accepted_tokens > 0
+    unseeded = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    prompts = [PROMPTS[2], *PROMPTS, PROMPTS[1]]
+    params = [unseeded, *seeded, GREEDY]
+
+    def together(llm):
+        return generate(llm, params, prompts)[1:4]
+
+    budget = make_llm(folder, NGRAM, max_num_batched_tokens=8, max_num_seqs=5)
+    assert together(budget) == alone
+    assert budget.stats.spec_decoding.num_drafts > 0
+    few_blocks = make_llm(folder, NGRAM, num_kv_blocks=10, max_model_len=128)
+    assert together(few_blocks) == alone
+    assert few_blocks.stats.num_preemptions > 0
+    assert together(make_llm(folder, {**NGRAM, "disable_by_batch_size": 3})) == alone
+    for async_scheduling in (False, True):
+        plain = make_llm(folder, async_scheduling=async_scheduling)
+        assert together(plain) == alone
+
+
 def test_draft_model_with_another_vocabulary_is_refused(tiny_model, tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -1,26 +1,33 @@
 """The rejection sampler: greedy verification exactly, sampled verification keeping the target's
-distribution (chi-square over many draws on a tiny vocabulary), seeded requests reproducible."""
+distribution (chi-square over many draws on a tiny vocabulary), seeded requests reproducible, and a
+seeded request's token at a position the plain sampler's there, with or without a draft."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvik.layers.sampler import SamplingBatch
+from kvik.layers.sampler import Sampler, SamplingBatch
 from kvik.spec_decode.rejection_sampler import RejectionSampler, target_probs
 
 
-def batch(n: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seeds=None):
-    generators = {}
-    for row, seed in (seeds or {}).items():
-        generators[row] = torch.Generator().manual_seed(seed)
+def batch(
+    n: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seeds=None,
+    device: str = "cpu",
+):
+    """``seeds``: row -> seed, or (seed, output index of the row's first position)."""
+    seeds = {row: s if isinstance(s, tuple) else (s, 0) for row, s in (seeds or {}).items()}
     return SamplingBatch(
-        temperature=torch.full((n,), temperature),
-        top_k=torch.full((n,), top_k, dtype=torch.int64),
-        top_p=torch.full((n,), top_p),
-        min_p=torch.zeros(n),
+        temperature=torch.full((n,), temperature, device=device),
+        top_k=torch.full((n,), top_k, dtype=torch.int64, device=device),
+        top_p=torch.full((n,), top_p, device=device),
+        min_p=torch.zeros(n, device=device),
         all_greedy=temperature == 0.0,
-        generators=generators,
+        seeds=seeds,
     )
 
 
@@ -186,6 +193,62 @@ def test_seeded_requests_do_not_depend_on_the_batch():
         out = sampler(logits, drafts, [2] * 4, batch(4, 1.0, seeds={0: seed}), q).to_lists()
         outputs.add(tuple(out[0]))
     assert len(outputs) > 1
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_position_draws_the_same_with_or_without_drafts_before_it(device):
+    """A seeded request's token at output position i comes from (seed, i) alone: the plain sampler
+    gives it at row 0 or row 2 of a batch; verified with one-hot drafts (n-gram's), the output is
+    the plain tokens' prefix whatever the drafts were and however many (a step's drafts cut by a
+    token budget, a step without any), and the drafts that are accepted are those tokens."""
+    torch.manual_seed(5)
+    positions = 5
+    # Peaked enough that drafts are often accepted.
+    rows = (torch.randn(positions, VOCAB) * 2.0).to(device)
+    likely = rows.argmax(-1).tolist()
+    sampler = Sampler(torch.Generator(device).manual_seed(0))
+    rejection = RejectionSampler(torch.Generator(device).manual_seed(0))
+    accepted = 0
+    for seed in range(40):
+        plain = [
+            sampler(rows[i : i + 1].clone(), batch(1, 1.0, seeds={0: (seed, i)}, device=device))
+            for i in range(positions)
+        ]
+        plain = [t.item() for t in plain]
+        beside = torch.cat([torch.randn(2, VOCAB).to(device), rows[2:3]])  # after two others
+        at_two = sampler(beside, batch(3, 1.0, seeds={2: (seed, 2)}, device=device))
+        assert at_two[2].item() == plain[2]
+        # From position 1, with 0 to 3 drafts: the likely tokens, or the likely ones but the last.
+        for k in range(positions - 1):
+            for drafts in (likely[1 : 1 + k], likely[1:k] + [(likely[k] + 1) % VOCAB]):
+                drafts = drafts[:k]
+                other = torch.randn(3, VOCAB).to(device)  # an unseeded request, 2 drafts
+                out = rejection(
+                    torch.cat([other, rows[1 : 2 + k]]),
+                    torch.tensor([0, 1, *drafts]),
+                    [2, k],
+                    batch(2, 1.0, seeds={1: (seed, 1)}, device=device),
+                )
+                tokens = out.to_lists()[1]
+                assert tokens == plain[1 : 1 + len(tokens)], (seed, drafts)
+                assert tokens[:-1] == drafts[: len(tokens) - 1]
+                accepted += len(tokens) - 1
+    assert accepted > 100  # drafts were accepted, not only rejected
+
+
+def test_seeded_positions_differ():
+    """Neighbouring positions and seeds draw differently (position_seed mixes both)."""
+    rows = torch.zeros(1, 1000)  # uniform: the token is the noise's argmin
+    sampler = Sampler(torch.Generator())
+    tokens = {
+        sampler(rows.clone(), batch(1, 1.0, seeds={0: (seed, i)})).item()
+        for seed in (0, 1, -1, 2**63 - 1)
+        for i in range(4)
+    }
+    assert len(tokens) >= 14
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -1,8 +1,12 @@
 """Sampling a batch of logits rows: greedy, temperature, top-k, top-p, min-p, per-request seeds.
 
 Random rows draw with the exponential-race trick (argmax of probs / q with q ~ Exp(1)), which equals
-sampling from probs. A seeded request draws its q from its own generator, consumed once per token, so
-its tokens do not depend on what else is in the batch.
+sampling from probs. A seeded request's q for its output token i is drawn from a generator seeded
+with ``position_seed(seed, i)``: it depends on the seed and the position alone, not on the batch,
+on how many draws the request made before (speculative steps verify a varying number of drafts),
+or on which step samples the position (asynchronous scheduling, preemptions). The rejection
+sampler draws a seeded position's noise the same way, so that the token a position gets is the one
+this sampler would take there (``kvik.spec_decode.rejection_sampler``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,10 @@ class SamplingBatch:
     use_top_k: bool = True
     use_top_p: bool = True
     use_min_p: bool = True
-    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> its own RNG
+    # row -> (its request's seed, the output index of the row's token): seeded rows draw from
+    # these alone (``at_position``). The rejection sampler keys them by request, with the index
+    # of the request's first scored position (its j-th row is that index + j).
+    seeds: dict[int, tuple[int, int]] = field(default_factory=dict)
     # (row, processors, output tokens so far) for the rows that have processors
     processors: list[tuple[int, list[LogitsProcessor], list[int]]] = field(default_factory=list)
 
@@ -48,9 +55,40 @@ def greedy_ids(
     return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def position_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's output token ``index`` (0 for the first): a
+    64-bit mix of both, whose low 32 bits (all that a CPU generator, mt19937, keeps) differ between
+    neighbouring seeds and positions too."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ index)
+
+
+def at_position(generator: torch.Generator, seed: int, index: int) -> torch.Generator:
+    """``generator`` reseeded for a seeded request's output token ``index``: what that position
+    draws (its Exp(1) noise over the vocabulary first, as the sampler and the rejection sampler
+    both do, so the same seed and position give the same noise in both).
+
+    Cost, per seeded position: the reseed, on the host (a fresh mt19937 state on the CPU; a seed
+    and an offset on CUDA, which each launch reads by value: no device work, no
+    synchronization), and the draw's own launch over the vocabulary, as one generator per request
+    took. Unseeded rows never come here."""
+    return generator.manual_seed(position_seed(seed, index))
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed of their own
+        # Reseeded for every seeded row's position (``at_position``).
+        self._seeded = torch.Generator(generator.device)
         # The platform's kernel where it has one (a GPU's reduction spread over the row): built
         # inside the engine's ops_dispatch, as the model's layers are.
         self._argmax_rows = ops.small_op("argmax_rows")
@@ -79,8 +117,8 @@ class Sampler:
             floor = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, generator in batch.generators.items():
-            q[row].exponential_(generator=generator)
+        for row, (seed, index) in batch.seeds.items():
+            q[row].exponential_(generator=at_position(self._seeded, seed, index))
         sampled = probs.div(q).max(dim=-1).indices
         return torch.where(greedy_rows, greedy, sampled)
 

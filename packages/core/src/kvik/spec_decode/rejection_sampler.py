@@ -10,15 +10,27 @@ at a position with probability min(1, p(d) / q(d)); at the first rejection they 
 norm(max(p - q, 0)); if all drafts pass, a bonus token from p at the last position. p is the
 target's distribution after temperature, top-k, top-p and min-p, as kvik's sampler applies them;
 q is the proposer's distribution, or "one-hot at its proposal" (``draft_probs=None``: n-gram and
-other deterministic proposers), where the rule reads: accept with p(d), else sample p without d.
+other deterministic proposers, every proposer of kvik's), where the rule reads: accept with p(d),
+else sample p without d.
+
+With one-hot proposals the rule is carried out through the sampler's exponential race: each scored
+row's token is argmax(p / E) over its noise E (the plain sampler's draw), and a draft is accepted
+when it is that token. That happens with probability p(d), and a rejected position's token is the
+race's winner among the others, which follows p without d: the rule above, with the token of a
+position the same whether it had a draft or not. With a seeded request's noise a function of its
+seed and the position (``kvik.layers.sampler.at_position``), its tokens are then the ones plain
+sampling gives it, whatever drafts its steps verified: not their number (a token budget or
+``disable_by_batch_size`` cuts them), not their values. With draft probabilities, acceptance
+compares a uniform with p(d) / q(d), and the first rejection draws from norm(max(p - q, 0)) with
+the position's noise; a seeded position draws its noise, then its uniform, from its own
+generator, so its tokens depend on the batch only through the drafts it was given.
 
 A batch of greedy requests only reads the target's argmax at each row back (one copy) and
 compares on the host: a step's few dozen small launches and three reads would cost more than the
 comparison. Otherwise, and where the caller keeps the result on the device (``on_device``: an
 EAGLE-3 proposal starts from it before the host reads the step back), all of it runs on the
-logits' device, batched, with no host synchronization. A seeded request draws its
-uniforms and its exponential noise from its own generator, in a fixed order (uniforms for its
-drafts, then noise for its rows), so its tokens do not depend on the rest of the batch.
+logits' device, batched, with no host synchronization (a seeded request adds host work and a
+launch or two per scored position: ``at_position``).
 """
 
 from __future__ import annotations
@@ -29,7 +41,13 @@ import torch
 from torch import Tensor
 
 from kvik import ops
-from kvik.layers.sampler import _GREEDY_EPS, SamplingBatch, apply_top_k_top_p, greedy_ids
+from kvik.layers.sampler import (
+    _GREEDY_EPS,
+    SamplingBatch,
+    apply_top_k_top_p,
+    at_position,
+    greedy_ids,
+)
 
 #: Marks the slots after a request's last output token in ``RejectionOutput.token_ids``.
 PLACEHOLDER_TOKEN_ID = -1
@@ -124,6 +142,7 @@ def target_probs(logits: Tensor, sampling: SamplingBatch, row_request: Tensor) -
 class RejectionSampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for requests without a seed of their own
+        self._seeded = torch.Generator(generator.device)  # reseeded per seeded position
         self._argmax_rows = ops.small_op("argmax_rows")  # as the Sampler's
 
     def __call__(
@@ -136,9 +155,9 @@ class RejectionSampler:
         on_device: bool = False,
     ) -> RejectionOutput:
         """target_logits [sum(k_i + 1), V]; draft_token_ids [sum(k_i)] (on the host or the
-        logits' device); sampling: one row per request (``generators`` keyed by request index);
-        draft_probs [sum(k_i), V] or None. An all-greedy batch's output is on the host unless
-        ``on_device``."""
+        logits' device); sampling: one row per request (``seeds`` keyed by request index, with
+        the output index of the request's first scored position); draft_probs [sum(k_i), V] or
+        None. An all-greedy batch's output is on the host unless ``on_device``."""
         if any(k < 0 for k in num_draft_tokens):
             raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}")
         device = target_logits.device
@@ -178,7 +197,9 @@ class RejectionSampler:
         greedy_out = _emit(drafts, drafts == greedy_tokens[:, :-1], layout, greedy_tokens)
         if sampling.all_greedy:
             return greedy_out
-        sampled_out = self._sample(target_logits, drafts, draft_probs, sampling, layout)
+        sampled_out = self._sample(
+            target_logits, drafts, draft_probs, sampling, layout, num_draft_tokens
+        )
         greedy_rows = (sampling.temperature < _GREEDY_EPS).unsqueeze(1)
         return RejectionOutput(
             torch.where(greedy_rows, greedy_out.token_ids, sampled_out.token_ids),
@@ -192,20 +213,27 @@ class RejectionSampler:
         draft_probs: Tensor | None,
         sampling: SamplingBatch,
         layout: _Layout,
+        num_draft_tokens: list[int],
     ) -> RejectionOutput:
         probs = target_probs(target_logits, sampling, layout.row_request)  # [R, V]
-        uniforms, noise = self._random(layout, probs.shape, sampling.generators, probs.device)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        uniforms = None
+        if draft_probs is not None:
+            uniforms = torch.rand(layout.valid.shape, generator=self.generator, device=probs.device)
+        if sampling.seeds:
+            self._seeded_draws(noise, uniforms, sampling.seeds, num_draft_tokens)
+        if draft_probs is None:
+            # Every scored row's token is its race's winner, the plain sampler's token there; a
+            # draft is accepted when it is that token (the module's docstring).
+            tokens = probs.div(noise).max(dim=-1).indices[layout.target_index]  # [B, K + 1]
+            return _emit(drafts, drafts == tokens[:, :-1], layout, tokens)
         safe_drafts = drafts.clamp(min=0)
         draft_rows = layout.target_index[:, :-1]  # [B, K]
         p = probs[draft_rows]  # [B, K, V]
         p_draft = p.gather(2, safe_drafts.unsqueeze(2)).squeeze(2)
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            residual = p.scatter(2, safe_drafts.unsqueeze(2), 0.0)
-        else:
-            q = draft_probs.float()[layout.draft_index]
-            q_draft = q.gather(2, safe_drafts.unsqueeze(2)).squeeze(2)
-            residual = (p - q).clamp(min=0.0)
+        q = draft_probs.float()[layout.draft_index]
+        q_draft = q.gather(2, safe_drafts.unsqueeze(2)).squeeze(2)
+        residual = (p - q).clamp(min=0.0)
         # p == q leaves nothing; a rejection then has probability 0, but rounding can still
         # reach it: fall back to p rather than to an arbitrary token.
         empty = residual.sum(dim=-1, keepdim=True) <= 0
@@ -221,25 +249,29 @@ class RejectionSampler:
         accepted = uniforms * q_draft < p_draft
         return _emit(drafts, accepted, layout, final)
 
-    def _random(
+    def _seeded_draws(
         self,
-        layout: _Layout,
-        shape: torch.Size,
-        generators: dict[int, torch.Generator],
-        device: torch.device,
-    ) -> tuple[Tensor, Tensor]:
-        """Uniforms [B, K] for acceptance and Exp(1) noise [R, V] for every target row."""
-        uniforms = torch.rand(layout.valid.shape, generator=self.generator, device=device)
-        noise = torch.empty(shape, device=device).exponential_(generator=self.generator)
-        if generators:
-            num_draft = layout.num_draft.tolist()
-            first_rows = (layout.target_index[:, 0]).tolist()
-            for request, generator in generators.items():
-                k = num_draft[request]
-                uniforms[request, :k] = torch.rand(k, generator=generator, device=device)
-                rows = slice(first_rows[request], first_rows[request] + k + 1)
-                noise[rows].exponential_(generator=generator)
-        return uniforms, noise
+        noise: Tensor,
+        uniforms: Tensor | None,
+        seeds: dict[int, tuple[int, int]],
+        num_draft_tokens: list[int],
+    ) -> None:
+        """Overwrite the seeded requests' draws: at each scored position, the noise over the
+        vocabulary, then (with draft probabilities, at a draft's position) the acceptance uniform,
+        from a generator seeded by (seed, output index). Rows are laid out from the host's counts:
+        nothing is read back from the device."""
+        first_row = 0
+        first_rows = []
+        for k in num_draft_tokens:
+            first_rows.append(first_row)
+            first_row += k + 1
+        for request, (seed, index) in seeds.items():
+            k = num_draft_tokens[request]
+            for j in range(k + 1):
+                generator = at_position(self._seeded, seed, index + j)
+                noise[first_rows[request] + j].exponential_(generator=generator)
+                if uniforms is not None and j < k:
+                    uniforms[request, j : j + 1].uniform_(generator=generator)
 
 
 def _greedy_on_host(

@@ -54,7 +54,6 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 class _RequestState:
     """What the runner keeps per request across steps."""
 
-    generator: torch.Generator | None
     processors: list[LogitsProcessor]
     # Prompt logprobs by position, gathered chunk by chunk (a recompute after preemption overwrites).
     prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
@@ -312,6 +311,10 @@ class ModelRunner:
         in_flight: list[tuple[int, int]] = []  # (flat row, row in the previous step's tokens)
         sample_rows: list[int] = []
         drafts: list[tuple[int, ...]] = []
+        # Per sampling request, the output index of the first token it samples (a seeded
+        # request's draws depend on it): the one after its known tokens and the token in flight,
+        # if any; for a verification, its first scored position (before its drafts').
+        first_outputs: list[int] = []
         table_rows: list[tuple[object, list[int]]] = []
         needs_hidden = False
         for r, s in enumerate(scheduled):
@@ -336,6 +339,7 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(r)
                 drafts.append(s.spec_token_ids)
+                first_outputs.append(start + n - len(s.spec_token_ids) - request.num_prompt_tokens)
             table_rows.append(((request, request.num_preemptions), s.block_ids))
             if request.sampling_params.prompt_logprobs is not None and (
                 start < request.num_prompt_tokens - 1
@@ -472,7 +476,11 @@ class ModelRunner:
             uniform_query_len=query_len,
             query_starts=query_start_loc[:num_reqs].tolist(),
             sampling_requests=sampling_requests,
-            sampling=self._sampling_batch(sampling_requests) if sampling_requests else None,
+            sampling=(
+                self._sampling_batch(sampling_requests, first_outputs)
+                if sampling_requests
+                else None
+            ),
             draft_token_ids=drafts,
             common_metadata=common,
         )
@@ -713,15 +721,17 @@ class ModelRunner:
     def _state(self, request: Request) -> _RequestState:
         state = self.requests.get(request.request_id)
         if state is None:
-            params = request.sampling_params
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed)
-            state = _RequestState(generator, build_logits_processors(request))
+            state = _RequestState(build_logits_processors(request))
             self.requests[request.request_id] = state
         return state
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+    def _sampling_batch(
+        self, requests: list[Request], first_outputs: list[int] | None = None
+    ) -> SamplingBatch:
+        """``first_outputs``: per request, the output index of the first token it samples (by
+        default the one after its known outputs: a step with no token in flight and no drafts)."""
+        if first_outputs is None:
+            first_outputs = [r.num_output_tokens for r in requests]
         n = len(requests)
         params = [r.sampling_params for r in requests]
         all_greedy = all(p.is_greedy for p in params)
@@ -748,8 +758,9 @@ class ModelRunner:
             )
         for row, request in enumerate(requests):
             state = self._state(request)
-            if state.generator is not None:
-                batch.generators[row] = state.generator
+            p = params[row]
+            if p.seed is not None and not p.is_greedy:  # greedy rows draw nothing
+                batch.seeds[row] = (p.seed, first_outputs[row])
             if state.processors:
                 batch.processors.append((row, state.processors, request.output_token_ids))
         return batch
