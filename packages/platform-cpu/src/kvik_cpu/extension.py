@@ -67,6 +67,20 @@ def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
     return True
 
 
+def announce_build(build_dir: Path, name: str) -> bool:
+    """Say that the ops are about to be compiled when ``build_dir`` holds no library of them yet
+    (the first start on a machine: about 20 s on two idle cores, minutes on busy ones, with
+    nothing else printed meanwhile); True if it did."""
+    if (build_dir / f"{name}.so").exists():
+        return False
+    logger.warning(
+        "compiling kvik_cpu's C++ ops for this CPU with the system's C++ compiler (once, cached "
+        "in %s)",
+        build_dir,
+    )
+    return True
+
+
 @cache
 def load() -> str | None:
     """Build (or load the cached build of) the ops; None on success, else why it failed."""
@@ -84,6 +98,7 @@ def load() -> str | None:
 
         build_dir.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(build_dir)
+        announce_build(build_dir, name)
         load_extension(
             name=name,
             sources=[str(s) for s in SOURCES],
