@@ -56,6 +56,17 @@ class ServerSettings:
     max_stored_responses: int = 1000
 
 
+def example_request(url: str, model_name: str, api_keys: list[str]) -> str:
+    """The curl command the server logs once ready; with API keys it carries the header they
+    need (not the key itself, which the log would keep), else it would get a 401."""
+    auth = " -H 'Authorization: Bearer <your API key>'" if api_keys else ""
+    return (
+        f"curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f'-d \'{{"model": "{model_name}", "messages": [{{"role": "user", "content": "What is the '
+        "capital of France?\"}]}'"
+    )
+
+
 def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     if not settings.served_model_names:
@@ -87,13 +98,7 @@ def create_app(engine_args: EngineArgs, settings: ServerSettings | None = None) 
         )
         if settings.url:
             logger.info("kvik is serving %s at %s", model_name, settings.url)
-            logger.info(
-                "try: curl %s/v1/chat/completions -H 'Content-Type: application/json' "
-                '-d \'{"model": "%s", "messages": [{"role": "user", "content": "What is the '
-                "capital of France?\"}]}'",
-                settings.url,
-                model_name,
-            )
+            logger.info("try: %s", example_request(settings.url, model_name, settings.api_keys))
         try:
             yield
         finally:
