@@ -9,6 +9,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -37,7 +38,10 @@ def tests(session: nox.Session) -> None:
     # hatchling: tests/test_example_plugin.py builds plugin packages without build isolation.
     # compressed-tensors, accelerate: tests/quantization makes compressed-tensors checkpoints
     # with the library, and reads them and fine-grained FP8 ones back through transformers.
-    session.install("hatchling", "hypothesis", "pytest", "compressed-tensors>=0.20.1", "accelerate")
+    # nox: tests/test_noxfile.py runs a session of the noxfile's.
+    session.install(
+        "hatchling", "hypothesis", "pytest", "compressed-tensors>=0.20.1", "accelerate", "nox"
+    )
     groups = [*sorted(glob.glob("packages/*/tests")), "tests"]
     if session.posargs:
         session.run("pytest", *groups, *session.posargs)
@@ -242,7 +246,26 @@ def env(session: nox.Session) -> None:
 def serve(session: nox.Session) -> None:
     """The main job: serve the default model on http://127.0.0.1:8000 (``nox -s serve -- --help``)."""
     install_kvik(session)
-    session.run("kvik", "serve", *session.posargs)
+    run_until_stopped(session, "kvik", "serve", *session.posargs)
+
+
+#: How long a command run_until_stopped runs gets to exit once told to, before it is killed:
+#: ``kvik serve`` gives in-flight requests 10 s (--shutdown-timeout), then stops its engine.
+STOP_TIMEOUT_S = 30.0
+
+
+def run_until_stopped(session: nox.Session, *args: str) -> None:
+    """``session.run(*args)`` for a command that runs until it is stopped (a server): a SIGTERM
+    sent to nox reaches the command too, and it gets ``STOP_TIMEOUT_S`` to exit. Without this,
+    nox died of the SIGTERM (a service manager's or ``kill``'s) and left ``kvik serve`` running,
+    its parent gone and port 8000 held; Ctrl-C, which the terminal sends to both, gave it 0.5 s
+    before nox killed it."""
+    # As Ctrl-C does: nox's popen catches the KeyboardInterrupt and terminates the command.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        session.run(*args, terminate_timeout=STOP_TIMEOUT_S)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # The CUDA machine's checks, in order; ``nox -s gpu -- e2e bench`` runs a subset. ``speed`` is
