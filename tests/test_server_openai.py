@@ -291,6 +291,40 @@ def test_bad_chat_requests_get_400(server, body, message):
     assert message in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 300}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 256}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "max_completion_tokens": 1000, "max_tokens": 2},
+            "max_completion_tokens",
+        ),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 300}, "max_output_tokens"),
+    ],
+)
+def test_max_tokens_past_the_context_is_a_400(server, path, body, param):
+    """A limit the client set that the prompt leaves no room for is refused as vLLM refuses it
+    (it was silently cut to the room left); the server's own default is still cut to fit."""
+    response = post_json(server, path, body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert f"{param} is too large" in error["message"]
+    assert "maximum context length is 256 tokens" in error["message"]
+
+
+def test_a_default_max_tokens_is_cut_to_the_context(server):
+    """Without max_tokens a chat may run to the end of the context: the room left, not a 400."""
+    body = {"messages": MESSAGES, "temperature": 0, "ignore_eos": True}
+    response = post_json(server, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
 def test_completions_without_special_tokens(server):
     """add_special_tokens=false reaches the engine as token ids without them (it was ignored)."""
     body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, "echo": True}

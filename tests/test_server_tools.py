@@ -23,6 +23,8 @@ needs_structured_outputs = pytest.mark.skipif(
     reason="needs the engine's structured outputs (kvik.structured_output, with xgrammar)",
 )
 
+#: The tiny model's context is 512 tokens, ~400 of which a prompt with the tools in it takes: the
+#: tests ask at most 100 more (a limit past the context is a 400).
 ENGINE = ["--num-kv-blocks", "128", "--max-model-len", "512", "--seed", "0"]
 SERVER = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 # The tiny tokenizer's template, plus the tools and the calls and results of past turns.
@@ -144,7 +146,7 @@ def test_tool_call_round_trip(client, stream, choice):
     tool_choice = (
         {"type": "function", "function": {"name": "weather"}} if choice == "named" else "required"
     )
-    kwargs = dict(tools=[WEATHER], temperature=0.8, seed=1, max_tokens=200)
+    kwargs = dict(tools=[WEATHER], temperature=0.8, seed=1, max_tokens=100)
     # One call: "required" may make several unless parallel_tool_calls is false (maxItems 1).
     one = dict(parallel_tool_calls=False) if choice == "required" else {}
     message, finish = chat(client, stream, messages=ASK, tool_choice=tool_choice, **kwargs, **one)
@@ -257,7 +259,7 @@ def test_responses_function_tool_round_trip(client, stream):
         tools=[RESPONSE_TOOL],
         tool_choice={"type": "function", "name": "weather"},
         temperature=0.8,
-        max_output_tokens=200,
+        max_output_tokens=100,
     )
     if stream:
         events, response = stream_response(client, **kwargs)
@@ -295,7 +297,7 @@ def test_responses_json_schema(client, stream):
         input="Pick a city.",
         text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}},
         temperature=0.8,
-        max_output_tokens=200,
+        max_output_tokens=100,
     )
     response = stream_response(client, **kwargs)[1] if stream else client.responses.create(**kwargs)
     assert response.status == "completed"

@@ -335,8 +335,10 @@ _JSON_TYPES |= {bool: "a boolean", type(None): "null"}
 
 
 #: Request fields that the engine's ValueErrors name first ("logit_bias must hold token ids ...").
-_REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
-    ChatCompletionRequest.model_fields
+_REQUEST_FIELDS = (
+    frozenset(CompletionRequest.model_fields)
+    | frozenset(ChatCompletionRequest.model_fields)
+    | {"max_output_tokens"}  # the Responses API's max_tokens
 )
 _LEADING_FIELD = re.compile(r"^(?:invalid |the given )?([a-z_]+)\b(?:\.[a-z_]+)?")
 _MESSAGE = re.compile(r"^message (\d+)\b")

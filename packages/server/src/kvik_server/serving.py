@@ -273,7 +273,13 @@ class Completions:
         kind = "delta" if request.stream else "final"
         streams = [
             self.engine.generate(
-                prompt, params, f"{request_id}-{i}", request.priority, kind, arrival_time
+                prompt,
+                params,
+                f"{request_id}-{i}",
+                request.priority,
+                kind,
+                arrival_time,
+                max_tokens_field=None if request.max_tokens is None else "max_tokens",
             )
             for i, prompt in enumerate(prompts)
         ]
@@ -524,13 +530,20 @@ class ChatCompletions:
         check_priority(self.engine, request.priority)
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         max_tokens = request.max_completion_tokens or request.max_tokens
+        field = "max_completion_tokens" if request.max_completion_tokens else "max_tokens"
         params = sampling_params(self.engine, request, max_tokens, None, logprobs)
         apply_tool_plan(params, plan)
         prompt = self.prompt(request, tools)
         request_id = random_id("chatcmpl")
         kind = "delta" if request.stream else "final"
         stream = self.engine.generate(
-            prompt, params, request_id, request.priority, kind, arrival_time
+            prompt,
+            params,
+            request_id,
+            request.priority,
+            kind,
+            arrival_time,
+            max_tokens_field=None if max_tokens is None else field,
         )
         constraint = constraint_param(request, plan)
         (first,) = await _start_all([stream], not request.stream, constraint)

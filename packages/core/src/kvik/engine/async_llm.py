@@ -155,6 +155,7 @@ class AsyncLLM:
         priority: int = 0,
         output_kind: OutputKind = "cumulative",
         arrival_time: float | None = None,
+        max_tokens_field: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's progress. Each RequestOutput holds the completions that changed
         (text, tokens and logprobs as ``output_kind`` says; text held back while it may still be
@@ -164,7 +165,10 @@ class AsyncLLM:
         EngineRequestError when the engine core could not take this request (it runs on).
         Leaving the iteration early aborts the request. ``arrival_time`` (``time.monotonic()``; default now): when the request
         arrived, e.g. when its HTTP request came in, before its body was read and validated, so
-        that the latency metrics count what the client waited for."""
+        that the latency metrics count what the client waited for. ``max_tokens_field``: the
+        request field ``params.max_tokens`` came from, where a client set it: such a max_tokens
+        that the prompt leaves no room for is refused with a ValueError naming the field (the
+        OpenAI server's rule, and vLLM's), where otherwise it is cut to the room left."""
         if not self.is_healthy:
             raise self.client.error or EngineDeadError("the engine is shutting down")
         if not isinstance(request_id, str):
@@ -192,6 +196,8 @@ class AsyncLLM:
                 f"arrival_time must be a finite time.monotonic() value, got {arrival_time!r}"
             )
         prompt_text, token_ids, params = self.input_processor.process(prompt, params)
+        if max_tokens_field is not None:
+            self.input_processor.check_max_tokens_fit(token_ids, params, max_tokens_field)
         children = child_requests(request_id, params)
         # Build every engine request before sending any, so invalid input leaves nothing behind.
         now = time.monotonic() if arrival_time is None else min(arrival_time, time.monotonic())

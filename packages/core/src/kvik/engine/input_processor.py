@@ -309,6 +309,21 @@ class InputProcessor:
             return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         return [encode_text(self.tokenizer, text, add_special_tokens=False) for text in texts]
 
+    def check_max_tokens_fit(
+        self, token_ids: list[int], params: SamplingParams, field: str = "max_tokens"
+    ) -> None:
+        """Refuse a ``max_tokens`` (from the request field ``field``) that the prompt of
+        ``token_ids`` leaves no room for: the server's rule for a limit the client set. Offline,
+        ``make_request`` cuts it to the room left instead (vLLM's two behaviours)."""
+        max_len, prompt_len = self.model_config.max_model_len, len(token_ids)
+        if params.max_tokens is not None and params.max_tokens > max_len - prompt_len:
+            raise ValueError(
+                f"{field} is too large: {params.max_tokens}. This model's maximum context length "
+                f"is {max_len} tokens and the request has {prompt_len} input tokens "
+                f"({params.max_tokens} > {max_len} - {prompt_len}); lower {field} or shorten the "
+                "prompt"
+            )
+
     def make_request(
         self,
         request_id: str,

@@ -112,6 +112,7 @@ class Responses:
             request.priority,
             "delta" if request.stream else "final",
             arrival_time,
+            max_tokens_field=None if request.max_output_tokens is None else "max_output_tokens",
         )
         # A constraint the engine fails on is a 400 naming the field it came from.
         constraint = "tool_choice" if plan.mode in ("named", "required") else "text.format"
