@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvik_server.app import ServerSettings, create_app
+    from kvik_server.graceful import GracefulServer
     from kvik_server.tools.choice import ToolOptions
 
     # uvicorn's "trace" is below logging's levels: DEBUG for kvik's own loggers.
@@ -114,13 +115,14 @@ def run(args: argparse.Namespace) -> int:
         max_stored_responses=args.max_stored_responses,
     )
     app = create_app(options, settings)
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+    # GracefulServer: uvicorn.run's server, ending late requests with an error at the timeout.
+    server = GracefulServer(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
+        shutdown_timeout_s=args.shutdown_timeout,
     )
+    server.run()
+    if not server.started:
+        return 3  # uvicorn.run's exit status when the server did not start
     return 0
 
 

@@ -335,13 +335,19 @@ class AsyncLLM:
         for stream in self._streams.values():
             stream.queue.put_nowait(error)
 
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Refuse new requests, end those in flight with an error, stop and reap the core."""
+    def end_requests(self, message: str = "the server is shutting down") -> None:
+        """Refuse new requests and end those in flight: each consumer raises
+        ``EngineDeadError(message)`` and the core frees their blocks. The core keeps running
+        until ``shutdown`` (a server whose graceful shutdown ran out of time calls this first, so
+        its streams end with an error event rather than a cut connection)."""
         self._accepting = False
-        error = EngineDeadError("the server is shutting down")
-        self._fail_all(error)
+        self._fail_all(EngineDeadError(message))
         for request_id in list(self._streams):
             self.abort(request_id)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Refuse new requests, end those in flight with an error, stop and reap the core."""
+        self.end_requests()
         if self._output_task is not None:
             self._output_task.cancel()
         await self.client.shutdown(timeout_s)
