@@ -1,5 +1,6 @@
-"""Norms and SiLU-and-mul that write the quantized input of the block-FP8 projection they feed
-(kvik.quantization.activation), through the engine on the CPU: which producers get linked, and
+"""Norms, SiLU-and-mul and attention that write the quantized input of the block-FP8 projection
+they feed (kvik.quantization.activation), through the engine on the CPU: which producers get
+linked (the CPU's attention backends then hand o_proj their output unquantized), and
 that linking changes no bit of what the model computes (teacher-forced logprobs of every prompt
 token and greedy generations, eager and compiled), on the Llama, Qwen3 and Qwen3-MoE checkpoints
 of Hugging Face's fine-grained FP8 format."""
@@ -15,13 +16,16 @@ from fp8_reference import GREEDY_PROMPTS, scored_sequences
 
 from kvik import LLM, SamplingParams
 from kvik.layers.activation import SiluAndMul
+from kvik.layers.attention import Attention
 from kvik.layers.norm import RMSNorm
 from kvik.quantization.activation import FP8_PER_TOKEN_GROUP
 from kvik_cpu.platform import CpuPlatform
 
-#: Producers linked per decoder layer: a dense layer's two norms and its SiLU-and-mul; a MoE
-#: layer's input norm only (its MoE block reads the other norm's output in router and experts).
-LINKS_PER_LAYER = {"llama": 3, "qwen3": 3, "qwen3moe": 1}
+#: Producers linked per decoder layer: a dense layer's two norms, its SiLU-and-mul and its
+#: attention; a MoE layer's input norm and attention only (its MoE block reads the other norm's
+#: output in router and experts).
+LINKS_PER_LAYER = {"llama": 4, "qwen3": 4, "qwen3moe": 2}
+PRODUCERS = RMSNorm | SiluAndMul | Attention
 
 
 def llm_on(folder: Path, **options) -> LLM:
@@ -56,7 +60,7 @@ def linked_producers(llm: LLM) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, RMSNorm | SiluAndMul) and module.quantize_output is not None
+        if isinstance(module, PRODUCERS) and module.quantize_output is not None
     ]
 
 
@@ -83,7 +87,7 @@ def test_linked_producers_change_no_bit(kind, fp8_originals, tmp_path, unfused) 
     assert all(
         module.quantize_output == FP8_PER_TOKEN_GROUP
         for module in fused.engine.runner.model.modules()
-        if isinstance(module, RMSNorm | SiluAndMul) and module.quantize_output is not None
+        if isinstance(module, PRODUCERS) and module.quantize_output is not None
     )
     fused_logprobs, fused_greedy = outputs(fused)
     del fused

@@ -320,7 +320,11 @@ def test_rotary_and_cache(
 def attention_types(
     kernel, dtype: torch.dtype, cache_dtype: torch.dtype | None = None
 ) -> dict[str, str]:
-    fp32 = {n: "*fp32" for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")}
+    fp32 = {
+        n: "*fp32"
+        for n in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "out_scale_ptr")
+        if n in kernel.arg_names
+    }
     index = {
         n: "*i32"
         for n in (
@@ -428,6 +432,39 @@ def test_paged_attention(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
+
+
+@pytest.mark.parametrize("arch", [arch for arch in ARCHS if arch.startswith("sm")])
+@pytest.mark.parametrize(
+    ("head_size", "max_query_len", "splits", "kv_fp8"),
+    [(128, 1, 1, False), (128, 1, 16, False), (128, 1, 8, True), (128, 512, 1, False),
+     (256, 1, 1, True), (256, 512, 1, False)],
+)  # fmt: skip
+def test_paged_attention_writes_o_proj_input(
+    arch: str, head_size: int, max_query_len: int, splits: int, kv_fp8: bool
+) -> None:
+    """The launches that write o_proj's block-FP8 input (QUANTIZE_OUT: e4m3 values and fp32
+    scales, rounding as the target's cast allows): decodes, split-KV decodes merged by their last
+    segment, prompt chunks, an FP8 cache."""
+    kv_heads, group, dtype = 8, 4, torch.bfloat16
+    cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
+    config = TARGETS[arch][2](arch, head_size, group, max_query_len, cache_dtype)
+    constexprs = attention_constexprs(
+        kv_heads * group, kv_heads, head_size, 16, config, None, splits, max_query_len == 1,
+        kv_fp8, False, False, splits > 1, kv_fp8, True, rounds_in_software_on(arch),
+    )  # fmt: skip
+    signature = attention_types(paged_attention_kernel, dtype, cache_dtype)
+    compiled = compiled_ok(
+        paged_attention_kernel,
+        arch,
+        types=signature | {"out_ptr": "*fp8e4nv"},
+        constexprs=constexprs,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    # The scales' IEEE division (as per_token_group_quant_kernel's), and e4m3 stores.
+    assert "div.rn.f32" in compiled.asm["ptx"]
+    assert "e4m3" in compiled.asm["ptx"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -20,7 +20,9 @@ from torch import Tensor
 from kvik import ops
 from kvik.attention.backend import AttentionMetadata, AttentionSpec
 from kvik.attention.kv_quant import FP8_E4M3, quantize_kv
+from kvik.layers.attention import Attention
 from kvik.layers.rotary import RotaryEmbedding
+from kvik.quantization.activation import FP8_PER_TOKEN_GROUP, QuantizedActivation
 from kvik.triton_kernels.activation import silu_and_mul
 from kvik.triton_kernels.argmax import argmax_rows
 from kvik.triton_kernels.attention import (
@@ -31,6 +33,7 @@ from kvik.triton_kernels.attention import (
     register_decode_plans,
 )
 from kvik.triton_kernels.eagle3_indices import eagle3_indices
+from kvik.triton_kernels.fp8_quant import empty_group_scales, per_token_group_quant_fp8
 from kvik.triton_kernels.fused_moe import (
     ROUTE_ALIGN_MAX_TOKENS,
     MoeConfig,
@@ -49,6 +52,7 @@ from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
 from kvik.triton_kernels.rms_norm import embed_rms_norm_cat, fused_add_rms_norm, rms_norm
 from kvik.triton_kernels.rotary import rotary_and_cache, rotary_embedding
+from kvik.worker.forward_context import ForwardContext, forward_context
 from kvik_cpu.attention import TorchSdpaBackend
 
 DEVICE = torch.device(os.environ.get("KVIK_KERNEL_DEVICE", "cpu"))
@@ -894,6 +898,128 @@ def test_verification_rows_as_decodes(dtype: torch.dtype, splits: int) -> None:
         q, cache[0], cache[1], chunked, starts, seq_lens, table, scale, None, chunk_config
     )
     check(as_decodes, cpu64(chunked), dtype)
+
+
+@pytest.mark.parametrize(
+    ("requests", "head_size", "splits", "fp8_cache"),
+    [
+        (DECODES, 128, 1, False),
+        (DECODES, 128, 4, False),  # segments merged by the last one, in the launch
+        (DECODES, 256, 2, True),
+        (MIXED, 128, 1, False),
+        (MIXED, 256, 1, True),
+    ],
+)
+def test_output_quantized_for_o_proj(
+    requests: list[tuple[int, int]], head_size: int, splits: int, fp8_cache: bool
+) -> None:
+    """With ``output_scales`` the launch writes its result as o_proj's block-FP8 input: the very
+    e4m3 bytes and scales that quantizing its unquantized output per group of 128 gives
+    (kvik.quantization.activation's rule), for one segment, split-KV segments merged in the
+    launch, and prompt chunks."""
+    dtype = DOT_DTYPES[-1]
+    group = 4
+    heads = KV_HEADS * group
+    scales = tuple(torch.tensor(x) for x in KV_SCALES) if fp8_cache else None
+    metadata, cache = build_batch(requests, KV_HEADS, head_size, dtype, scales)
+    dev = on_device(metadata)
+    t = metadata.num_actual_tokens
+    q = randn(t, heads, head_size, dtype=dtype)
+    k, v = (randn(t, KV_HEADS, head_size, dtype=dtype) for _ in range(2))
+    dev_scales = {} if scales is None else {"k_scale": scales[0].to(DEVICE), "v_scale": scales[1].to(DEVICE)}  # fmt: skip
+    reshape_and_cache(k, v, cache, dev.slot_mapping, **dev_scales)
+    config = attention_config(
+        device_arch(DEVICE)[0], head_size, group, dev.max_query_len, cache.dtype
+    )
+    counters = None
+    if splits > 1:
+        counters = torch.zeros(t * KV_HEADS, dtype=torch.int32, device=DEVICE)
+    launch = (
+        dev.query_start_loc, dev.seq_lens, dev.block_table, head_size**-0.5, None, config, splits,
+    )  # fmt: skip
+    plain = torch.full_like(q, float("nan"))
+    paged_attention(q, cache[0], cache[1], plain, *launch, **dev_scales, split_counters=counters)
+    values = torch.empty(t, heads, head_size, dtype=torch.float8_e4m3fn, device=DEVICE)
+    out_scales = empty_group_scales(t, heads * head_size // 128, DEVICE)
+    paged_attention(
+        q, cache[0], cache[1], values, *launch, **dev_scales, split_counters=counters,
+        output_scales=out_scales,
+    )  # fmt: skip
+    expected_values, expected_scales = per_token_group_quant_fp8(plain.view(t, -1))
+    assert torch.equal(
+        values.view(t, -1).view(torch.uint8).cpu(), expected_values.view(torch.uint8).cpu()
+    )
+    assert torch.equal(out_scales.cpu(), expected_scales.cpu())
+
+
+@pytest.mark.parametrize(
+    ("requests", "head_size"),
+    [(DECODES, 128), (LEADING_DECODES, 128), (MIXED, 256), (MIXED, 64)],
+    ids=["decodes", "decodes-apart", "mixed", "head-64"],
+)
+def test_attention_layer_hands_o_proj_its_quantized_input(
+    requests: list[tuple[int, int]], head_size: int
+) -> None:
+    """The attention layer as a producer (``quantize_output``) through the Triton backend, rotary
+    fused: the QuantizedActivation its launches write is the unquantized output quantized per
+    token group, bit for bit; with heads of 64 (half a group) it hands o_proj the output as is."""
+    dtype, kv_heads, group = DOT_DTYPES[-1], KV_HEADS, 4
+    heads = kv_heads * group
+    metadata, cache = build_batch(requests, kv_heads, head_size, dtype)
+    dev, t = on_device(metadata), metadata.num_actual_tokens
+    spec = AttentionSpec(
+        num_heads=heads, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype,
+        block_size=BLOCK_SIZE, max_num_seqs=len(requests), max_num_tokens=t,
+        max_model_len=max(c + q for c, q in requests), device=torch.device(DEVICE),
+    )  # fmt: skip
+    layer = Attention(heads, head_size, head_size**-0.5, kv_heads, "layers.0.attn")
+    layer.impl = TritonAttentionBackend.impl_class()(heads, head_size, head_size**-0.5, kv_heads)
+    layer.kv_cache = cache
+    built = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec).build(dev)
+    cos_sin = random_cos_sin(max(c + n for c, n in requests), head_size)
+    rotary_emb = RotaryEmbedding(head_size, cos_sin.to(DEVICE), is_neox=True)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in requests]).to(DEVICE)
+    q = randn(t, heads * head_size, dtype=dtype)
+    k, v = (randn(t, kv_heads * head_size, dtype=dtype) for _ in range(2))
+    outs = []
+    with forward_context(ForwardContext(built, {layer.layer_name: layer})):
+        for kind in (None, FP8_PER_TOKEN_GROUP):
+            layer.quantize_output = kind
+            outs.append(layer(q, k, v, positions, rotary_emb))
+    plain, produced = outs
+    if head_size % 128:
+        assert isinstance(produced, Tensor) and torch.equal(produced, plain)
+        return
+    assert isinstance(produced, QuantizedActivation) and produced.dtype == dtype
+    values, scales = per_token_group_quant_fp8(plain)
+    assert torch.equal(produced.values.view(torch.uint8).cpu(), values.view(torch.uint8).cpu())
+    assert torch.equal(produced.scales.cpu(), scales.cpu())
+    assert produced.scales.stride(0) == 1  # the producers' layout: tokens contiguous
+
+
+def test_output_quantization_refuses_what_it_cannot_write() -> None:
+    """A head of 64 (half a group) and split-KV segments merged by a reduction launch: refused
+    with a message, never a wrong result."""
+    metadata, cache = build_batch(DECODES, KV_HEADS, 64, torch.float32)
+    dev = on_device(metadata)
+    t = metadata.num_actual_tokens
+    q = randn(t, KV_HEADS, 64)
+    config = attention_config(device_arch(DEVICE)[0], 64, 1, 1, cache.dtype)
+    values = torch.empty(t, KV_HEADS, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
+    launch = (dev.query_start_loc, dev.seq_lens, dev.block_table, 0.125, None, config)
+    with pytest.raises(ValueError, match="head size 64"):
+        paged_attention(
+            q, cache[0], cache[1], values, *launch, output_scales=empty_group_scales(t, 1, DEVICE)
+        )
+    q = randn(t, KV_HEADS, 128)
+    metadata, cache = build_batch(DECODES, KV_HEADS, 128, torch.float32)
+    values = torch.empty(t, KV_HEADS, 128, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="reduction launch"):
+        paged_attention(
+            q, cache[0], cache[1], values, *launch[:-1],
+            attention_config(device_arch(DEVICE)[0], 128, 1, 1, cache.dtype), 4,
+            output_scales=empty_group_scales(t, KV_HEADS, DEVICE),
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("window", [None, 700])

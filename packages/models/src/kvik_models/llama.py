@@ -98,6 +98,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv(hidden)
         return self.o_proj(self.attn(q, k, v, positions, self.rotary_emb))  # [T, hidden]
 
+    def activation_links(self) -> list[tuple[nn.Module, nn.Module]]:
+        """The attention layer may write o_proj's quantized input (kvik.quantization.activation)."""
+        return [(self.attn, self.o_proj)]
+
 
 class Qwen2Attention(LlamaAttention):
     qkv_bias = True

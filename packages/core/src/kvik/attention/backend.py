@@ -114,6 +114,13 @@ class AttentionImpl(ABC):
     #: norms) in the same pass: models then hand them over instead of normalising first.
     fuses_head_norms: ClassVar[bool] = False
 
+    def quantizes_output(self, metadata: Any) -> bool:
+        """Whether this step's ``forward`` can write its output as block-FP8 activations for
+        o_proj (kvik.quantization.activation): e4m3 ``output`` and fp32 ``output_scales`` [T,
+        H * D / 128], the values and scales quantizing its unquantized output per group of 128
+        would give. Only then is ``output_scales`` passed; by default never."""
+        return False
+
     @abstractmethod
     def forward(
         self,
@@ -123,8 +130,10 @@ class AttentionImpl(ABC):
         kv_cache: Tensor,
         metadata: Any,
         output: Tensor,
+        output_scales: Tensor | None = None,
     ) -> None:
-        """query [T, H*D], key/value [T, Hk*D], kv_cache as ``kv_cache_shape``; fills output [T, H*D]."""
+        """query [T, H*D], key/value [T, Hk*D], kv_cache as ``kv_cache_shape``; fills output [T, H*D]
+        (quantized, with ``output_scales``, where ``quantizes_output`` said so)."""
 
     def forward_with_rotary(
         self,
@@ -137,6 +146,7 @@ class AttentionImpl(ABC):
         metadata: Any,
         output: Tensor,
         head_norms: Any = None,
+        output_scales: Tensor | None = None,
     ) -> None:
         """``forward`` after rotating query and key with ``rotary_emb`` (a
         ``kvik.layers.rotary.RotaryEmbedding`` or ``Rotation``) at ``positions [T]``, each head
@@ -146,7 +156,10 @@ class AttentionImpl(ABC):
         if head_norms is not None:
             query, key = head_norms(query, key, self.head_size)
         query, key = rotary_emb(positions, query, key)
-        self.forward(query, key, value, kv_cache, metadata, output)
+        if output_scales is None:
+            self.forward(query, key, value, kv_cache, metadata, output)
+        else:
+            self.forward(query, key, value, kv_cache, metadata, output, output_scales)
 
 
 class AttentionBackend(ABC):

@@ -8,6 +8,11 @@ from torch import Tensor, nn
 import kvik.ops  # noqa: F401  (defines torch.ops.kvik.*)
 from kvik.attention.backend import AttentionImpl
 from kvik.layers.rotary import HeadNorms, RotaryEmbedding
+from kvik.quantization.activation import (
+    FP8_PER_TOKEN_GROUP,
+    QuantizedActivation,
+    empty_group_quantized,
+)
 from kvik.worker.forward_context import get_forward_context
 
 
@@ -44,6 +49,10 @@ class Attention(nn.Module):
         # fp32 whatever the model's default dtype is while it is built.
         self.register_buffer("k_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones((), dtype=torch.float32), persistent=False)
+        #: Set after loading where o_proj takes its input quantized
+        #: (kvik.quantization.activation): the eager forward then returns it so wherever the
+        #: backend's launch can write it (``AttentionImpl.quantizes_output``).
+        self.quantize_output: str | None = None
 
     def forward(
         self,
@@ -53,15 +62,16 @@ class Attention(nn.Module):
         positions: Tensor | None = None,
         rotary_emb: RotaryEmbedding | None = None,
         head_norms: HeadNorms | None = None,
-    ) -> Tensor:
+    ) -> Tensor | QuantizedActivation:
         """q: [T, H*D]; k, v: [T, Hk*D]. With ``rotary_emb``, q and k are rotated at ``positions``
         first: the backend may fuse the rotation into its cache write (one launch instead of two).
         ``head_norms`` (with ``rotary_emb`` only; models pass them where ``takes_head_norms``)
-        RMS-normalises each q and k head before the rotation."""
-        out = torch.empty_like(q)
+        RMS-normalises each q and k head before the rotation. Returns [T, H*D], quantized per
+        token group where ``quantize_output`` says so and the backend writes it."""
         if head_norms is not None and rotary_emb is None:
             raise ValueError("head_norms are applied where the rotation is: pass rotary_emb too")
         if torch.compiler.is_compiling():
+            out = torch.empty_like(q)
             # Compiled code sees attention as one opaque op, the graph's split point. A backend
             # that rotates while it writes the cache gets the rotation inside that op; otherwise
             # the rotation stays in the compiled graph, where inductor may fuse it.
@@ -81,13 +91,18 @@ class Attention(nn.Module):
         # Eagerly, the same work without the custom op's dispatch (its cost in Python is a
         # noticeable share of a small model's decode step on the CPU).
         metadata = get_forward_context().attn_metadata
+        if self.quantize_output == FP8_PER_TOKEN_GROUP and self.impl.quantizes_output(metadata):
+            quantized = empty_group_quantized(q)
+            out, extra = quantized.values, {"output_scales": quantized.scales}
+        else:
+            quantized, out, extra = None, torch.empty_like(q), {}
         if rotary_emb is None:
-            self.impl.forward(q, k, v, self.kv_cache, metadata, out)
+            self.impl.forward(q, k, v, self.kv_cache, metadata, out, **extra)
         else:
             self.impl.forward_with_rotary(
-                positions, rotary_emb, q, k, v, self.kv_cache, metadata, out, head_norms
+                positions, rotary_emb, q, k, v, self.kv_cache, metadata, out, head_norms, **extra
             )
-        return out
+        return out if quantized is None else quantized
 
     @property
     def takes_head_norms(self) -> bool:

@@ -8,7 +8,10 @@ e4m3 values and their scales instead, and the product skips its quantization.
 
 - A model declares which producer feeds which linear layer: a module's ``activation_links()``
   returns (producer, consumer) pairs (kvik_models' Llama decoder layer: its two norms and q/k/v and
-  gate/up; its MLP: SiLU-and-mul and down). A producer is an ``RMSNorm`` or a ``SiluAndMul``.
+  gate/up; its MLP: SiLU-and-mul and down; its attention: the attention layer and o_proj). A
+  producer is an ``RMSNorm``, a ``SiluAndMul`` or an ``Attention``; the attention layer quantizes
+  where its backend's launch can write the quantized output (``AttentionImpl.quantizes_output``:
+  the Triton backend, heads of 128 or 256) and otherwise hands o_proj its output as it is.
 - After loading, ``link_quantized_activations`` gives a producer its consumer's input
   quantization (``producer.quantize_output``) where the consumer's kernel takes quantized input
   (``LinearKernel.quantized_input``) and the platform fuses it
@@ -48,6 +51,16 @@ class QuantizedActivation(NamedTuple):
     values: Tensor
     scales: Tensor
     dtype: torch.dtype
+
+
+def empty_group_quantized(like: Tensor) -> QuantizedActivation:
+    """Uninitialised e4m3 values shaped as the activations ``like`` [T, K] and fp32 scales [T,
+    ceil(K / 128)] in the producers' layout (tokens contiguous), for a producer that quantizes
+    as it writes."""
+    t, k = like.shape
+    values = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=like.device)
+    scales = torch.empty(-(-k // 128), t, dtype=torch.float32, device=like.device).t()
+    return QuantizedActivation(values, scales, like.dtype)
 
 
 def link_quantized_activations(model: nn.Module, platform: type[Platform]) -> int:

@@ -34,6 +34,7 @@ from kvik.triton_kernels.paged_attention import (
     interpreter_config,
     num_kv_splits,
     paged_attention,
+    quantizes_output_in_kernel,
 )
 from kvik.triton_kernels.rotary import rotary_and_cache
 
@@ -286,6 +287,16 @@ class TritonAttentionImpl(AttentionImpl):
     #: batch 1 on the H200: 268.4 -> 274.8 tok/s). ``KVIK_FUSED_HEAD_NORMS=0`` turns it off
     #: (read at import).
     fuses_head_norms = os.environ.get("KVIK_FUSED_HEAD_NORMS", "1") == "1"
+    #: Whether the attention launch writes o_proj's block-FP8 input itself (one launch fewer a
+    #: layer where o_proj is block FP8). ``KVIK_FUSED_ATTENTION_QUANT=0`` turns it off (read at
+    #: import).
+    quantizes_o_proj_input = os.environ.get("KVIK_FUSED_ATTENTION_QUANT", "1") == "1"
+
+    def quantizes_output(self, metadata: TritonMetadata) -> bool:
+        # Every launch of the step writes its rows itself: one segment, or split-KV segments
+        # merged by their last one (not a reduction launch).
+        merged = metadata.num_splits == 1 or metadata.split_counters is not None
+        return self.quantizes_o_proj_input and quantizes_output_in_kernel(self.head_size, merged)
 
     def forward(
         self,
@@ -295,6 +306,7 @@ class TritonAttentionImpl(AttentionImpl):
         kv_cache: Tensor,
         metadata: TritonMetadata,
         output: Tensor,
+        output_scales: Tensor | None = None,
     ) -> None:
         c = metadata.common
         t, hk, d = c.num_actual_tokens, self.num_kv_heads, self.head_size
@@ -302,7 +314,7 @@ class TritonAttentionImpl(AttentionImpl):
             key[:t].view(t, hk, d), value[:t].view(t, hk, d), kv_cache, c.slot_mapping,
             self.k_scale, self.v_scale,
         )  # fmt: skip
-        self._attend(query, kv_cache, metadata, output)
+        self._attend(query, kv_cache, metadata, output, output_scales)
 
     def forward_with_rotary(
         self,
@@ -315,6 +327,7 @@ class TritonAttentionImpl(AttentionImpl):
         metadata: TritonMetadata,
         output: Tensor,
         head_norms=None,
+        output_scales: Tensor | None = None,
     ) -> None:
         # One launch rotates the queries and writes the rotated keys and the values to the cache
         # (normalising each head first, with head_norms).
@@ -324,15 +337,20 @@ class TritonAttentionImpl(AttentionImpl):
             metadata.common.slot_mapping, rotary_emb.head_size, rotary_emb.cos_sin_cache,
             rotary_emb.is_neox, self.k_scale, self.v_scale, head_norms,
         )  # fmt: skip
-        self._attend(rotated, kv_cache, metadata, output)
+        self._attend(rotated, kv_cache, metadata, output, output_scales)
 
     def _attend(
-        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        metadata: TritonMetadata,
+        output: Tensor,
+        output_scales: Tensor | None,
     ) -> None:
         c = metadata.common
         t, h, hk, d = c.num_actual_tokens, self.num_heads, self.num_kv_heads, self.head_size
         if metadata.decodes_apart:
-            self._attend_decodes_apart(query, kv_cache, metadata, output)
+            self._attend_decodes_apart(query, kv_cache, metadata, output, output_scales)
             return
         as_decodes = metadata.rows_as_decodes
         paged_attention(
@@ -355,10 +373,16 @@ class TritonAttentionImpl(AttentionImpl):
             self.v_scale,
             row_requests=c.token_requests if as_decodes else None,
             split_counters=metadata.split_counters,
+            output_scales=None if output_scales is None else output_scales[:t],
         )
 
     def _attend_decodes_apart(
-        self, query: Tensor, kv_cache: Tensor, metadata: TritonMetadata, output: Tensor
+        self,
+        query: Tensor,
+        kv_cache: Tensor,
+        metadata: TritonMetadata,
+        output: Tensor,
+        output_scales: Tensor | None,
     ) -> None:
         """The leading decodes' rows in the decode variant, then the other requests over the
         whole step's rows (their tokens start past the decodes')."""
@@ -371,12 +395,14 @@ class TritonAttentionImpl(AttentionImpl):
             *metadata.decodes_metadata, self.scale, self.sliding_window,
             metadata.decode_config, metadata.num_splits, metadata.part_acc, metadata.part_max,
             metadata.part_sum, self.k_scale, self.v_scale, split_counters=metadata.split_counters,
+            output_scales=None if output_scales is None else output_scales[:n],
         )  # fmt: skip
         paged_attention(
             query[:t].view(t, h, d), keys, values, output[:t].view(t, h, d),
             *metadata.rest_metadata, self.scale, self.sliding_window,
             attention_config(metadata.arch, d, group, c.max_query_len, kv_cache.dtype), 1,
             k_scale=self.k_scale, v_scale=self.v_scale,
+            output_scales=None if output_scales is None else output_scales[:t],
         )  # fmt: skip
 
 

@@ -44,6 +44,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.fp8_quant import (
+    GROUP_SIZE,
+    dynamic_scale,
+    quantize_for_cast,
+    rounds_in_software,
+)
 from kvik.triton_kernels.kv_cache import kv_scale_pointers
 from kvik.triton_kernels.launch import FastLauncher
 from kvik.triton_kernels.pdl import cuda_capability, uses_pdl, wait_for_prior_kernel
@@ -197,7 +203,8 @@ def paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
     v_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hk, D]
-    out_ptr,  # [T, H, D]
+    out_ptr,  # [T, H, D]: the queries' dtype, or e4m3 where QUANTIZE_OUT
+    out_scale_ptr,  # [T, H * D / 128] fp32 (QUANTIZE_OUT only)
     part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_PAD] fp32 (split-KV only)
     part_max_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
     part_sum_ptr,  # [T, H, NUM_SPLITS] fp32 (split-KV only)
@@ -214,6 +221,8 @@ def paged_attention_kernel(
     q_stride_h,
     o_stride_t,
     o_stride_h,
+    os_stride_t,  # out_scale_ptr's strides (QUANTIZE_OUT only)
+    os_stride_g,
     k_stride_blk,
     k_stride_slot,
     k_stride_h,
@@ -246,6 +255,11 @@ def paged_attention_kernel(
     # and the odd dimensions multiplied apart (module doc).
     V_PAIRS: tl.constexpr = False,
     PAIR_ASM: tl.constexpr = False,  # V_PAIRS: the bytes widened by PTX (_pair_bytes_to_f16)
+    # The output written as o_proj's block-FP8 input (kvik.quantization.activation): each head's
+    # result rounded to the queries' dtype, then quantized per group of 128 (HEAD_SIZE a multiple
+    # of 128, a power of two), e4m3 values to out_ptr and fp32 scales to out_scale_ptr.
+    QUANTIZE_OUT: tl.constexpr = False,
+    ROUND_IN_SOFTWARE: tl.constexpr = False,  # QUANTIZE_OUT: kvik.triton_kernels.fp8_quant
 ):
     wait_for_prior_kernel(PDL)
     q_block = tl.program_id(0)
@@ -347,11 +361,11 @@ def paged_attention_kernel(
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-        tl.store(
-            out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_valid[:, None] & d_valid[None, :],
-        )
+        _store_rows(
+            out, out_ptr, out_scale_ptr, q_ptr, token, head, row_valid, d, d_valid, o_stride_t,
+            o_stride_h, os_stride_t, os_stride_g, BLOCK_M, HEAD_PAD, QUANTIZE_OUT,
+            ROUND_IN_SOFTWARE,
+        )  # fmt: skip
     else:
         part = (token * NUM_HEADS + head) * NUM_SPLITS + split  # [BLOCK_M]
         tl.store(part_max_ptr + part, row_max, mask=row_valid)
@@ -364,16 +378,47 @@ def paged_attention_kernel(
             counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == NUM_SPLITS - 1:
-                _merge_segments(
-                    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid, d,
-                    d_valid, o_stride_t, o_stride_h, NUM_HEADS, NUM_SPLITS, HEAD_PAD, BLOCK_M,
+                out = _merge_segments(
+                    part_acc_ptr, part_max_ptr, part_sum_ptr, token, head, row_valid, d,
+                    NUM_HEADS, NUM_SPLITS, HEAD_PAD, BLOCK_M,
+                )  # fmt: skip
+                _store_rows(
+                    out, out_ptr, out_scale_ptr, q_ptr, token, head, row_valid, d, d_valid,
+                    o_stride_t, o_stride_h, os_stride_t, os_stride_g, BLOCK_M, HEAD_PAD,
+                    QUANTIZE_OUT, ROUND_IN_SOFTWARE,
                 )  # fmt: skip
                 tl.atomic_xchg(counter, 0)  # ready for the next launch
 
 
 @triton.jit
+def _store_rows(
+    out, out_ptr, out_scale_ptr, q_ptr, token, head, row_valid, d, d_valid, o_stride_t, o_stride_h,
+    os_stride_t, os_stride_g, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
+    QUANTIZE_OUT: tl.constexpr, ROUND_IN_SOFTWARE: tl.constexpr,
+):  # fmt: skip
+    """A program's normalised rows (fp32 [BLOCK_M, HEAD_PAD]) written to the output: in its dtype,
+    or (QUANTIZE_OUT) rounded to the queries' dtype, as the unquantized output holds them, and
+    quantized per group of 128 as ``per_token_group_quant_kernel`` quantizes that output, so the
+    e4m3 values and scales are the ones o_proj's own quantization would have made."""
+    out_ptrs = out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
+    mask = row_valid[:, None] & d_valid[None, :]
+    if QUANTIZE_OUT:
+        GROUPS: tl.constexpr = HEAD_PAD // 128
+        rounded = out.to(q_ptr.dtype.element_ty).to(tl.float32)
+        groups = tl.reshape(rounded, [BLOCK_M, GROUPS, 128])
+        scale = dynamic_scale(tl.max(tl.abs(groups), axis=2))  # [BLOCK_M, GROUPS]
+        values = quantize_for_cast(groups, scale[:, :, None], ROUND_IN_SOFTWARE)
+        values = tl.reshape(values, [BLOCK_M, HEAD_PAD])
+        tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=mask)
+        group = head[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # within the token's row
+        scale_ptrs = out_scale_ptr + token[:, None] * os_stride_t + group * os_stride_g
+        tl.store(scale_ptrs, scale, mask=row_valid[:, None])
+    else:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _merge_segments(
-    out_ptr,
     part_acc_ptr,
     part_max_ptr,
     part_sum_ptr,
@@ -381,16 +426,13 @@ def _merge_segments(
     head,
     row_valid,
     d,
-    d_valid,
-    o_stride_t,
-    o_stride_h,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     """A program's rows from every segment's partial results, merged as ``reduce_splits_kernel``
-    merges them (one segment at a time here, an online maximum), written to the output."""
+    merges them (one segment at a time here, an online maximum): the normalised rows, fp32."""
     first = (token * NUM_HEADS + head) * NUM_SPLITS  # [BLOCK_M]
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -417,12 +459,7 @@ def _merge_segments(
         row_sum = row_sum * old_weight + seg_sum * seg_weight
         acc = acc * old_weight[:, None] + seg_acc * seg_weight[:, None]
         row_max = new_max
-    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
-    tl.store(
-        out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None] & d_valid[None, :],
-    )
+    return acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
 
 
 @triton.jit
@@ -522,6 +559,8 @@ def attention_constexprs(
     pdl: bool = False,
     reduce_last: bool = False,
     pair_asm: bool = False,
+    quantize_out: bool = False,
+    round_in_software: bool = False,
 ) -> dict[str, int]:
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -546,6 +585,9 @@ def attention_constexprs(
         # tl.dot's least): prompt chunks' 64-row programs ran 4-5% slower with pairs on the H200.
         "V_PAIRS": kv_fp8 and head_size % 2 == 0 and head_size >= 32 and config.block_m < 64,
         "PAIR_ASM": pair_asm,
+        "QUANTIZE_OUT": quantize_out,
+        # Only quantizing launches read it: the others keep one variant.
+        "ROUND_IN_SOFTWARE": quantize_out and round_in_software,
     }
 
 
@@ -570,6 +612,14 @@ def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
 
 
 REDUCE_WARPS = 4
+
+
+def quantizes_output_in_kernel(head_size: int, merged_in_launch: bool) -> bool:
+    """Whether a launch can write its output as block-FP8 activations (``paged_attention``'s
+    ``output_scales``): each head whole groups of 128 with no padding (a head size of a power of
+    two and a multiple of 128), and every row written by the attention launch itself (one
+    segment, or split-KV segments merged in the launch; not a reduction launch after it)."""
+    return head_size % GROUP_SIZE == 0 and head_size & (head_size - 1) == 0 and merged_in_launch
 
 
 def widens_e4m3_pairs_in_ptx(device: torch.device) -> bool:
@@ -599,6 +649,7 @@ def paged_attention(
     v_scale: Tensor | None = None,
     row_requests: Tensor | None = None,
     split_counters: Tensor | None = None,
+    output_scales: Tensor | None = None,
 ) -> None:
     """query/output [T, H, D] (last dim contiguous); key/value_cache [num_blocks, block, Hk, D];
     query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32; the requests'
@@ -612,7 +663,10 @@ def paged_attention(
     is allocated. An FP8 cache (float8_e4m3fn) needs ``k_scale`` and ``v_scale``, fp32 scalars
     on the device. ``split_counters`` (int32 zeros, at least T * Hk of them, left zero; a
     persistent buffer as a captured graph needs) lets a decode-only launch's last segment of
-    each (request, KV head) merge the segments itself instead of a reduction launch."""
+    each (request, KV head) merge the segments itself instead of a reduction launch. With
+    ``output_scales`` (fp32 [T, H * D / 128], any strides), ``output`` is float8_e4m3fn and gets
+    the result quantized per group of 128 as o_proj's block-FP8 input
+    (``quantizes_output_in_kernel`` says which launches can)."""
     t, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
@@ -621,16 +675,25 @@ def paged_attention(
     decode_only = t == num_reqs
     fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
     reduce_last = num_splits > 1 and decode_only and split_counters is not None
+    quantize_out = output_scales is not None
+    if quantize_out and not quantizes_output_in_kernel(head_size, num_splits == 1 or reduce_last):
+        raise ValueError(
+            f"attention quantizes its output in the kernel for head sizes of a power of two and a "
+            f"multiple of {GROUP_SIZE}, without a reduction launch; not head size {head_size} "
+            f"with {num_splits} splits{'' if reduce_last else ' merged by a reduction launch'}"
+        )
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
         decode_only, fp8, row_requests is not None, uses_pdl(query.device), reduce_last,
-        fp8 and widens_e4m3_pairs_in_ptx(query.device),
+        fp8 and widens_e4m3_pairs_in_ptx(query.device), quantize_out,
+        quantize_out and rounds_in_software(query.device),
     )  # fmt: skip
     head_pad, block_q = constexprs["HEAD_PAD"], constexprs["BLOCK_Q"]
     if t == 0:
         return
     # Each stride() call is host time, paid per launch (a PIECEWISE step launches from Python).
     q_strides, o_strides, k_strides = query.stride(), output.stride(), key_cache.stride()
+    os_strides = output_scales.stride() if quantize_out else (0, 0)
     v_strides = value_cache.stride()
     if constexprs["V_PAIRS"] and v_strides[-1] != 1:
         constexprs = {**constexprs, "V_PAIRS": False}  # a view whose pairs are not adjacent
@@ -647,11 +710,12 @@ def paged_attention(
     _launch_attention(
         grid,
         (
-            query, key_cache, value_cache, output, part_acc, part_max, part_sum,
+            query, key_cache, value_cache, output,
+            output_scales if quantize_out else output, part_acc, part_max, part_sum,
             split_counters if reduce_last else seq_lens, query_start_loc, seq_lens, block_table,
             seq_lens if row_requests is None else row_requests, k_scale, v_scale, num_reqs,
-            scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1], *k_strides[:3],
-            *v_strides, block_table.stride(0),
+            scale * LOG2E, q_strides[0], q_strides[1], o_strides[0], o_strides[1], *os_strides,
+            *k_strides[:3], *v_strides, block_table.stride(0),
         ),
         constexprs, num_warps=config.num_warps, num_stages=config.num_stages,
         launch_pdl=constexprs["PDL"],
