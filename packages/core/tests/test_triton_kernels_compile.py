@@ -438,14 +438,14 @@ def test_paged_attention(
 @pytest.mark.parametrize(
     ("head_size", "max_query_len", "splits", "kv_fp8"),
     [(128, 1, 1, False), (128, 1, 16, False), (128, 1, 8, True), (128, 512, 1, False),
-     (256, 1, 1, True), (256, 512, 1, False)],
+     (256, 1, 1, True), (256, 512, 1, False), (64, 1, 4, False), (64, 512, 1, True)],
 )  # fmt: skip
 def test_paged_attention_writes_o_proj_input(
     arch: str, head_size: int, max_query_len: int, splits: int, kv_fp8: bool
 ) -> None:
     """The launches that write o_proj's block-FP8 input (QUANTIZE_OUT: e4m3 values and fp32
     scales, rounding as the target's cast allows): decodes, split-KV decodes merged by their last
-    segment, prompt chunks, an FP8 cache."""
+    segment, prompt chunks, an FP8 cache; heads of 64 two a group."""
     kv_heads, group, dtype = 8, 4, torch.bfloat16
     cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
     config = TARGETS[arch][2](arch, head_size, group, max_query_len, cache_dtype)

@@ -901,24 +901,26 @@ def test_verification_rows_as_decodes(dtype: torch.dtype, splits: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("requests", "head_size", "splits", "fp8_cache"),
+    ("requests", "head_size", "group", "splits", "fp8_cache"),
     [
-        (DECODES, 128, 1, False),
-        (DECODES, 128, 4, False),  # segments merged by the last one, in the launch
-        (DECODES, 256, 2, True),
-        (MIXED, 128, 1, False),
-        (MIXED, 256, 1, True),
+        (DECODES, 128, 4, 1, False),
+        (DECODES, 128, 4, 4, False),  # segments merged by the last one, in the launch
+        (DECODES, 256, 3, 2, True),
+        (MIXED, 128, 1, 1, False),
+        (MIXED, 256, 4, 1, True),
+        (DECODES, 64, 2, 1, False),  # heads of 64: two a group
+        (DECODES, 64, 4, 4, True),
+        (MIXED, 64, 6, 1, False),  # six heads a group, padded to eight rows
     ],
 )
 def test_output_quantized_for_o_proj(
-    requests: list[tuple[int, int]], head_size: int, splits: int, fp8_cache: bool
+    requests: list[tuple[int, int]], head_size: int, group: int, splits: int, fp8_cache: bool
 ) -> None:
     """With ``output_scales`` the launch writes its result as o_proj's block-FP8 input: the very
     e4m3 bytes and scales that quantizing its unquantized output per group of 128 gives
     (kvik.quantization.activation's rule), for one segment, split-KV segments merged in the
-    launch, and prompt chunks."""
+    launch, and prompt chunks; heads of 128 and 256, and of 64 two a group."""
     dtype = DOT_DTYPES[-1]
-    group = 4
     heads = KV_HEADS * group
     scales = tuple(torch.tensor(x) for x in KV_SCALES) if fp8_cache else None
     metadata, cache = build_batch(requests, KV_HEADS, head_size, dtype, scales)
@@ -953,17 +955,18 @@ def test_output_quantized_for_o_proj(
 
 
 @pytest.mark.parametrize(
-    ("requests", "head_size"),
-    [(DECODES, 128), (LEADING_DECODES, 128), (MIXED, 256), (MIXED, 64)],
-    ids=["decodes", "decodes-apart", "mixed", "head-64"],
+    ("requests", "head_size", "group"),
+    [(DECODES, 128, 4), (LEADING_DECODES, 128, 4), (MIXED, 256, 4), (MIXED, 64, 4), (MIXED, 64, 3)],
+    ids=["decodes", "decodes-apart", "mixed", "head-64", "head-64-odd-group"],
 )
 def test_attention_layer_hands_o_proj_its_quantized_input(
-    requests: list[tuple[int, int]], head_size: int
+    requests: list[tuple[int, int]], head_size: int, group: int
 ) -> None:
     """The attention layer as a producer (``quantize_output``) through the Triton backend, rotary
     fused: the QuantizedActivation its launches write is the unquantized output quantized per
-    token group, bit for bit; with heads of 64 (half a group) it hands o_proj the output as is."""
-    dtype, kv_heads, group = DOT_DTYPES[-1], KV_HEADS, 4
+    token group, bit for bit; with heads of 64 in odd groups (a group of 128 features split
+    between programs) it hands o_proj the output as is."""
+    dtype, kv_heads = DOT_DTYPES[-1], KV_HEADS
     heads = kv_heads * group
     metadata, cache = build_batch(requests, kv_heads, head_size, dtype)
     dev, t = on_device(metadata), metadata.num_actual_tokens
@@ -987,7 +990,7 @@ def test_attention_layer_hands_o_proj_its_quantized_input(
             layer.quantize_output = kind
             outs.append(layer(q, k, v, positions, rotary_emb))
     plain, produced = outs
-    if head_size % 128:
+    if group % 2 and head_size < 128:
         assert isinstance(produced, Tensor) and torch.equal(produced, plain)
         return
     assert isinstance(produced, QuantizedActivation) and produced.dtype == dtype

@@ -11,7 +11,7 @@ e4m3 values and their scales instead, and the product skips its quantization.
   gate/up; its MLP: SiLU-and-mul and down; its attention: the attention layer and o_proj). A
   producer is an ``RMSNorm``, a ``SiluAndMul`` or an ``Attention``; the attention layer quantizes
   where its backend's launch can write the quantized output (``AttentionImpl.quantizes_output``:
-  the Triton backend, heads of 128 or 256) and otherwise hands o_proj its output as it is.
+  the Triton backend, heads of 128 or 256, or of 64 in even groups) and otherwise hands o_proj its output as it is.
 - After loading, ``link_quantized_activations`` gives a producer its consumer's input
   quantization (``producer.quantize_output``) where the consumer's kernel takes quantized input
   (``LinearKernel.quantized_input``) and the platform fuses it

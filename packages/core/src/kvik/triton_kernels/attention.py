@@ -296,7 +296,10 @@ class TritonAttentionImpl(AttentionImpl):
         # Every launch of the step writes its rows itself: one segment, or split-KV segments
         # merged by their last one (not a reduction launch).
         merged = metadata.num_splits == 1 or metadata.split_counters is not None
-        return self.quantizes_o_proj_input and quantizes_output_in_kernel(self.head_size, merged)
+        group = self.num_heads // self.num_kv_heads
+        return self.quantizes_o_proj_input and quantizes_output_in_kernel(
+            self.head_size, group, merged
+        )
 
     def forward(
         self,

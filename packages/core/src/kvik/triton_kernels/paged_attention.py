@@ -403,16 +403,36 @@ def _store_rows(
     out_ptrs = out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h + d[None, :]
     mask = row_valid[:, None] & d_valid[None, :]
     if QUANTIZE_OUT:
-        GROUPS: tl.constexpr = HEAD_PAD // 128
         rounded = out.to(q_ptr.dtype.element_ty).to(tl.float32)
-        groups = tl.reshape(rounded, [BLOCK_M, GROUPS, 128])
-        scale = dynamic_scale(tl.max(tl.abs(groups), axis=2))  # [BLOCK_M, GROUPS]
-        values = quantize_for_cast(groups, scale[:, :, None], ROUND_IN_SOFTWARE)
-        values = tl.reshape(values, [BLOCK_M, HEAD_PAD])
-        tl.store(out_ptrs, values.to(out_ptr.dtype.element_ty), mask=mask)
-        group = head[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # within the token's row
-        scale_ptrs = out_scale_ptr + token[:, None] * os_stride_t + group * os_stride_g
-        tl.store(scale_ptrs, scale, mask=row_valid[:, None])
+        if HEAD_PAD >= 128:  # each head is HEAD_PAD / 128 whole groups
+            GROUPS: tl.constexpr = HEAD_PAD // 128
+            groups = tl.reshape(rounded, [BLOCK_M, GROUPS, 128])
+            scale = dynamic_scale(tl.max(tl.abs(groups), axis=2))  # [BLOCK_M, GROUPS]
+            values = quantize_for_cast(groups, scale[:, :, None], ROUND_IN_SOFTWARE)
+            tl.store(
+                out_ptrs, tl.reshape(values, [BLOCK_M, HEAD_PAD]).to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )  # fmt: skip
+            group = head[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]  # within the row
+            scale_ptrs = out_scale_ptr + token[:, None] * os_stride_t + group * os_stride_g
+            tl.store(scale_ptrs, scale, mask=row_valid[:, None])
+        else:
+            # Heads of 64: a group is a token's heads 2j and 2j + 1, which are rows m and m + 1 of
+            # the program (its group of query heads is even, so pairs never straddle tokens,
+            # programs or validity): consecutive rows, one group a pair.
+            PAIRS: tl.constexpr = BLOCK_M // 2
+            groups = tl.reshape(rounded, [PAIRS, 128])
+            scale = dynamic_scale(tl.max(tl.abs(groups), axis=1))  # [PAIRS]
+            values = quantize_for_cast(groups, scale[:, None], ROUND_IN_SOFTWARE)
+            tl.store(
+                out_ptrs, tl.reshape(values, [BLOCK_M, HEAD_PAD]).to(out_ptr.dtype.element_ty),
+                mask=mask,
+            )  # fmt: skip
+            pair_token = tl.max(tl.reshape(token, [PAIRS, 2]), axis=1)  # both rows' token
+            pair_group = tl.min(tl.reshape(head, [PAIRS, 2]), axis=1) // 2
+            pair_valid = tl.max(tl.reshape(row_valid.to(tl.int32), [PAIRS, 2]), axis=1) > 0
+            scale_ptrs = out_scale_ptr + pair_token * os_stride_t + pair_group * os_stride_g
+            tl.store(scale_ptrs, scale, mask=pair_valid)
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -614,12 +634,16 @@ def reduce_constexprs(attention: dict[str, int]) -> dict[str, int]:
 REDUCE_WARPS = 4
 
 
-def quantizes_output_in_kernel(head_size: int, merged_in_launch: bool) -> bool:
+def quantizes_output_in_kernel(head_size: int, group: int, merged_in_launch: bool) -> bool:
     """Whether a launch can write its output as block-FP8 activations (``paged_attention``'s
     ``output_scales``): each head whole groups of 128 with no padding (a head size of a power of
-    two and a multiple of 128), and every row written by the attention launch itself (one
-    segment, or split-KV segments merged in the launch; not a reduction launch after it)."""
-    return head_size % GROUP_SIZE == 0 and head_size & (head_size - 1) == 0 and merged_in_launch
+    two and a multiple of 128), or heads of 64 two a group (an even ``group`` of query heads a KV
+    head, so that a program holds both heads of each group); and every row written by the
+    attention launch itself (one segment, or split-KV segments merged in the launch; not a
+    reduction launch after it)."""
+    whole = head_size % GROUP_SIZE == 0 and head_size & (head_size - 1) == 0
+    paired = head_size * 2 == GROUP_SIZE and group % 2 == 0
+    return (whole or paired) and merged_in_launch
 
 
 def widens_e4m3_pairs_in_ptx(device: torch.device) -> bool:
@@ -676,11 +700,14 @@ def paged_attention(
     fp8, k_scale, v_scale = kv_scale_pointers(key_cache, k_scale, v_scale)
     reduce_last = num_splits > 1 and decode_only and split_counters is not None
     quantize_out = output_scales is not None
-    if quantize_out and not quantizes_output_in_kernel(head_size, num_splits == 1 or reduce_last):
+    group = num_heads // num_kv_heads
+    merged = num_splits == 1 or reduce_last
+    if quantize_out and not quantizes_output_in_kernel(head_size, group, merged):
         raise ValueError(
             f"attention quantizes its output in the kernel for head sizes of a power of two and a "
-            f"multiple of {GROUP_SIZE}, without a reduction launch; not head size {head_size} "
-            f"with {num_splits} splits{'' if reduce_last else ' merged by a reduction launch'}"
+            f"multiple of {GROUP_SIZE}, or of {GROUP_SIZE // 2} in even groups of query heads, "
+            f"without a reduction launch; not head size {head_size} in groups of {group} with "
+            f"{num_splits} splits{'' if merged else ' merged by a reduction launch'}"
         )
     constexprs = attention_constexprs(
         num_heads, num_kv_heads, head_size, block_size, config, sliding_window, num_splits,
