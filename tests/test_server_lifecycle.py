@@ -115,3 +115,24 @@ def test_sigterm_shuts_down_with_streams_in_flight(model):
         not os.path.exists(f"/proc/{engine}/cmdline")
         or not open(f"/proc/{engine}/cmdline", "rb").read()
     )
+
+
+def test_ctrl_c_stops_the_server_cleanly(model):
+    """SIGINT (Ctrl-C) is a normal stop: status 0, no KeyboardInterrupt traceback (uvicorn
+    re-raises the signal once it has shut down), the engine core gone."""
+    server = ServerProcess(model, *ENGINE).wait_ready()
+    engine = server.engine_pid()
+    server.process.send_signal(signal.SIGINT)
+    try:
+        status = server.process.wait(30)
+    finally:
+        server.stop()
+    assert status == 0, server.output()
+    assert "Traceback" not in server.output(), server.output()
+    assert "Application shutdown complete" in server.output()
+    deadline = time.monotonic() + 10
+    while (
+        os.path.exists(f"/proc/{engine}/cmdline") and open(f"/proc/{engine}/cmdline", "rb").read()
+    ):
+        assert time.monotonic() < deadline, "the engine core outlived the server"
+        time.sleep(0.1)

@@ -120,7 +120,12 @@ def run(args: argparse.Namespace) -> int:
         uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level),
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it shut down for once it is done (uvicorn.run swallows
+        # it the same way): Ctrl-C is a normal stop, not a traceback and status 130.
+        pass
     if not server.started:
         return 3  # uvicorn.run's exit status when the server did not start
     return 0

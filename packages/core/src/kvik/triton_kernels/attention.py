@@ -294,8 +294,15 @@ class TritonAttentionImpl(AttentionImpl):
 
     def quantizes_output(self, metadata: TritonMetadata) -> bool:
         # Every launch of the step writes its rows itself: one segment, or split-KV segments
-        # merged by their last one (not a reduction launch).
-        merged = metadata.num_splits == 1 or metadata.split_counters is not None
+        # merged by their last one (not a reduction launch), which paged_attention does for
+        # launches of one row a request only (a decode step, rows as decodes, decodes apart).
+        c = metadata.common
+        one_row_each = (
+            metadata.rows_as_decodes
+            or metadata.decodes_apart > 0
+            or c.num_actual_tokens == c.num_reqs
+        )
+        merged = metadata.num_splits == 1 or (metadata.split_counters is not None and one_row_each)
         group = self.num_heads // self.num_kv_heads
         return self.quantizes_o_proj_input and quantizes_output_in_kernel(
             self.head_size, group, merged

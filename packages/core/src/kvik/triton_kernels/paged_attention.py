@@ -193,7 +193,9 @@ def _attend_tile(
 # first mixed step; docs/benchmarks.md). They are read a few scalars at a time.
 # counter_ptr too: a launch without the in-kernel merge passes seq_lens (maybe sliced) there.
 @triton.jit(
-    do_not_specialize=["num_reqs"],
+    # os_stride_g is the step's row count (the scales are tokens-contiguous): specialised, its
+    # being 1 or a multiple of 16 would compile variants mid-serving.
+    do_not_specialize=["num_reqs", "os_stride_g"],
     do_not_specialize_on_alignment=[
         "counter_ptr", "query_start_loc_ptr", "seq_lens_ptr", "block_table_ptr",
         "row_request_ptr",
