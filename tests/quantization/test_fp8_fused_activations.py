@@ -17,6 +17,7 @@ from fp8_reference import GREEDY_PROMPTS, scored_sequences
 from kvik import LLM, SamplingParams
 from kvik.layers.activation import SiluAndMul
 from kvik.layers.attention import Attention
+from kvik.layers.linear import MergedColumnLinear
 from kvik.layers.norm import RMSNorm
 from kvik.quantization.activation import FP8_PER_TOKEN_GROUP
 from kvik_cpu.platform import CpuPlatform
@@ -25,6 +26,9 @@ from kvik_cpu.platform import CpuPlatform
 #: attention; a MoE layer's input norm and attention only (its MoE block reads the other norm's
 #: output in router and experts).
 LINKS_PER_LAYER = {"llama": 4, "qwen3": 4, "qwen3moe": 2}
+#: Whose dense MLPs then run gate/up, SiLU-and-mul and down's quantization as one op
+#: (``torch.ops.kvik.fp8_block_silu_and_mul_quantized``).
+FUSED_GATE_UP = {"llama": True, "qwen3": True, "qwen3moe": False}
 PRODUCERS = RMSNorm | SiluAndMul | Attention
 
 
@@ -64,6 +68,21 @@ def linked_producers(llm: LLM) -> list[str]:
     ]
 
 
+def count_fused_gate_up(llm: LLM) -> list[int]:
+    """Counts, from now on, the calls of the gate/up layers' one-op path (one counter for all)."""
+    calls = [0]
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, MergedColumnLinear) and len(module.shards) == 2:
+            kernel = module.quant_method.kernel
+
+            def counted(*args, original=kernel.silu_and_mul_function):
+                calls[0] += 1
+                return original(*args)
+
+            kernel.silu_and_mul_function = counted
+    return calls
+
+
 @pytest.fixture
 def unfused(monkeypatch: pytest.MonkeyPatch):
     """Within the test, the CPU platform leaves every projection to quantize its own input."""
@@ -89,12 +108,16 @@ def test_linked_producers_change_no_bit(kind, fp8_originals, tmp_path, unfused) 
         for module in fused.engine.runner.model.modules()
         if isinstance(module, PRODUCERS) and module.quantize_output is not None
     )
+    fused_gate_up = count_fused_gate_up(fused)
     fused_logprobs, fused_greedy = outputs(fused)
+    assert (fused_gate_up[0] > 0) == FUSED_GATE_UP[kind], fused_gate_up
     del fused
     unfused()
     plain = llm_on(folder)
     assert plain.engine.runner.quantizing_producers == 0 and not linked_producers(plain)
+    plain_gate_up = count_fused_gate_up(plain)
     plain_logprobs, plain_greedy = outputs(plain)
+    assert plain_gate_up == [0]
     assert torch.equal(fused_logprobs, plain_logprobs)
     assert fused_greedy == plain_greedy
 

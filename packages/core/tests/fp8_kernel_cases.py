@@ -29,6 +29,7 @@ from kvik.triton_kernels.fp8_linear import (
 )
 from kvik.triton_kernels.fp8_quant import per_token_group_quant_fp8, per_token_quant_fp8
 from kvik.triton_kernels.fp8_skinny import SPLIT_COUNTERS, Fp8SkinnyConfig, split_counters
+from kvik.triton_kernels.fp8_skinny_glu import fp8_skinny_glu_block_matmul, glu_config
 from kvik.triton_kernels.rms_norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_fp8_group_quant,
@@ -741,3 +742,124 @@ def test_skinny_refuses_bad_operands() -> None:
         Fp8SkinnyConfig(48, 1, 4, 4)
     with pytest.raises(ValueError, match="split_k"):
         Fp8SkinnyConfig(128, 0, 4, 4)
+
+
+# --- the gate/up product ending in SiLU-and-mul (kvik.triton_kernels.fp8_skinny_glu) -----------
+
+if ON_GPU:
+    # (M, I, K, split): Llama-3.1-8B's gate/up at decode batch sizes, and a K tail.
+    GLU_CASES = [(1, 14336, 4096, 2), (4, 14336, 4096, 4), (16, 14336, 4096, 2), (33, 384, 1500, 3)]
+    GLU_WARPS, GLU_STAGES = 4, 3
+else:
+    # Rows padded to 16, 32 and 64; K split into equal runs, one with a tail of 8.
+    GLU_CASES = [(1, 256, 512, 2), (3, 384, 648, 3), (17, 128, 256, 1), (40, 128, 384, 3)]
+    GLU_WARPS, GLU_STAGES = 1, 1
+
+
+def check_e4m3(values: Tensor, scales: Tensor, expected: Tensor) -> None:
+    """Group-quantized values near ``expected``: e4m3 keeps 3 mantissa bits, so each value is
+    off by up to 1/16 of itself (~3% over a tensor); a wrong product is off by its own size."""
+    got = values.cpu().double() * scales.cpu().double().repeat_interleave(128, 1)
+    expected = expected.cpu().double()
+    assert not got.isnan().any()
+    err = ((got - expected).norm() / expected.norm()).item()
+    assert err < 0.05, f"relative error {err:.2e}"
+
+
+def unfused_gate_up_silu(q, scales, weight, weight_scale, bias, dtype, config):
+    """The two launches the fused product replaces: the product, then SiLU-and-mul's."""
+    gate_up = fp8_block_linear_quantized(q, scales, weight, weight_scale, bias, dtype, config)
+    return silu_and_mul_fp8_group_quant(gate_up)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(("m", "inter", "k", "split"), GLU_CASES)
+def test_gate_up_silu_writes_the_two_launches_bits(
+    m: int, inter: int, k: int, split: int, bias: bool
+) -> None:
+    """Down's input from the fused product equals, bit for bit, the few-rows product with the
+    same 128-row tiles and splits followed by SiLU-and-mul's quantizing launch (scales in the
+    producers' layout); the split counters end at zero; the values are the reference's."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    x = activations(m, k, dtype)
+    weight, weight_scale = fp8_weight(2 * inter, k), block_scales(2 * inter, k).to(DEVICE)
+    b = randn(2 * inter, dtype=dtype) if bias else None
+    q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
+    config = Fp8SkinnyConfig(128, split, GLU_WARPS, GLU_STAGES, quantize=False)
+    poison_allocator()
+    values, out_scales = fp8_skinny_glu_block_matmul(
+        q, scales, weight, weight_scale, b, dtype, config
+    )
+    ref_values, ref_scales = unfused_gate_up_silu(q, scales, weight, weight_scale, b, dtype, config)
+    assert values.shape == (m, inter) and out_scales.shape == (m, inter // 128)
+    assert in_producers_layout(out_scales)
+    assert torch.equal(out_scales.cpu(), ref_scales.cpu())
+    assert same_bits(values, ref_values)
+    assert not split_counters(x.device).any()
+    # Against PyTorch: the product in float64, then SiLU-and-mul (dequantized; e4m3's rounding).
+    y = ref_block_linear(x, weight, weight_scale.cpu(), b).double()
+    expected = (torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]).to(dtype)
+    check_e4m3(values, out_scales, expected)
+
+
+def test_gate_up_silu_refuses_what_it_cannot_fuse() -> None:
+    k = 256
+    q, scales = per_token_group_quant_fp8(activations(2, k, torch.float32))
+    config = Fp8SkinnyConfig(128, 1, GLU_WARPS, GLU_STAGES, quantize=False)
+    for rows in (200, 2 * 128 + 1):  # I not a multiple of 128; an odd number of rows
+        weight, weight_scale = fp8_weight(rows, k), block_scales(rows, k).to(DEVICE)
+        with pytest.raises(ValueError, match="multiple of 128"):
+            fp8_skinny_glu_block_matmul(
+                q, scales, weight, weight_scale, None, torch.float32, config
+            )
+    weight, weight_scale = fp8_weight(256, k), block_scales(256, k).to(DEVICE)
+    with pytest.raises(ValueError, match="tiles are 128 rows"):
+        fp8_skinny_glu_block_matmul(
+            q, scales, weight, weight_scale, None, torch.float32, Fp8SkinnyConfig(64, 1, 1, 1)
+        )
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_skinny_glu_block_matmul(
+            activations(2, k, torch.float32), scales, weight, weight_scale, None,
+            torch.float32, config,
+        )  # fmt: skip
+
+
+def test_gate_up_silu_config_keeps_the_programs_and_their_bytes() -> None:
+    """``glu_config``: 256 weight rows a program, so K splits 2x (128-row tiles) or 4x (64-row)
+    more ways, in about half the stages."""
+    assert glu_config(Fp8SkinnyConfig(128, 1, 4, 4, quantize=False), 4096) == Fp8SkinnyConfig(
+        128, 2, 4, 2, quantize=False
+    )
+    assert glu_config(Fp8SkinnyConfig(64, 1, 4, 4, quantize=False), 4096).split_k == 4
+    assert glu_config(Fp8SkinnyConfig(64, 4, 4, 3, quantize=False), 4096).split_k == 16
+    assert glu_config(Fp8SkinnyConfig(128, 4, 4, 4, quantize=False), 384).split_k == 3
+
+
+if ON_GPU:
+
+    @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 64, 65])
+    def test_the_platform_gate_up_silu_op(m: int) -> None:
+        """kvik_cuda's op on Llama-3.1-8B's gate/up: the fused launch with the tuned programs
+        where the few-rows kernel takes the rows (bits of the two launches with the same
+        tiling), the two launches the tuning picks elsewhere; both near the reference."""
+        from kvik.triton_kernels.fp8_skinny_glu import glu_config as platform_glu_config
+        from kvik_cuda.fp8 import fp8_block_silu_and_mul_quantized
+        from kvik_cuda.tuning import fp8_block_config
+
+        inter, k, dtype = 14336, 4096, torch.bfloat16
+        x = activations(m, k, dtype)
+        weight, weight_scale = fp8_weight(2 * inter, k), block_scales(2 * inter, k).to(DEVICE)
+        q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
+        values, out_scales = fp8_block_silu_and_mul_quantized(
+            q, scales, weight, weight_scale, None, dtype
+        )
+        config = fp8_block_config(ARCH, m, 2 * inter, k)
+        if isinstance(config, Fp8SkinnyConfig):
+            config = platform_glu_config(config, k)
+        ref_values, ref_scales = unfused_gate_up_silu(
+            q, scales, weight, weight_scale, None, dtype, config
+        )
+        assert same_bits(values, ref_values) and torch.equal(out_scales, ref_scales)
+        y = ref_block_linear(x, weight, weight_scale.cpu(), None).double()
+        expected = (torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]).to(dtype)
+        check_e4m3(values, out_scales, expected)

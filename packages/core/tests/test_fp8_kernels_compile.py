@@ -40,6 +40,7 @@ from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
     fp8_skinny_kernel,
     padded_rows,
 )
+from kvik.triton_kernels.fp8_skinny_glu import fp8_skinny_glu_kernel, glu_config  # noqa: E402
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
     SUM_LAST_MAX_TOKENS,
     moe_gemm_kernel,
@@ -314,6 +315,63 @@ def test_fp8_skinny(
     # A split product's last split reads the others' sums past L1 and resets its counter.
     assert ("atom.global.gpu.acq_rel.add" in ptx) == (split_k > 1)
     assert ("ld.global.cg" in ptx) == (split_k > 1)
+
+
+def gate_up_silu_cases() -> list:
+    """The fused gate/up launches of Llama-3.1-8B's gate_up at the row counts the few-rows
+    kernel takes (the tuning's table at 1 to 16, its generic choice at 32 and 64)."""
+    cases, seen = [], set()
+    n, k = 28672, 4096
+    for rows in (1, 2, 4, 8, 16, 32, 64):
+        config = tuning.fp8_block_config("sm90", rows, n, k)
+        if not isinstance(config, Fp8SkinnyConfig):
+            continue
+        fused = glu_config(config, k)
+        key = (fused, padded_rows(rows))
+        if key not in seen:
+            seen.add(key)
+            cases.append(pytest.param(fused, rows, id=f"m{rows}-split{fused.split_k}"))
+    return cases
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("config", "rows"), gate_up_silu_cases())
+def test_fp8_gate_up_silu(arch: str, config: Fp8SkinnyConfig, rows: int) -> None:
+    import triton.language as tl
+
+    k, groups = 4096, 4096 // GROUP_SIZE
+    kinds = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "out_ptr": "*fp8e4nv", "counter_ptr": "*i32"}
+    kinds |= dict.fromkeys(("x_scale_ptr", "w_scale_ptr", "out_scale_ptr", "partial_ptr"), "*fp32")
+    kernel_types = {
+        name: kinds.get(name, "*bf16" if name.endswith("_ptr") else "i32")
+        for name in fp8_skinny_glu_kernel.arg_names
+    }
+    compiled = compiled_ok(
+        fp8_skinny_glu_kernel,
+        arch,
+        types=kernel_types,
+        constexprs={
+            "K": k,
+            "ACT_DTYPE": tl.bfloat16,
+            "ROUND_IN_SOFTWARE": False,
+            "HAS_BIAS": False,
+            "M_PAD": padded_rows(rows),
+            "SPLIT_K": config.split_k,
+            "GROUPS_PER_SPLIT": groups // config.split_k,
+            "GROUP": GROUP_SIZE,
+        },
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        aligned=aligned(fp8_skinny_glu_kernel),
+    )
+    ptx = compiled.asm["ptx"]
+    # down's input rounded to e4m3 by the cast, after an IEEE division for its scale.
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    if arch == "sm90":
+        assert "cp.async.cg.shared.global" in ptx
+        assert "wgmma.mma_async.sync.aligned" in ptx and ".e4m3.e4m3" in ptx
+        assert k_steps_start_from_zero(compiled.asm["ttgir"])
+    assert ("atom.global.gpu.acq_rel.add" in ptx) == (config.split_k > 1)
 
 
 def k_steps_start_from_zero(ttgir: str) -> bool:

@@ -23,6 +23,7 @@ from kvik.layers.linear import (
 )
 from kvik.layers.norm import RMSNorm
 from kvik.layers.rotary import RotaryEmbedding, get_rope, rope_config
+from kvik.quantization.activation import QuantizedActivation
 from kvik.quantization.parameters import check_dtype
 
 if TYPE_CHECKING:
@@ -126,7 +127,13 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor | QuantizedActivation) -> Tensor:
+        if self.act_fn.quantize_output is not None and isinstance(x, QuantizedActivation):
+            # Both ends quantized (kvik.quantization.activation): gate/up, SiLU-and-mul and
+            # down's quantization may be one op of the kernel (one launch at few rows on a GPU).
+            fused = self.gate_up_proj.silu_and_mul_quantized(x)
+            if fused is not None:
+                return self.down_proj(fused)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))  # [T, hidden]
 
     def activation_links(self) -> list[tuple[nn.Module, nn.Module]]:

@@ -11,7 +11,15 @@ import torch
 from torch import Tensor
 
 from kvik.triton_kernels import fp8_linear
+from kvik.triton_kernels.activation import silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.attention import device_arch
+from kvik.triton_kernels.fp8_skinny import Fp8SkinnyConfig
+from kvik.triton_kernels.fp8_skinny_glu import (
+    fp8_skinny_glu_block_matmul,
+    fuses_silu_and_mul,
+    glu_config,
+)
+from kvik_cuda import tuning
 from kvik_cuda.tuning import fp8_block_config, fp8_scaled_config
 
 
@@ -44,6 +52,34 @@ def fp8_block_linear_quantized(
     return fp8_linear.fp8_block_linear_quantized(
         values, scales, weight, weight_scale, bias, out_dtype, config
     )
+
+
+def fp8_block_silu_and_mul_quantized(
+    values: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """A gate/up product on quantized input, SiLU-and-mul, and down's quantization: one launch
+    where the product's rows take the few-rows kernel (``fp8_skinny_glu_block_matmul``, with as
+    many programs as that product's launch), else the product's launch and SiLU-and-mul's."""
+    n, k = weight.shape
+    rows = values.numel() // max(k, 1)
+    config = fp8_block_config(arch_of(values.device), rows, n, k)
+    if (
+        tuning.FP8_GATE_UP_SILU
+        and isinstance(config, Fp8SkinnyConfig)
+        and values.dim() == 2
+        and n % 2 == 0
+        and fuses_silu_and_mul(n // 2, rows)
+    ):
+        return fp8_skinny_glu_block_matmul(
+            values, scales, weight, weight_scale, bias, out_dtype, glu_config(config, k)
+        )
+    gate_up = fp8_block_linear_quantized(values, scales, weight, weight_scale, bias, out_dtype)
+    return silu_and_mul_fp8_group_quant(gate_up)
 
 
 def fp8_scaled_linear(

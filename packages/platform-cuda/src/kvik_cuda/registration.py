@@ -44,6 +44,7 @@ KERNELS = {
     # Through custom ops so that torch.compile does not trace into the Triton launchers.
     "kvik::fp8_block_linear": fp8.fp8_block_linear,
     "kvik::fp8_block_linear_quantized": fp8.fp8_block_linear_quantized,
+    "kvik::fp8_block_silu_and_mul_quantized": fp8.fp8_block_silu_and_mul_quantized,
     # The producers of a block-FP8 projection's quantized input (kvik.quantization.activation).
     "kvik::rms_norm_fp8_group_quant": rms_norm_fp8_group_quant,
     "kvik::fused_add_rms_norm_fp8_group_quant": fused_add_rms_norm_fp8_group_quant,

@@ -245,6 +245,11 @@ FP8_SKINNY = env_switch("KVIK_FP8_SKINNY", default=True)
 #: ``KVIK_FUSED_ACTIVATION_QUANT=0`` turns it off.
 FUSED_ACTIVATION_QUANT = env_switch("KVIK_FUSED_ACTIVATION_QUANT", default=True)
 
+#: A block-FP8 gate/up product on the few-rows kernel applies SiLU-and-mul and writes down's
+#: quantized input in its last step (kvik.triton_kernels.fp8_skinny_glu: one launch fewer a layer
+#: at decode batch sizes). ``KVIK_FP8_GATE_UP_SILU=0`` turns it off.
+FP8_GATE_UP_SILU = env_switch("KVIK_FP8_GATE_UP_SILU", default=True)
+
 #: Where the few-rows kernel is faster, from ``bench/fp8_gpu.py`` on the H200 (2026-12-01,
 #: docs/benchmarks.md; CUDA-graph timed, Llama-3.1-8B's projections). Block scales: slower than
 #: the GEMV and the tiled kernel up to 16 rows (gate_up at one row 132 µs against the GEMV's 47,

@@ -36,6 +36,7 @@ from kvik.quantization.parameters import default_weight_loader, new_parameter, r
 from kvik.quantization.unquantized import UnquantizedLinearMethod
 
 if TYPE_CHECKING:
+    from kvik.quantization.activation import QuantizedActivation
     from kvik.quantization.base import QuantizationConfig
 
 __all__ = [
@@ -233,6 +234,15 @@ class MergedColumnLinear(ColumnParallelLinear):
             tp_starts={i: tp.rank_in_group * size for i, size in enumerate(sizes)},
             tp_lengths={None: sum(out_sizes), **dict(enumerate(out_sizes))},
         )
+
+    def silu_and_mul_quantized(self, x: QuantizedActivation) -> QuantizedActivation | None:
+        """For a gate/up layer (two shards of equal rows) on quantized input: silu(gate) * up,
+        quantized for the down projection (kvik.quantization.activation), computed by the
+        kernel's one op; None where the layer is not such a pair or its kernel has no such op."""
+        sizes = [size for _, size in self.shards.values()]
+        if len(sizes) != 2 or sizes[0] != sizes[1]:
+            return None
+        return self.quant_method.kernel.apply_silu_and_mul(self, x)
 
 
 def heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:

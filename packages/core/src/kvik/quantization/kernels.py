@@ -19,7 +19,7 @@ Core's FP8 kernels call the custom ops ``torch.ops.kvik.fp8_block_linear`` and
 implementations run each scheme in PyTorch (kvik.quantization.fp8_reference): the CPU's FP8 path
 and the oracle of faster kernels. A platform registers its own function of the scheme's signature
 (``fp8_block_linear(x, weight, weight_scale, bias)``, ``fp8_scaled_linear(x, weight,
-weight_scale, input_scale, bias)``) for its device key (kvik_cuda does), or wraps it in the same
+weight_scale, input_scale, bias)``, and the fused ``fp8_block_silu_and_mul_quantized``) for its device key (kvik_cuda does), or wraps it in the same
 class: ``Fp8BlockKernel(my_fp8_block_linear)``. A kernel that repacks the weights (the CPU's AMX
 layout) overrides ``process_weights_after_loading``.
 """
@@ -53,6 +53,15 @@ class LinearKernel:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Adapt the layer's tensors to this kernel (repack them); by default read as they are."""
+
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: QuantizedActivation
+    ) -> QuantizedActivation | None:
+        """For a gate/up layer (weight rows: gate's, then up's) whose input and whose consumer's
+        input are both quantized (kvik.quantization.activation): the product, SiLU-and-mul and
+        the down projection's quantization in one op, or None where this kernel has no such op
+        (the caller then runs the three itself)."""
+        return None
 
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -93,10 +102,24 @@ class Fp8BlockKernel(_FunctionKernel):
         self,
         function: Callable[..., Tensor] | None = None,
         quantized_function: Callable[..., Tensor] | None = None,
+        silu_and_mul_function: Callable[..., tuple[Tensor, Tensor]] | None = None,
     ) -> None:
         function = function or torch.ops.kvik.fp8_block_linear
         super().__init__(function)
         self.quantized_function = quantized_function or torch.ops.kvik.fp8_block_linear_quantized
+        self.silu_and_mul_function = (
+            silu_and_mul_function or torch.ops.kvik.fp8_block_silu_and_mul_quantized
+        )
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: QuantizedActivation) -> QuantizedActivation:
+        """``silu_and_mul_function(values, scales, weight, weight_scale, bias, out_dtype)`` (by
+        default ``torch.ops.kvik.fp8_block_silu_and_mul_quantized``, one launch on a GPU at few
+        rows)."""
+        values, scales = self.silu_and_mul_function(
+            x.values, x.scales, layer.weight, layer.weight_scale, getattr(layer, "bias", None),
+            x.dtype,
+        )  # fmt: skip
+        return QuantizedActivation(values, scales, x.dtype)
 
     def apply(self, layer: nn.Module, x: Tensor | QuantizedActivation) -> Tensor:
         bias = getattr(layer, "bias", None)

@@ -132,6 +132,31 @@ def _(x):
     return _group_quantized_fake(x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
 
 
+@custom_op("kvik::fp8_block_silu_and_mul_quantized", mutates_args=())
+def fp8_block_silu_and_mul_quantized(
+    values: Tensor,
+    scales: Tensor,
+    weight: Tensor,
+    weight_scale: Tensor,
+    bias: Optional[Tensor],  # noqa: UP045
+    out_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """A block-FP8 gate/up product on quantized input (``fp8_block_linear_quantized``, weight
+    [2I, K]: gate's rows, then up's) followed by ``silu_and_mul_fp8_group_quant`` of its output in
+    ``out_dtype``: down's input, (e4m3 values [..., I], fp32 scales [..., ceil(I/128)]). One op so
+    that a platform can run it as one launch (kvik_cuda: at few rows)."""
+    gate_up = fp8_reference.fp8_block_linear_quantized(
+        values, scales, weight, weight_scale, bias, out_dtype
+    )
+    return _group_quantized(_unquantized_op("silu_and_mul")(gate_up))
+
+
+@fp8_block_silu_and_mul_quantized.register_fake
+def _(values, scales, weight, weight_scale, bias, out_dtype):
+    like = values.new_empty(*values.shape[:-1], weight.shape[0] // 2, dtype=out_dtype)
+    return _group_quantized_fake(like)
+
+
 @custom_op("kvik::fp8_scaled_linear", mutates_args=())
 def fp8_scaled_linear(
     x: Tensor,
