@@ -109,7 +109,15 @@ def main() -> int:
                     for w, s in weights
                 ]
 
-            us, _, _ = graph_us(one_launch, copies)
+            us, _, outs = graph_us(one_launch, copies)
+            # The graph's replays wrote what the eager launch does and left the counters at zero.
+            if not torch.equal(outs[0].view(torch.uint8), fused[0].view(torch.uint8)) or bool(
+                split_counters(DEVICE).any()
+            ):
+                failures += 1
+                line["fused"][name] = {"config": str(config), "ok": False}
+                print(f"{m} rows, {name} {config}: FAILED on graph replay")
+                continue
             share = n * K / (us * 1e-6) / PEAK_BYTES_PER_S
             line["fused"][name] = {"config": str(config), "ok": True, "us": us, "of_bw": share}
             print(

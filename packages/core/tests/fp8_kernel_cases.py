@@ -780,7 +780,8 @@ def test_gate_up_silu_writes_the_two_launches_bits(
     """Down's input from the fused product equals, bit for bit, the few-rows product with the
     same 128-row tiles and splits followed by SiLU-and-mul's quantizing launch (scales in the
     producers' layout); the split counters end at zero; the values are the reference's."""
-    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    # bf16 on the CPU too: the roundings to the activations' dtype are what the test must see.
+    dtype = torch.bfloat16
     x = activations(m, k, dtype)
     weight, weight_scale = fp8_weight(2 * inter, k), block_scales(2 * inter, k).to(DEVICE)
     b = randn(2 * inter, dtype=dtype) if bias else None
@@ -837,25 +838,37 @@ def test_gate_up_silu_config_keeps_the_programs_and_their_bytes() -> None:
 
 if ON_GPU:
 
-    @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 64, 65])
-    def test_the_platform_gate_up_silu_op(m: int) -> None:
+    @pytest.mark.parametrize("m", [1, 2, 4, 8, 16, 17, 64, 65])
+    def test_the_platform_gate_up_silu_op(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
         """kvik_cuda's op on Llama-3.1-8B's gate/up: the fused launch with the tuned programs
-        where the few-rows kernel takes the rows (bits of the two launches with the same
-        tiling), the two launches the tuning picks elsewhere; both near the reference."""
+        where the few-rows kernel takes the rows, up to 16 (bits of the two launches with the
+        same tiling), the two launches the tuning picks elsewhere; both near the reference."""
+        import kvik_cuda.fp8
+        from kvik.triton_kernels.fp8_skinny_glu import GLU_ENGINE_MAX_ROWS
         from kvik.triton_kernels.fp8_skinny_glu import glu_config as platform_glu_config
-        from kvik_cuda.fp8 import fp8_block_silu_and_mul_quantized
         from kvik_cuda.tuning import fp8_block_config
 
+        fused_calls = []
+
+        def counted(*args):
+            fused_calls.append(args[-1])
+            return fp8_skinny_glu_block_matmul(*args)
+
+        monkeypatch.setattr(kvik_cuda.fp8, "fp8_skinny_glu_block_matmul", counted)
         inter, k, dtype = 14336, 4096, torch.bfloat16
         x = activations(m, k, dtype)
         weight, weight_scale = fp8_weight(2 * inter, k), block_scales(2 * inter, k).to(DEVICE)
         q, scales = per_token_group_quant_fp8(x, column_major_scales=True)
-        values, out_scales = fp8_block_silu_and_mul_quantized(
+        values, out_scales = kvik_cuda.fp8.fp8_block_silu_and_mul_quantized(
             q, scales, weight, weight_scale, None, dtype
         )
         config = fp8_block_config(ARCH, m, 2 * inter, k)
-        if isinstance(config, Fp8SkinnyConfig):
+        fused = isinstance(config, Fp8SkinnyConfig) and m <= GLU_ENGINE_MAX_ROWS
+        if fused:
             config = platform_glu_config(config, k)
+        assert fused_calls == ([config] if fused else [])
+        if ARCH == "sm90" and m == 1:
+            assert fused, "one row of Llama's gate/up takes the fused launch on Hopper"
         ref_values, ref_scales = unfused_gate_up_silu(
             q, scales, weight, weight_scale, None, dtype, config
         )

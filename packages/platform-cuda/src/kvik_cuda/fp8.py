@@ -15,6 +15,7 @@ from kvik.triton_kernels.activation import silu_and_mul_fp8_group_quant
 from kvik.triton_kernels.attention import device_arch
 from kvik.triton_kernels.fp8_skinny import Fp8SkinnyConfig
 from kvik.triton_kernels.fp8_skinny_glu import (
+    GLU_ENGINE_MAX_ROWS,
     fp8_skinny_glu_block_matmul,
     fuses_silu_and_mul,
     glu_config,
@@ -63,8 +64,9 @@ def fp8_block_silu_and_mul_quantized(
     out_dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor]:
     """A gate/up product on quantized input, SiLU-and-mul, and down's quantization: one launch
-    where the product's rows take the few-rows kernel (``fp8_skinny_glu_block_matmul``, with as
-    many programs as that product's launch), else the product's launch and SiLU-and-mul's."""
+    where the product's rows take the few-rows kernel, up to ``GLU_ENGINE_MAX_ROWS``
+    (``fp8_skinny_glu_block_matmul``, with as many programs as that product's launch), else the
+    product's launch and SiLU-and-mul's."""
     n, k = weight.shape
     rows = values.numel() // max(k, 1)
     config = fp8_block_config(arch_of(values.device), rows, n, k)
@@ -73,6 +75,7 @@ def fp8_block_silu_and_mul_quantized(
         and isinstance(config, Fp8SkinnyConfig)
         and values.dim() == 2
         and n % 2 == 0
+        and rows <= GLU_ENGINE_MAX_ROWS
         and fuses_silu_and_mul(n // 2, rows)
     ):
         return fp8_skinny_glu_block_matmul(

@@ -107,14 +107,20 @@ class Fp8BlockKernel(_FunctionKernel):
         function = function or torch.ops.kvik.fp8_block_linear
         super().__init__(function)
         self.quantized_function = quantized_function or torch.ops.kvik.fp8_block_linear_quantized
-        self.silu_and_mul_function = (
-            silu_and_mul_function or torch.ops.kvik.fp8_block_silu_and_mul_quantized
-        )
+        # The op by default only beside the default products: a platform that brings its own
+        # product and not this would otherwise get core's PyTorch reference for gate/up.
+        if silu_and_mul_function is None and quantized_function is None:
+            silu_and_mul_function = torch.ops.kvik.fp8_block_silu_and_mul_quantized
+        self.silu_and_mul_function = silu_and_mul_function
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: QuantizedActivation) -> QuantizedActivation:
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: QuantizedActivation
+    ) -> QuantizedActivation | None:
         """``silu_and_mul_function(values, scales, weight, weight_scale, bias, out_dtype)`` (by
         default ``torch.ops.kvik.fp8_block_silu_and_mul_quantized``, one launch on a GPU at few
-        rows)."""
+        rows); None where the kernel was given a ``quantized_function`` and no such function."""
+        if self.silu_and_mul_function is None:
+            return None
         values, scales = self.silu_and_mul_function(
             x.values, x.scales, layer.weight, layer.weight_scale, getattr(layer, "bias", None),
             x.dtype,

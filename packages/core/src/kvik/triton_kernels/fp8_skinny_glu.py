@@ -8,10 +8,13 @@ kernel (``kvik.triton_kernels.fp8_skinny``) already owns whole output features; 
 gate features and the 128 up features that pair with them, so its last step can apply the
 activation and quantize the 128 results of each row as one group of down's input.
 
-The numbers are those of the two launches it replaces, bit for bit: the same K steps and split-K
-order as the few-rows kernel with 128-row tiles, the gate and up sums rounded to the activations'
-dtype (as the product's output was), ``silu(g) * u`` in fp32 rounded to that dtype again (as
-SiLU-and-mul wrote it), then quantized per group of 128 as ``per_token_group_quant_fp8`` does.
+The numbers are those of the few-rows product with the same 128-row tiles and K splits followed
+by SiLU-and-mul's quantizing launch, bit for bit: the same K steps and split-K order, the gate and
+up sums rounded to the activations' dtype (as the product's output was), ``silu(g) * u`` in fp32
+rounded to that dtype again (as SiLU-and-mul wrote it), then quantized per group of 128 as
+``per_token_group_quant_fp8`` does. Against the two launches the engine would run otherwise
+(the tuning's tiles for the product, often fewer K splits) they differ only by the order of the
+fp32 sums of the K splits.
 
 Takes activations already quantized per token group (the norm before gate/up writes them so:
 kvik.quantization.activation) and intermediate sizes that are multiples of 128 (a program's
@@ -179,6 +182,12 @@ def fuses_silu_and_mul(inter: int, m: int) -> bool:
     """Whether ``fp8_skinny_glu_block_matmul`` takes a gate/up product of ``m`` rows and
     intermediate size ``inter``."""
     return 0 < m <= SKINNY_MAX_ROWS and inter > 0 and inter % GROUP_SIZE == 0
+
+
+#: The most rows the engine fuses (kvik_cuda): with two [128, rows] fp32 sums a program, 32 and
+#: 64 padded rows take all 255 registers of 4 warps (64 spills; ptxas for sm_90a), where 16 take
+#: 140; those sizes keep the two launches until they are measured.
+GLU_ENGINE_MAX_ROWS = 16
 
 
 def glu_config(config: Fp8SkinnyConfig, k: int) -> Fp8SkinnyConfig:
