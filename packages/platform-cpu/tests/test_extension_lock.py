@@ -1,14 +1,20 @@
-"""A build lock left by a process that died while compiling the CPU ops is removed, so later
-processes build instead of waiting on it forever; a fresh lock (a build in progress) is kept. A
+"""A build lock left by a process that died while compiling the CPU ops does not make later
+processes wait on it forever: ``build.flock`` goes with its holder, and torch's lock file found
+under it is removed; without flock, a torch lock older than a build can take is removed and a fresh
+one (a build in progress) kept. A
 first build is announced (a minute or more with nothing else printed), a cached one is not."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
-from kvik_cpu.extension import STALE_LOCK_S, announce_build, clear_stale_lock
+from kvik_cpu.extension import STALE_LOCK_S, announce_build, build_lock, clear_stale_lock
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
@@ -29,3 +35,50 @@ def test_a_first_build_is_announced_and_a_cached_one_is_not(tmp_path, caplog):
         (tmp_path / "kvik_cpu_ops_0123.so").touch()
         assert not announce_build(tmp_path, "kvik_cpu_ops_0123")
         assert caplog.text == ""
+
+
+def test_a_builder_killed_holding_the_build_lock_does_not_block_the_next(tmp_path):
+    """A process that dies mid-build leaves torch's ``lock`` file; its ``build.flock`` goes with it.
+    The next process waits while the builder lives, then takes the lock and drops torch's file (a
+    waiter on that file alone waited forever: CI's kvik[cpu] test timed out behind one)."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, pathlib, sys, time\n"
+            "d = pathlib.Path(sys.argv[1])\n"
+            "f = open(d / 'build.flock', 'a')\n"
+            "fcntl.flock(f, fcntl.LOCK_EX)\n"
+            "(d / 'lock').touch()  # torch's lock, as a build in progress holds it\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        acquired = threading.Event()
+
+        def take() -> None:
+            with build_lock(tmp_path):
+                assert not (tmp_path / "lock").exists()
+                acquired.set()
+
+        waiter = threading.Thread(target=take, daemon=True)
+        waiter.start()
+        assert not acquired.wait(1.0)  # the builder is alive: wait for it
+        holder.send_signal(signal.SIGKILL)
+        assert acquired.wait(30.0)  # its flock went with it; its torch lock is removed
+        waiter.join(30.0)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_build_lock_is_taken_at_once_when_free_and_keeps_no_torch_lock(tmp_path):
+    with build_lock(tmp_path):
+        assert (tmp_path / "build.flock").exists() and not (tmp_path / "lock").exists()
+    with build_lock(tmp_path):  # released on leaving: taken again
+        pass

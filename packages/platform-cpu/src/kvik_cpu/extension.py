@@ -6,14 +6,22 @@ toolchain TorchInductor needs on the CPU) into ``$KVIK_CACHE/torch_extensions`` 
 CPU's flags: ``-march=native`` code must not run on another CPU. The first build is slow (a C++
 compile); later processes load the cached library. Where building fails, ``load()`` says why and the
 platform falls back to PyTorch's SDPA (kvik_cpu.attention).
+
+Processes that start together (an engine's ranks, a test suite beside a server) build once: each
+takes ``build.flock`` (an ``flock`` the kernel drops when its holder exits, however it exits) before
+torch's own build step. torch's lock is a plain file that a killed builder leaves behind, and a
+process waiting on it waits forever (CI's test of an installed kvik[cpu] hung 15 min behind one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -67,6 +75,36 @@ def clear_stale_lock(build_dir: Path, now: float | None = None) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold ``build_dir``'s ``build.flock`` (waiting for a process building now to finish).
+
+    Held, no other kvik process is building here, so torch's ``lock`` file, if there is one, was
+    left by a builder that died: it is removed, or torch would wait on it forever. Where the file
+    system has no ``flock``, torch's lock alone is used, with stale ones cleared by age.
+    """
+    with open(build_dir / "build.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process building kvik_cpu's C++ ops in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:  # no flock on this file system
+            clear_stale_lock(build_dir)
+            yield
+            return
+        try:
+            if (build_dir / "lock").exists():
+                logger.warning(
+                    "removing %s: a process building the CPU ops died holding it",
+                    build_dir / "lock",
+                )
+                (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def announce_build(build_dir: Path, name: str) -> bool:
     """Say that the ops are about to be compiled when ``build_dir`` holds no library of them yet
     (the first start on a machine: about 20 s on two idle cores, minutes on busy ones, with
@@ -94,37 +132,41 @@ def load() -> str | None:
     name = f"kvik_cpu_ops_{digest.hexdigest()[:16]}"
     build_dir = _build_dir() / name
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir)
-        announce_build(build_dir, name)
-        load_extension(
-            name=name,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-march=native",
-                # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
-                # The library then needs libgomp.so.1, which torch has loaded already.
-                "-fopenmp",
-                # No -ffast-math: the kernels round where their references do, which approximate
-                # reciprocals and finite-only math break (silu gave NaN below -89). expf's calls
-                # in omp simd loops go to glibc's vector expf (libmvec) through vector_math.h;
-                # without errno they have no side effect to keep in order.
-                "-fno-math-errno",
-            ],
-            extra_ldflags=["-fopenmp", "-lmvec"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(build_dir):
+            announce_build(build_dir, name)
+            _build_or_load(name, build_dir)
     except Exception as e:  # noqa: BLE001  (a missing compiler or ninja, a failed build)
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}"
         logger.warning("kvik_cpu's C++ ops did not build (%s); using PyTorch SDPA", reason)
         return reason
     _register_fakes()
     return None
+
+
+def _build_or_load(name: str, build_dir: Path) -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    load_extension(
+        name=name,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=[
+            "-O3",
+            "-march=native",
+            # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
+            # The library then needs libgomp.so.1, which torch has loaded already.
+            "-fopenmp",
+            # No -ffast-math: the kernels round where their references do, which approximate
+            # reciprocals and finite-only math break (silu gave NaN below -89). expf's calls
+            # in omp simd loops go to glibc's vector expf (libmvec) through vector_math.h;
+            # without errno they have no side effect to keep in order.
+            "-fno-math-errno",
+        ],
+        extra_ldflags=["-fopenmp", "-lmvec"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _register_fakes() -> None:
