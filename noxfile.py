@@ -39,8 +39,15 @@ def tests(session: nox.Session) -> None:
     # compressed-tensors, accelerate: tests/quantization makes compressed-tensors checkpoints
     # with the library, and reads them and fine-grained FP8 ones back through transformers.
     # nox: tests/test_noxfile.py runs a session of the noxfile's.
+    # pytest-xdist: core's kernel suites run in several workers (KERNEL_SUITES).
     session.install(
-        "hatchling", "hypothesis", "pytest", "compressed-tensors>=0.20.1", "accelerate", "nox"
+        "hatchling",
+        "hypothesis",
+        "pytest",
+        "pytest-xdist",
+        "compressed-tensors>=0.20.1",
+        "accelerate",
+        "nox",
     )
     groups = [*sorted(glob.glob("packages/*/tests")), "tests"]
     if session.posargs:
@@ -53,9 +60,26 @@ def tests(session: nox.Session) -> None:
     # folders; the rest of tests/ runs after both, alone: its process grows past 13 GB, and beside
     # the packages' tests it was killed for memory.
     with run_in_background(session, "pytest", *TESTS_IN_BACKGROUND):
+        session.run("pytest", *KERNEL_WORKERS, *KERNEL_SUITES)
         for group in groups[:-1]:
-            session.run("pytest", group)
+            ignored = (f"--ignore={f}" for f in KERNEL_SUITES if f.startswith(f"{group}/"))
+            session.run("pytest", group, *ignored)
     session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
+
+
+#: Core's kernel suites: the Triton kernels compiled ahead of time for each GPU target, and run
+#: under the interpreter (each interpreter file one test, a pytest process of its own). A test is
+#: one thread of Python, LLVM or ptxas, so one after another they left one of CI's two cores idle
+#: for about 20 minutes; in xdist workers (the long interpreter files first, work stealing to even
+#: out the ends) they take about half. At most 4 workers: each holds torch and triton (~1.5 GB).
+KERNEL_SUITES = [
+    "packages/core/tests/test_triton_kernels_interpreter.py",
+    "packages/core/tests/test_fp8_kernels_interpreter.py",
+    "packages/core/tests/test_fp8_moe_kernels_interpreter.py",
+    "packages/core/tests/test_triton_kernels_compile.py",
+    "packages/core/tests/test_fp8_kernels_compile.py",
+]
+KERNEL_WORKERS = ["--numprocesses=auto", "--maxprocesses=4", "--dist=worksteal"]
 
 
 #: Top-level test files that run beside the packages' folders (pip installs, servers, CLIs).
@@ -102,6 +126,8 @@ def run_in_background(session: nox.Session, *command: str):
         session.error(f"{' '.join(command)} (in the background) exited with {code}")
 
 
+INTERPRETER_SMOKE_TEST = "packages/core/tests/test_triton_kernels_interpreter.py"
+
 # One test of each promise that a new release of a dependency could break: the default model
 # through the real CLI (generate and chat), one request to the server through the openai client,
 # the plugin system, fp32 equality with transformers on one random model, the GGUF tokenizer, the
@@ -117,7 +143,7 @@ SMOKE_TESTS = [
     "packages/core/tests/test_layers.py::test_inv_freq_is_bitwise_transformers",
     "packages/core/tests/test_gguf.py::test_default_model_tokenizer_and_chat_template",
     "packages/core/tests/test_gguf_tokenizer.py",
-    "packages/core/tests/test_triton_kernels_interpreter.py",  # the newest triton
+    INTERPRETER_SMOKE_TEST,  # the newest triton
     "packages/core/tests/test_triton_launch.py",  # its specialization, as FastLauncher keys on it
 ]
 
@@ -137,7 +163,13 @@ def deps_latest(session: nox.Session) -> None:
     # then in pip's resolver: an upper bound somewhere).
     session.run("python", "-m", "pip", "list", "--outdated", "--exclude", "torch")
     session.run("python", "-c", VERSIONS)
-    session.run("pytest", *SMOKE_TESTS, *session.posargs)
+    if session.posargs:
+        session.run("pytest", *SMOKE_TESTS, *session.posargs)
+        return
+    # The interpreter's one test (about 4 min of one thread) beside the rest, which mostly wait
+    # on subprocesses and servers starting.
+    with run_in_background(session, "pytest", INTERPRETER_SMOKE_TEST):
+        session.run("pytest", *(t for t in SMOKE_TESTS if t != INTERPRETER_SMOKE_TEST))
 
 
 #: The dependencies whose lower bounds (in the packages' pyproject.toml) deps_lowest runs.
