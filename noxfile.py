@@ -69,9 +69,11 @@ def tests(session: nox.Session) -> None:
 
 #: Core's kernel suites: the Triton kernels compiled ahead of time for each GPU target, and run
 #: under the interpreter (each interpreter file one test, a pytest process of its own). A test is
-#: one thread of Python, LLVM or ptxas, so one after another they left one of CI's two cores idle
-#: for about 20 minutes; in xdist workers (the long interpreter files first, work stealing to even
-#: out the ends) they take about half. At most 4 workers: each holds torch and triton (~1.5 GB).
+#: one thread of Python, LLVM or ptxas, so they run in xdist workers (the long interpreter files
+#: first, work stealing to even out the ends); at most 4, as each holds torch and triton (~1.5 GB).
+#: Measured on 2 cores (2026-12-05): alone, 13 min in 2 workers (cold Triton cache) against about
+#: 26 one after another; in CI beside TESTS_IN_BACKGROUND, which then keep both cores busy too,
+#: 31 min against about 30: no gain there, the gain is where cores are idle.
 KERNEL_SUITES = [
     "packages/core/tests/test_triton_kernels_interpreter.py",
     "packages/core/tests/test_fp8_kernels_interpreter.py",
