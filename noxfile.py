@@ -39,15 +39,8 @@ def tests(session: nox.Session) -> None:
     # compressed-tensors, accelerate: tests/quantization makes compressed-tensors checkpoints
     # with the library, and reads them and fine-grained FP8 ones back through transformers.
     # nox: tests/test_noxfile.py runs a session of the noxfile's.
-    # pytest-xdist: core's kernel suites run in several workers (KERNEL_SUITES).
     session.install(
-        "hatchling",
-        "hypothesis",
-        "pytest",
-        "pytest-xdist",
-        "compressed-tensors>=0.20.1",
-        "accelerate",
-        "nox",
+        "hatchling", "hypothesis", "pytest", "compressed-tensors>=0.20.1", "accelerate", "nox"
     )
     groups = [*sorted(glob.glob("packages/*/tests")), "tests"]
     if session.posargs:
@@ -60,28 +53,9 @@ def tests(session: nox.Session) -> None:
     # folders; the rest of tests/ runs after both, alone: its process grows past 13 GB, and beside
     # the packages' tests it was killed for memory.
     with run_in_background(session, "pytest", *TESTS_IN_BACKGROUND):
-        session.run("pytest", *KERNEL_WORKERS, *KERNEL_SUITES)
         for group in groups[:-1]:
-            ignored = (f"--ignore={f}" for f in KERNEL_SUITES if f.startswith(f"{group}/"))
-            session.run("pytest", group, *ignored)
+            session.run("pytest", group)
     session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
-
-
-#: Core's kernel suites: the Triton kernels compiled ahead of time for each GPU target, and run
-#: under the interpreter (each interpreter file one test, a pytest process of its own). A test is
-#: one thread of Python, LLVM or ptxas, so they run in xdist workers (the long interpreter files
-#: first, work stealing to even out the ends); at most 4, as each holds torch and triton (~1.5 GB).
-#: Measured on 2 cores (2026-12-05): alone, 13 min in 2 workers (cold Triton cache) against about
-#: 26 one after another; in CI beside TESTS_IN_BACKGROUND, which then keep both cores busy too,
-#: 31 min against about 30: no gain there, the gain is where cores are idle.
-KERNEL_SUITES = [
-    "packages/core/tests/test_triton_kernels_interpreter.py",
-    "packages/core/tests/test_fp8_kernels_interpreter.py",
-    "packages/core/tests/test_fp8_moe_kernels_interpreter.py",
-    "packages/core/tests/test_triton_kernels_compile.py",
-    "packages/core/tests/test_fp8_kernels_compile.py",
-]
-KERNEL_WORKERS = ["--numprocesses=auto", "--maxprocesses=4", "--dist=worksteal"]
 
 
 #: Top-level test files that run beside the packages' folders (pip installs, servers, CLIs).
@@ -92,6 +66,10 @@ KERNEL_WORKERS = ["--numprocesses=auto", "--maxprocesses=4", "--dist=worksteal"]
 #: Tried on 2026-12-03 (4b4be3e): deps_latest and wheels in a second nox beside the tests session
 #: (their ~8 min looked like pip's waiting): the core folder slowed from 17 to 25 min, about the
 #: 8 min the two take after the tests, so no gain (the trial was stopped there); reverted.
+#: Tried on 2026-12-05 (18ec36c): core's kernel suites (AOT compiles, interpreter runs; one thread
+#: each) in 2 xdist workers before the rest of core: alone 13 min against ~26 one after another,
+#: but beside these files 31 min against ~30 (both cores busy either way), and these files slowed
+#: from 15 to 25 min, nearer their timeouts; reverted.
 TESTS_IN_BACKGROUND = [
     "tests/test_packages_alone.py",
     "tests/test_serve_gpu_script.py",
@@ -169,7 +147,7 @@ def deps_latest(session: nox.Session) -> None:
         session.run("pytest", *SMOKE_TESTS, *session.posargs)
         return
     # The interpreter's one test (about 4 min of one thread) beside the rest, which mostly wait
-    # on subprocesses and servers starting.
+    # on subprocesses and servers starting: the session took 8 min on 2 cores, 11 one after another.
     with run_in_background(session, "pytest", INTERPRETER_SMOKE_TEST):
         session.run("pytest", *(t for t in SMOKE_TESTS if t != INTERPRETER_SMOKE_TEST))
 
