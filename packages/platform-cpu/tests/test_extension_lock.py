@@ -1,8 +1,8 @@
 """A build lock left by a process that died while compiling the CPU ops does not make later
 processes wait on it forever: ``build.flock`` goes with its holder, and torch's lock file found
 under it is removed; without flock, a torch lock older than a build can take is removed and a fresh
-one (a build in progress) kept. A
-first build is announced (a minute or more with nothing else printed), a cached one is not."""
+one (a build in progress) kept. A first build is announced (a minute or more with nothing else
+printed), a cached one is not."""
 
 from __future__ import annotations
 

@@ -83,6 +83,8 @@ def build_lock(build_dir: Path) -> Iterator[None]:
     left by a builder that died: it is removed, or torch would wait on it forever. Where the file
     system has no ``flock``, torch's lock alone is used, with stale ones cleared by age.
     """
+    torch_lock = build_dir / "lock"
+    # Closing the file releases the flock.
     with open(build_dir / "build.flock", "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -93,16 +95,12 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             clear_stale_lock(build_dir)
             yield
             return
-        try:
-            if (build_dir / "lock").exists():
-                logger.warning(
-                    "removing %s: a process building the CPU ops died holding it",
-                    build_dir / "lock",
-                )
-                (build_dir / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        if torch_lock.exists():
+            logger.warning(
+                "removing %s: a process building the CPU ops died holding it", torch_lock
+            )
+            torch_lock.unlink(missing_ok=True)
+        yield
 
 
 def announce_build(build_dir: Path, name: str) -> bool:
