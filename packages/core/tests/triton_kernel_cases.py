@@ -977,6 +977,7 @@ def test_attention_layer_hands_o_proj_its_quantized_input(
     )  # fmt: skip
     layer = Attention(heads, head_size, head_size**-0.5, kv_heads, "layers.0.attn")
     layer.impl = TritonAttentionBackend.impl_class()(heads, head_size, head_size**-0.5, kv_heads)
+    layer.impl.quantizes_o_proj_input = True  # off by default (KVIK_FUSED_ATTENTION_QUANT)
     layer.kv_cache = cache
     built = TritonAttentionBackend.builder_class()(TritonAttentionBackend, spec).build(dev)
     cos_sin = random_cos_sin(max(c + n for c, n in requests), head_size)

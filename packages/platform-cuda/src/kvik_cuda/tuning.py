@@ -247,8 +247,11 @@ FUSED_ACTIVATION_QUANT = env_switch("KVIK_FUSED_ACTIVATION_QUANT", default=True)
 
 #: A block-FP8 gate/up product on the few-rows kernel applies SiLU-and-mul and writes down's
 #: quantized input in its last step (kvik.triton_kernels.fp8_skinny_glu: one launch fewer a layer
-#: at decode batch sizes). ``KVIK_FP8_GATE_UP_SILU=0`` turns it off.
-FP8_GATE_UP_SILU = env_switch("KVIK_FP8_GATE_UP_SILU", default=True)
+#: at decode batch sizes). Off by default: on the H100 the one launch reads the weights more slowly
+#: than the plain product (Llama-3.1-8B's gate/up at 1/4/16 rows: 50.1/56.8/53.7 µs against the
+#: two launches' 46.2/47.3/49.0) and batch 1 loses 260.0 -> 250.2 output tok/s
+#: (docs/benchmarks.md). ``KVIK_FP8_GATE_UP_SILU=1`` turns it on.
+FP8_GATE_UP_SILU = env_switch("KVIK_FP8_GATE_UP_SILU", default=False)
 
 #: Where the few-rows kernel is faster, from ``bench/fp8_gpu.py`` on the H200 (2026-12-01,
 #: docs/benchmarks.md; CUDA-graph timed, Llama-3.1-8B's projections). Block scales: slower than

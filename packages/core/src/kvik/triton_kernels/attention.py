@@ -288,9 +288,11 @@ class TritonAttentionImpl(AttentionImpl):
     #: (read at import).
     fuses_head_norms = os.environ.get("KVIK_FUSED_HEAD_NORMS", "1") == "1"
     #: Whether the attention launch writes o_proj's block-FP8 input itself (one launch fewer a
-    #: layer where o_proj is block FP8). ``KVIK_FUSED_ATTENTION_QUANT=0`` turns it off (read at
+    #: layer where o_proj is block FP8). Off by default: the launch that quantizes is slower than
+    #: the one it saves (Llama-3.1-8B block FP8 at batch 1 on the H100: 269.0 output tok/s without,
+    #: 260.0 with; docs/benchmarks.md). ``KVIK_FUSED_ATTENTION_QUANT=1`` turns it on (read at
     #: import).
-    quantizes_o_proj_input = os.environ.get("KVIK_FUSED_ATTENTION_QUANT", "1") == "1"
+    quantizes_o_proj_input = os.environ.get("KVIK_FUSED_ATTENTION_QUANT", "0") == "1"
 
     def quantizes_output(self, metadata: TritonMetadata) -> bool:
         # Every launch of the step writes its rows itself: one segment, or split-KV segments
