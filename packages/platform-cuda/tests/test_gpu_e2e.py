@@ -216,9 +216,9 @@ def test_greedy_with_decodes_apart_from_prompt_chunks(kind, models, hf_models, m
     apart = []
     attend_apart = TritonAttentionImpl._attend_decodes_apart
 
-    def counted(self, query, kv_cache, metadata, output):
-        apart.append(metadata.decodes_apart)
-        return attend_apart(self, query, kv_cache, metadata, output)
+    def counted(self, *args):
+        apart.append(args[2].decodes_apart)  # (query, kv_cache, metadata, output, ...)
+        return attend_apart(self, *args)
 
     monkeypatch.setattr(TritonAttentionImpl, "_attend_decodes_apart", counted)
     prompts = ragged_prompts(48, seed=8, low=20, high=40)
