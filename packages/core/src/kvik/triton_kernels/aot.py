@@ -7,6 +7,7 @@ it cannot run. The targets are each platform's (``kvik_cuda.aot``, ``kvik_rocm.a
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import triton
@@ -47,6 +48,12 @@ def compile_kernel(
 
 #: PTX instructions that read or write global memory.
 GLOBAL_ACCESSES = ("ld.global", "st.global", "cp.async", "atom.", "red.", "cp.reduce")
+#: Their mnemonics where an instruction starts (after white space, as after a tab or a predicate
+#: such as ``@%p3``): "red." inside ``ld.shared.b32`` is no reduction (sm_100's kernels read
+#: their tensor-memory address from shared memory before the wait).
+GLOBAL_ACCESS_INSTRUCTION = re.compile(
+    r"(?<=\s)(?:" + "|".join(map(re.escape, GLOBAL_ACCESSES)) + ")"
+)
 
 
 def check_pdl_variant(kernel: Any, target: GPUTarget, constexprs: dict[str, Any], **kwargs) -> Any:
@@ -61,6 +68,12 @@ def check_pdl_variant(kernel: Any, target: GPUTarget, constexprs: dict[str, Any]
     assert compiled.metadata.launch_pdl, name
     wait = ptx.index("griddepcontrol.wait")
     assert wait < ptx.index("griddepcontrol.launch_dependents"), name
-    first_access = min((ptx.find(op) for op in GLOBAL_ACCESSES if op in ptx), default=len(ptx))
-    assert wait < first_access, f"{name}: a global access before griddepcontrol.wait"
+    assert wait < first_global_access(ptx), f"{name}: a global access before griddepcontrol.wait"
     return compiled
+
+
+def first_global_access(ptx: str) -> int:
+    """Where the first instruction that reads or writes global memory starts in ``ptx`` (its
+    length where there is none)."""
+    access = GLOBAL_ACCESS_INSTRUCTION.search(ptx)
+    return access.start() if access else len(ptx)
