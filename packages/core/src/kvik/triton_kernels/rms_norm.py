@@ -86,9 +86,13 @@ def _launch(
     hidden = x.shape[-1]
     x2 = x.reshape(-1, hidden)
     block, num_warps = rms_norm_config(hidden)
+    # A row narrower than a quantization group takes a group's block in both launches: the
+    # quantizing one needs it, and the plain one then sums the squares in the same order, so
+    # that the quantized result is the plain result quantized, bit for bit (with 64 lanes against
+    # 128 the sums' orders differed, and now and then the last bit of the rstd).
+    block = max(block, GROUP_SIZE)
     scales = None
     if quantize:
-        block = max(block, GROUP_SIZE)
         out = torch.empty(x2.shape, dtype=FP8_DTYPE, device=x.device)
         scales = empty_group_scales(x2.shape[0], triton.cdiv(hidden, GROUP_SIZE), x.device)
     else:
