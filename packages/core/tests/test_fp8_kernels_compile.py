@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 aot = pytest.importorskip("kvik_cuda.aot")
 tuning = pytest.importorskip("kvik_cuda.tuning")
 
-from kvik.triton_kernels.aot import check_pdl_variant, compile_kernel  # noqa: E402
+from kvik.triton_kernels.aot import compile_as_launched  # noqa: E402
 from kvik.triton_kernels.fp8_gemm import (  # noqa: E402
     GEMM_BLOCK_K,
     GROUP_SIZE,
@@ -78,13 +78,9 @@ def aligned(kernel) -> tuple[str, ...]:
 
 
 def compiled_ok(kernel, arch: str, **kwargs):
-    """``kernel`` compiled for ``arch`` as a launch there builds it (with PDL where it takes
-    ``PDL``: sm_90 and sm_100 launch so; the variant without it is the interpreter's), within
-    its shared memory."""
-    if "PDL" in kernel.arg_names:
-        compiled = check_pdl_variant(kernel, aot.TARGETS[arch], **kwargs)
-    else:
-        compiled = compile_kernel(kernel, aot.TARGETS[arch], **kwargs)
+    """``kernel`` compiled for ``arch`` as a launch there builds it (``compile_as_launched``),
+    within its shared memory."""
+    compiled = compile_as_launched(kernel, aot.TARGETS[arch], **kwargs)
     assert compiled.metadata.shared <= aot.SHARED_MEMORY_LIMIT[arch]
     return compiled
 

@@ -20,8 +20,7 @@ from kvik.triton_kernels.activation import (  # noqa: E402
     silu_and_mul_kernel,
 )
 from kvik.triton_kernels.aot import (  # noqa: E402
-    check_pdl_variant,
-    compile_kernel,
+    compile_as_launched,
     first_global_access,
 )
 from kvik.triton_kernels.argmax import BLOCK as ARGMAX_BLOCK  # noqa: E402
@@ -124,17 +123,11 @@ RUNTIME_ONES = {paged_attention_kernel: {"v_stride_d": 1}}
 
 
 def compiled_ok(kernel, arch: str, **kwargs):
-    """``kernel`` compiled for ``arch`` as a launch there builds it, within its shared memory.
-    NVIDIA's targets (sm_90 and later) launch a kernel that takes ``PDL`` with it on: that
-    variant is compiled and its wait checked (``check_pdl_variant``). The variant without PDL
-    (the same code less the wait) is gfx942's and the interpreter's, so it is not compiled for
-    NVIDIA as well: that doubled the cost of every such case on sm_90."""
+    """``kernel`` compiled for ``arch`` as a launch there builds it (``compile_as_launched``:
+    once, with PDL on NVIDIA's targets), within its shared memory."""
     target, shared_memory_limit, _ = TARGETS[arch]
     kwargs["constexprs"] = {**RUNTIME_ONES.get(kernel, {}), **kwargs["constexprs"]}
-    if arch.startswith("sm") and "PDL" in kernel.arg_names:
-        compiled = check_pdl_variant(kernel, target, **kwargs)
-    else:
-        compiled = compile_kernel(kernel, target, **kwargs)
+    compiled = compile_as_launched(kernel, target, **kwargs)
     assert compiled.metadata.shared <= shared_memory_limit
     return compiled
 

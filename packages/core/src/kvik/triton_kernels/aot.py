@@ -72,6 +72,16 @@ def check_pdl_variant(kernel: Any, target: GPUTarget, constexprs: dict[str, Any]
     return compiled
 
 
+def compile_as_launched(kernel: Any, target: GPUTarget, **kwargs) -> Any:
+    """``kernel`` compiled for ``target`` in the variant a launch there takes: where it takes
+    ``PDL`` and the target is NVIDIA from sm_90 (``kvik.triton_kernels.pdl.uses_pdl``), with
+    PDL and its wait checked (``check_pdl_variant``); else as ``compile_kernel`` builds it. The
+    variant without PDL is the same code less the wait: AMD's and the interpreter's."""
+    if target.backend == "cuda" and target.arch >= 90 and "PDL" in kernel.arg_names:
+        return check_pdl_variant(kernel, target, **kwargs)
+    return compile_kernel(kernel, target, **kwargs)
+
+
 def first_global_access(ptx: str) -> int:
     """Where the first instruction that reads or writes global memory starts in ``ptx`` (its
     length where there is none)."""
