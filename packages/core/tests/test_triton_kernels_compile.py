@@ -122,11 +122,33 @@ def types(kernel, dtype: torch.dtype, **overrides: str) -> dict[str, str]:
 RUNTIME_ONES = {paged_attention_kernel: {"v_stride_d": 1}}
 
 
-def compiled_ok(kernel, arch: str, **kwargs):
+def pointers_and_strides(kernel, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The kernel's pointer and stride arguments less ``skip`` and ``RUNTIME_ONES``'s."""
+    ones = RUNTIME_ONES.get(kernel, {})
+    names = (n for n in kernel.arg_names if n.endswith("_ptr") or "stride" in n)
+    return tuple(n for n in names if n not in ones and n not in skip)
+
+
+#: Run-time arguments that are multiples of 16 at the launches these tests stand for, which
+#: Triton's JIT specializes for at a launch (wider loads, folded address arithmetic): pointers to
+#: whole tensors; the strides of heads of 64 to 256 over 8 KV heads, of a cache's blocks of 16
+#: tokens and of a block table of cdiv(max_model_len, 16) columns; o_proj's scale strides, zeros
+#: where attention does not quantize its output. Compiled without them, the attention kernel was
+#: not the one that runs: sm_90's ptxas kept a 16-bit decode (16 x 64 tiles, 2 warps) at 32
+#: registers and a 3.7 KB stack a thread, where the launched variant takes 226 and no stack.
+ALIGNED_AT_LAUNCH = {
+    paged_attention_kernel: pointers_and_strides(paged_attention_kernel),
+    reduce_splits_kernel: pointers_and_strides(reduce_splits_kernel),
+}
+
+
+def compiled_ok(kernel, arch: str, aligned: tuple[str, ...] | None = None, **kwargs):
     """``kernel`` compiled for ``arch`` as a launch there builds it (``compile_as_launched``:
-    once, with PDL on NVIDIA's targets), within its shared memory."""
+    once, with PDL on NVIDIA's targets; ``ALIGNED_AT_LAUNCH``'s arguments unless ``aligned``
+    names others), within its shared memory."""
     target, shared_memory_limit, _ = TARGETS[arch]
     kwargs["constexprs"] = {**RUNTIME_ONES.get(kernel, {}), **kwargs["constexprs"]}
+    kwargs["aligned"] = ALIGNED_AT_LAUNCH.get(kernel, ()) if aligned is None else aligned
     compiled = compile_as_launched(kernel, target, **kwargs)
     assert compiled.metadata.shared <= shared_memory_limit
     return compiled
@@ -470,6 +492,8 @@ def test_paged_attention_writes_o_proj_input(
     compiled = compiled_ok(
         paged_attention_kernel,
         arch,
+        # The scales' strides are the caller's layout's (tokens-contiguous or not): generic.
+        aligned=pointers_and_strides(paged_attention_kernel, skip=("os_stride_t", "os_stride_g")),
         types=signature | {"out_ptr": "*fp8e4nv"},
         constexprs=constexprs,
         num_warps=config.num_warps,
@@ -571,10 +595,20 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
                       total_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32",
                       counter_ptr="*i32")  # fmt: skip
     decode = top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS
+    pointers = tuple(n for n in moe_gemm_kernel.arg_names if n.endswith("_ptr"))
     for config, gated in ((up, True), (down, False)):
+        # The sizes and strides a launch passes at this shape (gate/up's output SiLU'd, inter
+        # wide; no FP8 scales: their strides 0): those that are multiples of 16 specialized so.
+        n, k = (inter, hidden) if gated else (hidden, inter)
+        ints = {
+            "N": n, "K": k, "num_experts": experts, "stride_am": k,
+            "stride_we": (2 * inter if gated else hidden) * k, "stride_wn": k, "stride_om": n,
+            "stride_asm": 0, "stride_wse": 0, "stride_wsn": 0,
+        }  # fmt: skip
         compiled = compiled_ok(
             moe_gemm_kernel,
             arch,
+            aligned=pointers + tuple(name for name, v in ints.items() if v % 16 == 0),
             types=signature,
             constexprs={
                 **step_constexprs(
