@@ -142,6 +142,13 @@ ALIGNED_AT_LAUNCH = {
 }
 
 
+def launch_aligned(kernel, **ints: int) -> tuple[str, ...]:
+    """The pointers of ``kernel`` and those of ``ints`` (sizes and strides a launch at the
+    test's shape passes) that are multiples of 16, as the JIT specializes them."""
+    pointers = tuple(n for n in kernel.arg_names if n.endswith("_ptr"))
+    return pointers + tuple(name for name, value in ints.items() if value % 16 == 0)
+
+
 def compiled_ok(kernel, arch: str, aligned: tuple[str, ...] | None = None, **kwargs):
     """``kernel`` compiled for ``arch`` as a launch there builds it (``compile_as_launched``:
     once, with PDL on NVIDIA's targets; ``ALIGNED_AT_LAUNCH``'s arguments unless ``aligned``
@@ -184,6 +191,9 @@ def test_rms_norm(arch: str, hidden: int, residual: bool, quantize: bool) -> Non
     compiled = compiled_ok(
         rms_norm_kernel,
         arch,
+        aligned=launch_aligned(
+            rms_norm_kernel, x_stride=hidden, residual_stride=hidden, hidden=hidden
+        ),
         types=types(rms_norm_kernel, torch.bfloat16, eps="fp32", **overrides),
         constexprs={
             "HAS_RESIDUAL": residual,
@@ -221,6 +231,7 @@ def test_embed_rms_norm_cat(arch: str) -> None:
     compiled_ok(
         embed_rms_norm_cat_kernel,
         arch,
+        aligned=launch_aligned(embed_rms_norm_cat_kernel, embedding_stride=4096, hidden=4096),
         types=types(embed_rms_norm_cat_kernel, torch.bfloat16, token_ids_ptr="*i64", eps="fp32"),
         constexprs={"BLOCK": block},
         num_warps=num_warps,
@@ -235,6 +246,7 @@ def test_argmax_rows(arch: str, dtype: torch.dtype, vocab: int) -> None:
     compiled_ok(
         argmax_chunks_kernel,
         arch,
+        aligned=launch_aligned(argmax_chunks_kernel, vocab=vocab, x_stride=vocab),
         types=types(argmax_chunks_kernel, dtype, part_val_ptr="*fp32", part_idx_ptr="*i32"),
         constexprs={"NUM_CHUNKS": chunks, "CHUNK": ARGMAX_CHUNK, "BLOCK": ARGMAX_BLOCK},
         num_warps=ARGMAX_CHUNK_WARPS,
@@ -283,9 +295,19 @@ def test_reshape_and_cache(arch: str, heads: int, head_size: int, kv_fp8: bool) 
         reshape_and_cache_kernel, torch.bfloat16, slot_ptr="*i64", half_cache="i64", **KV_SCALES,
         cache_ptr="*fp8e4nv" if kv_fp8 else "*bf16",
     )  # fmt: skip
+    # k and v cut from the step's q/k/v rows; each 16-bit cache half a whole allocation.
+    stride = (heads + 2 * heads) * head_size
     compiled_ok(
         reshape_and_cache_kernel,
         arch,
+        aligned=launch_aligned(
+            reshape_and_cache_kernel,
+            key_stride=stride,
+            value_stride=stride,
+            head_stride_k=head_size,
+            head_stride_v=head_size,
+            half_cache=1024 * 16 * heads * head_size,
+        ),  # fmt: skip
         types=signature,
         constexprs=constexprs | {"KV_FP8": kv_fp8},
         num_warps=num_warps,
@@ -301,6 +323,7 @@ def test_gemv(arch: str, config: GemvConfig, bias: bool) -> None:
     compiled_ok(
         gemv_kernel,
         arch,
+        aligned=launch_aligned(gemv_kernel, N=4096, x_stride=4096, w_stride=4096, out_stride=4096),
         types=types(gemv_kernel, torch.bfloat16),
         constexprs={
             "K": 4096,
@@ -322,6 +345,7 @@ def test_rotary(arch: str, is_neox: bool) -> None:
     compiled_ok(
         rotary_kernel,
         arch,
+        aligned=launch_aligned(rotary_kernel, q_stride=15 * 64, k_stride=15 * 64, cache_stride=64),
         types=signature,
         constexprs=rotary_constexprs(9, 3, 64, 64) | {"IS_NEOX": is_neox},
         num_warps=ROTARY_WARPS,
@@ -346,9 +370,12 @@ def test_rotary_and_cache(
     constexprs = rotary_constexprs(heads, kv_heads, head_size, rot_dim) | {
         "HEAD_PAD": head_size, "IS_NEOX": True, "KV_FP8": kv_fp8, "HEAD_NORM": head_norm,
     }  # fmt: skip
+    stride = (heads + 2 * kv_heads) * head_size  # q, k and v cut from one row
+    ints = {"q_stride": stride, "k_stride": stride, "v_stride": stride}
+    ints |= {"cos_sin_stride": rot_dim, "half_cache": 1024 * 16 * kv_heads * head_size}
     compiled_ok(
-        rotary_and_cache_kernel, arch, types=signature, constexprs=constexprs,
-        num_warps=ROTARY_WARPS,
+        rotary_and_cache_kernel, arch, aligned=launch_aligned(rotary_and_cache_kernel, **ints),
+        types=signature, constexprs=constexprs, num_warps=ROTARY_WARPS,
     )  # fmt: skip
 
 
