@@ -133,7 +133,8 @@ def pointers_and_strides(kernel, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
 #: Triton's JIT specializes for at a launch (wider loads, folded address arithmetic): pointers to
 #: whole tensors; the strides of heads of 64 to 256 over 8 KV heads, of a cache's blocks of 16
 #: tokens and of a block table of cdiv(max_model_len, 16) columns; o_proj's scale strides, zeros
-#: where attention does not quantize its output. Compiled without them, the attention kernel was
+#: where attention does not quantize its output (``compile_kernel`` leaves those the kernel keeps
+#: generic, such as the request metadata's pointers, generic). Compiled without them, the attention kernel was
 #: not the one that runs: sm_90's ptxas kept a 16-bit decode (16 x 64 tiles, 2 warps) at 32
 #: registers and a 3.7 KB stack a thread, where the launched variant takes 226 and no stack.
 ALIGNED_AT_LAUNCH = {

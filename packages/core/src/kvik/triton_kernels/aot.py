@@ -31,14 +31,23 @@ def compile_kernel(
 
     ``aligned`` names the run-time arguments known to be multiples of 16 (pointers, strides), as
     Triton's JIT finds them at a launch and specializes for: without that, loads are not
-    vectorized, nor pipelined through shared memory in ``num_stages`` stages. ``launch_pdl``:
-    the kernel is launched with programmatic dependent launch (kvik.triton_kernels.pdl)."""
+    vectorized, nor pipelined through shared memory in ``num_stages`` stages. Those the kernel
+    keeps generic (``do_not_specialize``, ``do_not_specialize_on_alignment``) stay generic here
+    too, as at a launch. ``launch_pdl``: the kernel is launched with programmatic dependent
+    launch (kvik.triton_kernels.pdl)."""
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
     constexprs = {**defaults, **constexprs}
     signature = {
         name: "constexpr" if name in constexprs else types[name] for name in kernel.arg_names
     }
-    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    generic = {
+        p.name for p in kernel.params if p.do_not_specialize or p.do_not_specialize_on_alignment
+    }
+    attrs = {
+        (kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name in aligned
+        if name not in generic
+    }
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if launch_pdl:
