@@ -21,6 +21,7 @@ from kvik.triton_kernels.activation import (  # noqa: E402
 )
 from kvik.triton_kernels.aot import (  # noqa: E402
     compile_as_launched,
+    compile_kernel,
     first_global_access,
 )
 from kvik.triton_kernels.argmax import BLOCK as ARGMAX_BLOCK  # noqa: E402
@@ -170,6 +171,31 @@ def test_first_global_access_reads_instructions_not_substrings() -> None:
     for access in ("\t@%p3 ld.global.b32 %r4, [%rd1];", "\tred.global.add.f32 [%rd2], %f1;"):
         ptx = head.replace("\tgriddepcontrol", access + "\n\tgriddepcontrol")
         assert first_global_access(ptx) < ptx.index("griddepcontrol.wait")
+
+
+@triton.jit(do_not_specialize=["n"], do_not_specialize_on_alignment=["index_ptr"])
+def _gather_kernel(x_ptr, index_ptr, out_ptr, n, BLOCK: triton.language.constexpr):
+    offsets = triton.language.program_id(0) * BLOCK + triton.language.arange(0, BLOCK)
+    mask = offsets < n
+    index = triton.language.load(index_ptr + offsets, mask=mask, other=0)
+    triton.language.store(out_ptr + offsets, triton.language.load(x_ptr + index), mask=mask)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compile_kernel_keeps_generic_what_a_launch_keeps_generic(arch: str) -> None:
+    """``aligned`` specializes the arguments it names, except those the kernel declares
+    ``do_not_specialize`` or ``do_not_specialize_on_alignment``: a launch never does."""
+    target = TARGETS[arch][0]
+    signature = {"x_ptr": "*fp32", "index_ptr": "*i32", "out_ptr": "*fp32", "n": "i32"}
+
+    def compiled_hash(*aligned: str) -> str:
+        return compile_kernel(
+            _gather_kernel, target, signature, {"BLOCK": 128}, num_warps=4, aligned=aligned
+        ).hash
+
+    as_launched = compiled_hash("x_ptr", "out_ptr")
+    assert compiled_hash("x_ptr", "out_ptr", "index_ptr", "n") == as_launched
+    assert compiled_hash() != as_launched
 
 
 def rounds_in_software_on(arch: str) -> bool:
