@@ -71,7 +71,7 @@ def tests(session: nox.Session) -> None:
 #: but beside these files 31 min against ~30 (both cores busy either way), and these files slowed
 #: from 15 to 25 min, nearer their timeouts; reverted.
 #: Tried on 2026-12-05 (1c8f167): the rest of tests/ (after these files and the packages' folders)
-#: in 2 xdist workers, a file a worker (``--dist loadfile``): still running at 15 min, 85% done,
+#: in 2 xdist workers, a file a worker (``--dist loadfile``): still running at 15 min, ~80% done,
 #: against 14 min in one process, with 14.2 GB of the machine's memory in use; not adopted (the
 #: engines' torch threads already keep both cores busy).
 TESTS_IN_BACKGROUND = [
