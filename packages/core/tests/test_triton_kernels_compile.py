@@ -135,9 +135,10 @@ def pointers_and_strides(kernel, skip: tuple[str, ...] = ()) -> tuple[str, ...]:
 #: whole tensors; the strides of heads of 64 to 256 over 8 KV heads, of a cache's blocks of 16
 #: tokens and of a block table of cdiv(max_model_len, 16) columns; o_proj's scale strides, zeros
 #: where attention does not quantize its output (``compile_kernel`` leaves those the kernel keeps
-#: generic, such as the request metadata's pointers, generic). Compiled without them, the attention kernel was
-#: not the one that runs: sm_90's ptxas kept a 16-bit decode (16 x 64 tiles, 2 warps) at 32
-#: registers and a 3.7 KB stack a thread, where the launched variant takes 226 and no stack.
+#: generic, such as the request metadata's pointers, generic). Compiled without them, the
+#: attention kernel was not the one that runs: sm_90's ptxas kept a 16-bit decode (16 x 64 tiles,
+#: 2 warps) at 32 registers and a 3.7 KB stack a thread, where the launched variant takes 226 and
+#: no stack.
 ALIGNED_AT_LAUNCH = {
     paged_attention_kernel: pointers_and_strides(paged_attention_kernel),
     reduce_splits_kernel: pointers_and_strides(reduce_splits_kernel),
@@ -649,7 +650,6 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
                       total_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32",
                       counter_ptr="*i32")  # fmt: skip
     decode = top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS
-    pointers = tuple(n for n in moe_gemm_kernel.arg_names if n.endswith("_ptr"))
     for config, gated in ((up, True), (down, False)):
         # The sizes and strides a launch passes at this shape (gate/up's output SiLU'd, inter
         # wide; no FP8 scales: their strides 0): those that are multiples of 16 specialized so.
@@ -662,7 +662,7 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
         compiled = compiled_ok(
             moe_gemm_kernel,
             arch,
-            aligned=pointers + tuple(name for name, v in ints.items() if v % 16 == 0),
+            aligned=launch_aligned(moe_gemm_kernel, **ints),
             types=signature,
             constexprs={
                 **step_constexprs(
