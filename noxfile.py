@@ -84,13 +84,14 @@ TESTS_IN_BACKGROUND = [
 
 
 @contextlib.contextmanager
-def run_in_background(session: nox.Session, *command: str):
-    """``command`` in the session's environment beside the block; its output is printed after
-    the block, and the session fails if it failed (after the block's own failure, if any)."""
+def run_in_background(session: nox.Session, *command: str, env: dict[str, str] | None = None):
+    """``command`` in the session's environment (and ``env``) beside the block; its output is
+    printed after the block, and the session fails if it failed (after the block's own failure,
+    if any)."""
     # Not under session.create_tmp(): that sets TMPDIR for the session's later commands, and
     # tests that need a folder outside the checkout (git's) would get one inside it.
     log_path = Path(tempfile.mkdtemp(prefix="kvik-nox-")) / "background.log"
-    env = {**os.environ, **session.env, "VIRTUAL_ENV": str(Path(session.bin).parent)}
+    env = {**os.environ, **session.env, **(env or {}), "VIRTUAL_ENV": str(Path(session.bin).parent)}
     env = {k: v for k, v in env.items() if v is not None}  # nox's None: a variable unset
     env["PATH"] = os.pathsep.join([session.bin, env.get("PATH", "")])
     session.log(f"in the background: {' '.join(command)} (output after the foreground's)")
@@ -110,7 +111,10 @@ def run_in_background(session: nox.Session, *command: str):
         session.error(f"{' '.join(command)} (in the background) exited with {code}")
 
 
-INTERPRETER_SMOKE_TEST = "packages/core/tests/test_triton_kernels_interpreter.py"
+# Every kernel test file's first case under the interpreter (KVIK_INTERPRETER_CASES=first): the
+# newest triton runs each kernel, in ~2 min of one core where all of triton_kernel_cases.py took 4.
+INTERPRETER_SMOKE_TEST = "packages/core/tests/test_kernels_interpreter.py"
+FIRST_CASES = {"KVIK_INTERPRETER_CASES": "first"}
 
 # One test of each promise that a new release of a dependency could break: the default model
 # through the real CLI (generate and chat), one request to the server through the openai client,
@@ -148,11 +152,11 @@ def deps_latest(session: nox.Session) -> None:
     session.run("python", "-m", "pip", "list", "--outdated", "--exclude", "torch")
     session.run("python", "-c", VERSIONS)
     if session.posargs:
-        session.run("pytest", *SMOKE_TESTS, *session.posargs)
+        session.run("pytest", *SMOKE_TESTS, *session.posargs, env=FIRST_CASES)
         return
-    # The interpreter's one test (about 4 min of one thread) beside the rest, which mostly wait
-    # on subprocesses and servers starting: the session took 8 min on 2 cores, 11 one after another.
-    with run_in_background(session, "pytest", INTERPRETER_SMOKE_TEST):
+    # The interpreter's cases (one thread) beside the rest, which mostly wait on subprocesses and
+    # servers starting: the session took 8 min on 2 cores, 11 one after another.
+    with run_in_background(session, "pytest", INTERPRETER_SMOKE_TEST, env=FIRST_CASES):
         session.run("pytest", *(t for t in SMOKE_TESTS if t != INTERPRETER_SMOKE_TEST))
 
 
@@ -190,7 +194,7 @@ def deps_lowest(session: nox.Session) -> None:
         "packages/server/tests/test_app_errors.py",  # fastapi's
         "tests/test_server_openai.py::test_client_disconnect_aborts",  # uvicorn's
     ]
-    session.run("pytest", *SMOKE_TESTS, *lowest, *session.posargs)
+    session.run("pytest", *SMOKE_TESTS, *lowest, *session.posargs, env=FIRST_CASES)
 
 
 VERSIONS = "import importlib.metadata as m; print(*(f'{p} {m.version(p)}' for p in ('torch', 'transformers', 'tokenizers', 'huggingface-hub', 'triton', 'pluggy', 'gguf', 'xgrammar', 'fastapi', 'pydantic', 'uvicorn', 'openai')), sep=', ')"  # fmt: skip

@@ -1,6 +1,6 @@
 """The FP8 kernels (kvik.triton_kernels.fp8_*) against PyTorch references written here, on the
 device KVIK_KERNEL_DEVICE names, as triton_kernel_cases.py does for the other kernels (not
-collected by itself, no ``test_`` prefix): test_fp8_kernels_interpreter.py runs it under
+collected by itself, no ``test_`` prefix): test_kernels_interpreter.py runs it under
 ``TRITON_INTERPRET=1`` at small shapes, kvik_cuda's test_fp8_kernels_gpu.py on the GPU at full
 sizes with kvik_cuda's launch configurations.
 

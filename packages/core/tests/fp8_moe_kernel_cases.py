@@ -1,6 +1,6 @@
 """The block-FP8 fused MoE kernel (kvik.triton_kernels.fused_moe.fused_moe_fp8_block) against a
 float64 fake-quantized reference written here, on the device KVIK_KERNEL_DEVICE names (not
-collected by itself: test_fp8_moe_kernels_interpreter.py runs it under ``TRITON_INTERPRET=1`` at
+collected by itself: test_kernels_interpreter.py runs it under ``TRITON_INTERPRET=1`` at
 small shapes).
 
 The reference dequantizes every expert's e4m3 weights by their 128 x 128 tile scales in float64,

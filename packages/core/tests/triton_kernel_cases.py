@@ -1,6 +1,6 @@
 """Every Triton kernel against its PyTorch reference, on one device chosen by KVIK_KERNEL_DEVICE.
 
-Not collected by itself (no ``test_`` prefix): test_triton_kernels_interpreter.py runs it in a
+Not collected by itself (no ``test_`` prefix): test_kernels_interpreter.py runs it in a
 pytest process of its own with ``TRITON_INTERPRET=1`` on the CPU at small shapes,
 kvik_cuda's test_kernels_gpu.py on CUDA at full sizes (with kvik_cuda's launch configurations). The launchers are called directly, since CPU tensors would dispatch
 ``torch.ops.kvik.*`` to the references. References run on the CPU in float64.
