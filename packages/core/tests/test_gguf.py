@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvik.model_loader import gguf_tokenizer as kvik_gguf_tokenizer
 from kvik.model_loader.default_model import default_model_path
+from kvik.model_loader.gguf_file import GGUFFile
 from kvik.model_loader.gguf_loader import (
     gguf_generation_config,
     gguf_hf_config,
@@ -279,3 +280,80 @@ def test_written_gguf_runs_in_kvik(
     with torch.no_grad():
         want = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
     assert ((got - want).abs().max() / want.abs().max()).item() < tolerance
+
+
+def _every_value_type_gguf(path: Path) -> None:
+    """A GGUF with a value of each type gguf's writer has, arrays of each, tensors of each kind
+    of storage (elements, fp16, Q8_0 blocks), and an alignment other than the default."""
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_custom_alignment(256)
+    for kind, value in [
+        ("uint8", 200), ("int8", -100), ("uint16", 60000), ("int16", -30000),
+        ("uint32", 4_000_000_000), ("int32", -2_000_000_000), ("float32", 1e-5),
+        ("uint64", 2**63 + 5), ("int64", -(2**62)), ("float64", 0.1), ("bool", True),
+        ("string", "ça va, 日本語 🙂"),
+    ]:  # fmt: skip
+        getattr(writer, f"add_{kind}")(f"test.{kind}", value)
+    writer.add_array("test.ints", [3, -1, 2**31 - 1])
+    writer.add_array("test.floats", [0.5, -2.25])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.strings", ["a", "", "ü b", "<|im_start|>"])
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("norm", rng.standard_normal(7).astype(np.float32))
+    writer.add_tensor("half", rng.standard_normal((3, 8)).astype(np.float16))
+    writer.add_tensor("ids", np.arange(5, dtype=np.int32))
+    block = rng.standard_normal((4, 64)).astype(np.float32)
+    writer.add_tensor("q8", gguf.quants.quantize(block, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("which", ["every-value-type", "default-model"])
+def test_gguf_file_reads_what_ggufs_reader_reads(
+    tmp_path: Path, which: str, request: pytest.FixtureRequest
+) -> None:
+    """kvik's one-pass parser (GGUFFile) against gguf's own GGUFReader: every metadata value
+    equal in value and type, every tensor's name, type, shape and data bytes."""
+    if which == "default-model":
+        path = request.getfixturevalue("default_gguf")
+    else:
+        path = tmp_path / "values.gguf"
+        _every_value_type_gguf(path)
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert list(ours.metadata) == list(fields)
+    for key, value in fields.items():
+        if key == "test.nested":  # GGUFReader.contents() flattens arrays of arrays (its FIXME)
+            continue
+        assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+    if which == "every-value-type":
+        assert ours.metadata["test.string"] == "ça va, 日本語 🙂"
+        assert ours.metadata["test.nested"] == [[1, 2], [3]]
+        assert ours.metadata["general.alignment"] == 256
+    assert len(ours.tensors) == len(theirs.tensors) > 0
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert (mine.name, mine.tensor_type) == (reference.name, reference.tensor_type)
+        assert mine.shape == tuple(int(d) for d in reference.shape), mine.name
+        assert mine.data.dtype == reference.data.dtype, mine.name
+        assert np.array_equal(mine.data, reference.data), mine.name
+        assert not mine.data.flags.writeable  # views of the read-only mapping
+
+
+@pytest.mark.parametrize("cut", ["in-metadata", "in-tensor-table", "in-tensor-data"])
+def test_gguf_cut_short_is_named(tmp_path: Path, cut: str) -> None:
+    whole = tmp_path / "values.gguf"
+    _every_value_type_gguf(whole)
+    content = whole.read_bytes()
+    at = {
+        "in-metadata": content.index(b"test.strings") + 20,
+        "in-tensor-table": content.index(b"half") + 6,
+        "in-tensor-data": gguf.GGUFReader(whole).tensors[-1].data_offset + 10,
+    }[cut]
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(content[:at])
+    with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file.*cut short"):
+        GGUFFile(path)

@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp's format): the model config, weights, tokenizer and generation defaults,
-all read from the one file with the ``gguf`` package."""
+all read from the one file (parsed by kvik.model_loader.gguf_file, dequantized by ``gguf``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from kvik.model_loader.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -35,29 +37,27 @@ _LAYER_NAMES = {
 
 
 @functools.lru_cache(maxsize=2)
-def _open(path: Path, stamp: tuple[int, int]) -> GGUFReader:
+def _open(path: Path, stamp: tuple[int, int]) -> GGUFFile:
     del stamp  # part of the cache key only: a replaced file is read again
     try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        # gguf's parser fails on a damaged or cut file with numpy's own messages.
-        raise ValueError(f"{path} is not a readable GGUF file ({e}): download it again") from e
+        return GGUFFile(path)
+    except ValueError as e:
+        raise ValueError(f"{e}: download it again") from e
 
 
-def _reader(path: str | Path) -> GGUFReader:
-    # GGUFReader parses every metadata field up front (slow for a large vocabulary), and a
-    # model load asks for the config, tokenizer, generation config and weights one after another.
+def _reader(path: str | Path) -> GGUFFile:
+    # A model load asks for the config, tokenizer, generation config and weights one after
+    # another: the file is parsed once.
     path = Path(path).resolve()
     stat = path.stat()
     return _open(path, (stat.st_mtime_ns, stat.st_size))
 
 
-def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(key, default)
 
 
-def _architecture(reader: GGUFReader, path: str | Path) -> str:
+def _architecture(reader: GGUFFile, path: str | Path) -> str:
     arch = _metadata(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -135,7 +135,7 @@ def gguf_generation_config(path: str | Path) -> dict[str, Any]:
 
 
 def gguf_has_tokenizer(path: str | Path) -> bool:
-    return "tokenizer.ggml.tokens" in _reader(path).fields
+    return "tokenizer.ggml.tokens" in _reader(path).metadata
 
 
 def gguf_tokenizer(path: str | Path) -> Any:  # -> a transformers fast tokenizer

@@ -2,7 +2,7 @@
 
 Byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen2) whose
 pre-tokenizer kvik knows are built directly with the ``tokenizers`` package from the metadata that
-kvik's ``GGUFReader`` has already parsed, splitting text the way llama.cpp does for that vocabulary.
+kvik's ``GGUFFile`` has already parsed, splitting text the way llama.cpp does for that vocabulary.
 Every other vocabulary (SentencePiece ones such as Llama 2's, other or no pre-tokenizer) goes through
 transformers' public GGUF loading, ``AutoTokenizer.from_pretrained(..., gguf_file=...)``, which
 parses the file a second time.
@@ -14,9 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, TokenType
+from gguf import TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
 from tokenizers import pre_tokenizers as pre
+
+from kvik.model_loader.gguf_file import GGUFFile
 
 # The splitting patterns of llama.cpp's "llama-bpe" and "qwen2" pre-tokenizers (the same as the
 # Hugging Face tokenizer.json of Llama 3 and Qwen2): they differ only in how many digits stay
@@ -47,17 +49,16 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre.PreTokenizer]] = {
 }
 
 
-def _metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(f"tokenizer.{key}")
-    return default if field is None else field.contents()
+def _metadata(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.metadata.get(f"tokenizer.{key}", default)
 
 
-def _special_token(reader: GGUFReader, tokens: list[str], name: str) -> str | None:
+def _special_token(reader: GGUFFile, tokens: list[str], name: str) -> str | None:
     token_id = _metadata(reader, f"ggml.{name}_token_id")
     return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
 
 
-def _byte_level_bpe(reader: GGUFReader, pre_tokenizer: pre.PreTokenizer) -> Tokenizer:
+def _byte_level_bpe(reader: GGUFFile, pre_tokenizer: pre.PreTokenizer) -> Tokenizer:
     tokens: list[str] = _metadata(reader, "ggml.tokens")
     merges = [tuple(merge.split(" ", 1)) for merge in _metadata(reader, "ggml.merges", [])]
     backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
@@ -85,7 +86,7 @@ def _byte_level_bpe(reader: GGUFReader, pre_tokenizer: pre.PreTokenizer) -> Toke
     return backend
 
 
-def gguf_tokenizer_from_reader(reader: GGUFReader, path: Path) -> Any:
+def gguf_tokenizer_from_reader(reader: GGUFFile, path: Path) -> Any:
     """The GGUF's tokenizer as a transformers fast tokenizer, with its chat template and the
     special tokens the GGUF names by id (which win over any converter's guesses)."""
     from transformers import PreTrainedTokenizerFast
