@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvik.model_loader import gguf_tokenizer as kvik_gguf_tokenizer
 from kvik.model_loader.default_model import default_model_path
+from kvik.model_loader.gguf_dequant import dequantize as gguf_dequantize
 from kvik.model_loader.gguf_file import GGUFFile
 from kvik.model_loader.gguf_loader import (
     gguf_generation_config,
@@ -357,3 +358,24 @@ def test_gguf_cut_short_is_named(tmp_path: Path, cut: str) -> None:
     path.write_bytes(content[:at])
     with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file.*cut short"):
         GGUFFile(path)
+
+
+@pytest.mark.parametrize(
+    "kind", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+)
+def test_torch_dequantizers_equal_ggufs_bit_for_bit(kind: GGMLQuantizationType) -> None:
+    """kvik's torch dequantizers of the legacy block types against gguf's numpy ones: on blocks
+    gguf's quantizer wrote, and on random bytes (every nibble and int8 value) with finite scales."""
+    rng = np.random.default_rng(int(kind))
+    block_size, type_size = gguf.GGML_QUANT_SIZES[kind]
+    written = gguf.quants.quantize(rng.standard_normal((6, 4 * block_size), np.float32), kind)
+    raw = rng.integers(0, 256, (40, 3 * type_size), dtype=np.uint8)
+    blocks = raw.reshape(-1, type_size)
+    scales = 2 if kind == GGMLQuantizationType.Q4_1 else 1  # Q4_1 also stores a minimum
+    finite = rng.standard_normal((len(blocks), scales)).astype(np.float16)
+    blocks[:, : 2 * scales] = finite.view(np.uint8)
+    for data in (written, raw):
+        got = gguf_dequantize(data, kind)
+        want = torch.from_numpy(gguf.quants.dequantize(data, kind))
+        assert got.shape == want.shape == (data.shape[0], data.shape[1] // type_size * block_size)
+        assert got.dtype == torch.float32 and torch.equal(got, want)

@@ -1,5 +1,5 @@
 """GGUF files (llama.cpp's format): the model config, weights, tokenizer and generation defaults,
-all read from the one file (parsed by kvik.model_loader.gguf_file, dequantized by ``gguf``)."""
+all read from the one file (kvik.model_loader.gguf_file parses it, gguf_dequant dequantizes)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
+from kvik.model_loader.gguf_dequant import dequantize
 from kvik.model_loader.gguf_file import GGUFFile
 
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -176,13 +175,12 @@ def iter_gguf_weights(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[st
         name = _hf_name(tensor.name)
         try:
             # F32/F16 come back as they are; block-quantised types and BF16 as float32
-            data = dequantize(tensor.data, tensor.tensor_type)
+            weight = dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError as e:
             kind = GGMLQuantizationType(tensor.tensor_type).name
             raise ValueError(f"{path}: tensor {tensor.name} of type {kind}: {e}") from e
         shape = tuple(int(d) for d in reversed(tensor.shape))  # ggml lists the fastest dim first
-        # the data of passthrough types is a read-only view of the memory-mapped file
-        weight = torch.from_numpy(np.require(data, requirements="CW")).reshape(shape)
+        weight = weight.reshape(shape)
         if name.endswith("self_attn.q_proj.weight"):
             weight = _unpermute_rotary(weight, n_head)
         elif name.endswith("self_attn.k_proj.weight"):
