@@ -216,15 +216,22 @@ def test_default_model_matches_transformers_gguf_loading(default_gguf: Path) -> 
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (576, 30, 49152)
 
 
+@pytest.fixture(scope="module")
+def transformers_tokenizer(default_gguf: Path):
+    """transformers' own GGUF tokenizer of the default model (it parses the file with gguf's
+    reader: about 10 s, once for both variants below)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+
+
 @pytest.mark.parametrize("loader", ["tokenizers", "transformers"])
 def test_default_model_tokenizer_and_chat_template(
-    default_gguf: Path, loader: str, monkeypatch
+    default_gguf: Path, transformers_tokenizer, loader: str, monkeypatch
 ) -> None:
     """``tokenizers``: built by kvik from the GGUF's metadata. ``transformers``: a vocabulary kvik
     does not build itself goes through transformers' public ``from_pretrained(gguf_file=...)``,
     which must give the same."""
-    from transformers import AutoTokenizer
-
     if loader == "transformers":
         monkeypatch.setattr(kvik_gguf_tokenizer, "PRE_TOKENIZERS", {})
     tokenizer = gguf_tokenizer(default_gguf)
@@ -237,7 +244,7 @@ def test_default_model_tokenizer_and_chat_template(
         "pad_token_id": 2,
         "eos_token_id": 2,
     }
-    reference = AutoTokenizer.from_pretrained(default_gguf.parent, gguf_file=default_gguf.name)
+    reference = transformers_tokenizer
     for text in (
         "Hello world, ça va?",
         "日本語 and emoji 🙂\n\n  spaces",
