@@ -174,7 +174,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "content", [b"\x00" * 64, b"GGUF\x03\x00\x00\x00garbage"], ids=["not-gguf", "cut"]
+    "content", [b"\x00" * 64, b"GGUF\x03\x00\x00\x00garbage", b""], ids=["not-gguf", "cut", "empty"]
 )
 def test_damaged_gguf_names_the_file(tmp_path: Path, content: bytes) -> None:
     """gguf's parser fails on a damaged or cut file with numpy's messages: one error names it."""

@@ -37,6 +37,7 @@ _SCALAR_FORMATS = {
     GGUFValueType.INT64: "<q",
     GGUFValueType.FLOAT64: "<d",
 }
+_SCALARS = {kind: struct.Struct(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 _SCALAR_DTYPES = {kind: np.dtype(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 
 # The tensor types whose data gguf's reader hands out as elements rather than as raw block bytes.
@@ -68,19 +69,17 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            try:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except ValueError as e:  # an empty file cannot be mapped
-                raise ValueError(f"{self.path} is not a GGUF file ({e})") from e
         self._offset = 0
         try:
+            with open(self.path, "rb") as f:  # mmap refuses an empty file with a ValueError
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._parse()
         except (struct.error, UnicodeDecodeError, OverflowError, KeyError, ValueError) as e:
             raise ValueError(f"{self.path} is not a readable GGUF file ({e})") from e
 
     def _parse(self) -> None:
-        if self._map[self._take(4) : 4] != b"GGUF":
+        start = self._take(4)
+        if self._map[start : start + 4] != b"GGUF":
             raise ValueError("no GGUF magic at its start")
         version = self._scalar(GGUFValueType.UINT32)
         if version & 0xFFFF == 0:
@@ -113,8 +112,8 @@ class GGUFFile:
         return start
 
     def _scalar(self, kind: GGUFValueType) -> Any:
-        fmt = _SCALAR_FORMATS[kind]
-        return struct.unpack_from(fmt, self._map, self._take(struct.calcsize(fmt)))[0]
+        scalar = _SCALARS[kind]
+        return scalar.unpack_from(self._map, self._take(scalar.size))[0]
 
     def _string(self) -> str:
         size = self._scalar(GGUFValueType.UINT64)
