@@ -48,17 +48,34 @@ def tests(session: nox.Session) -> None:
         return
     # One pytest process a folder: engines, compiled graphs and spawned ranks that a test leaves
     # behind stay in its process's memory until it exits, and one process for all of them grew
-    # past 9 GB (killed on a 24 GB machine that was running other work). The top-level files that
-    # mostly wait on installs and subprocesses run in a second process beside the packages'
-    # folders; the rest of tests/ runs after both, alone: its process grows past 13 GB, and beside
-    # the packages' tests it was killed for memory.
-    with run_in_background(session, "pytest", *TESTS_IN_BACKGROUND):
+    # past 9 GB (killed on a 24 GB machine that was running other work). The kernel suites (one
+    # thread) run in a process of their own beside the top-level files that mostly wait on
+    # installs and subprocesses and then the packages' folders, so that each of CI's two cores
+    # has one of the two; the rest of tests/ runs after both, alone: its process grows past 13 GB,
+    # and beside the packages' tests it was killed for memory.
+    with run_in_background(session, "pytest", *KERNEL_SUITES, env=ONE_THREAD):
+        session.run("pytest", *TESTS_IN_BACKGROUND)
         for group in groups[:-1]:
-            session.run("pytest", group)
+            session.run("pytest", group, *(f"--ignore={f}" for f in KERNEL_SUITES))
     session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
 
 
-#: Top-level test files that run beside the packages' folders (pip installs, servers, CLIs).
+#: Core's kernel suites: Triton's ahead-of-time compiles for sm_90, sm_100 and gfx942 and the
+#: interpreter's runs of the kernel case files, about 18 minutes of one core on CI's machine. In
+#: the packages' folders' process they left one core idle for their last ~13 minutes, after the
+#: top-level files beside them had finished (2026-12-06: core alone took 26 min of the tests
+#: session's 44).
+KERNEL_SUITES = [
+    "packages/core/tests/test_triton_kernels_compile.py",
+    "packages/core/tests/test_fp8_kernels_compile.py",
+    "packages/core/tests/test_kernels_interpreter.py",
+]
+#: The kernel suites' torch (the interpreter's references) on one thread, as their compiles are.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
+#: Top-level test files that run before the packages' folders, beside the kernel suites (pip
+#: installs, servers, CLIs).
 #: Tried on 2026-12-03 (77ae3fb): the Triton interpreter tests, core's bench tests and the default
 #: model's CLI tests here too, with tests/ beside them: the tests session took 26 min with a warm
 #: Triton cache against 30 cold before, about even (cold AOT compiles: ~5 min by the difference), as
