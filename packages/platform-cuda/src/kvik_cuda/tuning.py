@@ -36,16 +36,12 @@ def attention_config(
     chunks' 64-row programs 32 keys in 2 stages (8 prompts of 1024: 284 us, 313 in 3 stages;
     128-row programs with 64 keys win only from ~8192-token chunks, by 2-3%). Where a row of the
     head is wider than 256 bytes (fp32 at 128, or head size 256): 32 keys, 4 warps and 2 stages,
-    so the tiles fit Hopper's and Blackwell's shared memory; 8 warps where it is 1024 bytes (fp32
-    heads of 256, a test-only dtype): a 64-row program's query and sums are then 128 fp32
-    registers a thread where 4 warps needed 256 and spilled, and its PTX is half as long (ahead
-    of time for sm_90: 14 s to compile where 4 warps took 40, the slowest case in CI)."""
+    so the tiles fit Hopper's and Blackwell's shared memory."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
     block_m = block_rows(group, max_query_len)
-    row_bytes = triton.next_power_of_2(head_size) * dtype.itemsize
-    if row_bytes > 256:
-        return AttentionConfig(block_m, 32, 8 if row_bytes >= 1024 and block_m >= 64 else 4, 2)
+    if triton.next_power_of_2(head_size) * dtype.itemsize > 256:
+        return AttentionConfig(block_m, 32, 4, 2)
     if block_m < 64:
         return AttentionConfig(block_m, 64, 2, 3)
     return AttentionConfig(block_m, 32, 4, 2)
