@@ -49,22 +49,25 @@ def tests(session: nox.Session) -> None:
     # One pytest process a folder: engines, compiled graphs and spawned ranks that a test leaves
     # behind stay in its process's memory until it exits, and one process for all of them grew
     # past 9 GB (killed on a 24 GB machine that was running other work). The kernel suites (one
-    # thread) run in a process of their own beside the top-level files that mostly wait on
-    # installs and subprocesses and then the packages' folders, so that each of CI's two cores
-    # has one of the two; the rest of tests/ runs after both, alone: its process grows past 13 GB,
-    # and beside the packages' tests it was killed for memory.
+    # thread, under 1 GB) run in a process of their own beside everything else, so that neither
+    # of CI's two cores waits: first the top-level files that mostly wait on installs and
+    # subprocesses, then the packages' folders, then the rest of tests/ (its process grows past
+    # 13 GB: beside the packages' tests it was killed for memory, so it runs after them).
     with run_in_background(session, "pytest", *KERNEL_SUITES, env=ONE_THREAD):
         session.run("pytest", *TESTS_IN_BACKGROUND)
         for group in groups[:-1]:
-            session.run("pytest", group, *(f"--ignore={f}" for f in KERNEL_SUITES))
-    session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
+            kernel_suites = (f for f in KERNEL_SUITES if f.startswith(group))
+            session.run("pytest", group, *(f"--ignore={f}" for f in kernel_suites))
+        session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
 
 
 #: Core's kernel suites: Triton's ahead-of-time compiles for sm_90, sm_100 and gfx942 and the
 #: interpreter's runs of the kernel case files, about 18 minutes of one core on CI's machine. In
 #: the packages' folders' process they left one core idle for their last ~13 minutes, after the
 #: top-level files beside them had finished (2026-12-06: core alone took 26 min of the tests
-#: session's 44).
+#: session's 44). Beside those files and the packages' folders only (rehearsal of 0cac451),
+#: they ran 20 min, the last 5 alone (CPU use 50%, where it was 100% beside the others); the
+#: rest of tests/ by itself kept the machine 50-97% busy (it waits on servers and subprocesses).
 KERNEL_SUITES = [
     "packages/core/tests/test_triton_kernels_compile.py",
     "packages/core/tests/test_fp8_kernels_compile.py",
