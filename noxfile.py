@@ -54,11 +54,11 @@ def tests(session: nox.Session) -> None:
     # subprocesses, then the packages' folders, then the rest of tests/ (its process grows past
     # 13 GB: beside the packages' tests it was killed for memory, so it runs after them).
     with run_in_background(session, "pytest", *KERNEL_SUITES, env=ONE_THREAD):
-        session.run("pytest", *TESTS_IN_BACKGROUND)
+        session.run("pytest", *INSTALL_AND_SERVER_TESTS)
         for group in groups[:-1]:
             kernel_suites = (f for f in KERNEL_SUITES if f.startswith(group))
             session.run("pytest", group, *(f"--ignore={f}" for f in kernel_suites))
-        session.run("pytest", "tests", *(f"--ignore={f}" for f in TESTS_IN_BACKGROUND))
+        session.run("pytest", "tests", *(f"--ignore={f}" for f in INSTALL_AND_SERVER_TESTS))
 
 
 #: Core's kernel suites: Triton's ahead-of-time compiles for sm_90, sm_100 and gfx942 and the
@@ -97,7 +97,7 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 #: in 2 xdist workers, a file a worker (``--dist loadfile``): still running at 15 min, ~80% done,
 #: against 14 min in one process, with 14.2 GB of the machine's memory in use; not adopted (the
 #: engines' torch threads already keep both cores busy).
-TESTS_IN_BACKGROUND = [
+INSTALL_AND_SERVER_TESTS = [
     "tests/test_packages_alone.py",
     "tests/test_serve_gpu_script.py",
     "tests/test_bench_serve.py",
