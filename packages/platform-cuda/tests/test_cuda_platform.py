@@ -263,6 +263,34 @@ def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
     assert {config.block_m for config, _ in plans} == {16}
 
 
+def test_fp32_wide_heads_avoid_the_spilling_variants() -> None:
+    """fp32 heads of 128 and 256 take the measured FP32_WIDE_ROWS entries, prompts and decodes
+    alike, on Hopper and Blackwell; bf16 heads of 256, fp16/bf16 heads of 128 and an e4m3 cache
+    under fp32 queries keep the general rules."""
+    from kvik.triton_kernels.paged_attention import AttentionConfig
+    from kvik_cuda import tuning
+
+    for arch in ("sm90", "sm100"):
+        for group in (1, 2, 4, 8):
+            config = tuning.attention_config
+            assert config(arch, 128, group, 512, torch.float32) == AttentionConfig(64, 32, 8, 2)
+            assert config(arch, 256, group, 512, torch.float32) == AttentionConfig(64, 64, 8, 2)
+            decode_rows = max(16, group)
+            assert config(arch, 128, group, 1, torch.float32) == AttentionConfig(
+                decode_rows, 64, 4, 2
+            )
+            assert config(arch, 256, group, 1, torch.float32) == AttentionConfig(
+                decode_rows, 32, 2, 2
+            )
+            assert config(arch, 256, group, 512, torch.bfloat16) == AttentionConfig(64, 32, 4, 2)
+        assert tuning.attention_config(arch, 128, 4, 1, torch.float8_e4m3fn) == (
+            tuning.attention_config(arch, 128, 4, 1, torch.bfloat16)
+        )
+        assert tuning.attention_config(arch, 64, 4, 512, torch.float32) == AttentionConfig(
+            64, 32, 4, 2
+        )
+
+
 def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
     """kvik::fused_moe_fp8_block runs kvik_cuda's Triton kernel on CUDA tensors, and every
     configuration chosen for e4m3 experts keeps each K step inside one 128-wide scale group."""

@@ -25,6 +25,22 @@ from kvik.triton_kernels.fp8_skinny import (
 from kvik.triton_kernels.gemv import GemvConfig
 from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
+#: fp32 heads of 128 and 256 (a row of 512 or 1024 bytes): (row bytes, prompt program?) ->
+#: (keys a step, warps, stages). The 16-bit heads' (32, 4, 2) is where sm_90's ptxas falls into a
+#: 32-register allocation that spills 1.3-3.3 KB a thread, 5-15x slower. On an H100 (CUDA-graph
+#: replays, 2026-12-06, docs/benchmarks.md "fp32 attention on Hopper"): 4 prompts of 1024 tokens
+#: at head 128 took 13.2-23.8 ms in 4 warps and 1.5-2.7 ms in 8; 64 decodes at 1152 tokens 270-870
+#: us in 32-key tiles and 160-520 in 64-key ones; at head 256, 64-key prompt tiles in 8 warps are
+#: the one candidate that never fell into the 32-register mode (3.7-7.1 ms; 4 warps: 3.7-24.8),
+#: and decodes take 0.48-0.97 ms in 2 warps against 5.3-10.8 in 4. Measured at 1, 2, 4 and 8 query
+#: heads a KV head (head 256: 1, 2 and 4) with ``sweep_wide_attention.py`` and its probe.
+FP32_WIDE_ROWS: dict[tuple[int, bool], tuple[int, int, int]] = {
+    (512, True): (32, 8, 2),
+    (512, False): (64, 4, 2),
+    (1024, True): (64, 8, 2),
+    (1024, False): (32, 2, 2),
+}
+
 
 @functools.cache
 def attention_config(
@@ -35,12 +51,15 @@ def attention_config(
     2 warps in 3 stages (batch 256 at context 1152: 288 us a layer, 297 with 4 warps), prompt
     chunks' 64-row programs 32 keys in 2 stages (8 prompts of 1024: 284 us, 313 in 3 stages;
     128-row programs with 64 keys win only from ~8192-token chunks, by 2-3%). Where a row of the
-    head is wider than 256 bytes (fp32 at 128, or head size 256): 32 keys, 4 warps and 2 stages,
-    so the tiles fit Hopper's and Blackwell's shared memory."""
+    head is wider than 256 bytes: 16-bit heads of 256 take 32 keys, 4 warps and 2 stages, so the
+    tiles fit Hopper's and Blackwell's shared memory; fp32 heads take ``FP32_WIDE_ROWS``."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
     block_m = block_rows(group, max_query_len)
-    if triton.next_power_of_2(head_size) * dtype.itemsize > 256:
+    row_bytes = triton.next_power_of_2(head_size) * dtype.itemsize
+    if dtype == torch.float32 and (row_bytes, block_m >= 64) in FP32_WIDE_ROWS:
+        return AttentionConfig(block_m, *FP32_WIDE_ROWS[row_bytes, block_m >= 64])
+    if row_bytes > 256:
         return AttentionConfig(block_m, 32, 4, 2)
     if block_m < 64:
         return AttentionConfig(block_m, 64, 2, 3)
