@@ -82,3 +82,45 @@ def test_the_build_lock_is_taken_at_once_when_free_and_keeps_no_torch_lock(tmp_p
         assert (tmp_path / "build.flock").exists() and not (tmp_path / "lock").exists()
     with build_lock(tmp_path):  # released on leaving: taken again
         pass
+
+
+def test_a_built_library_is_loaded_without_the_builder(tmp_path):
+    """Another process (another virtual environment, as nox's sessions are) with the same torch
+    loads the cached library as it is: torch's builder, which would compile it all again for the
+    other environment's include paths, is not called."""
+    import pytest
+
+    from kvik_cpu import extension
+
+    if (failure := extension.load()) is not None:
+        pytest.skip(f"kvik_cpu's C++ ops did not build here: {failure}")
+    script = (
+        "import torch, torch.utils.cpp_extension as builder\n"
+        "def refuse(*args, **kwargs):\n"
+        "    raise AssertionError('the cached library was built again')\n"
+        "builder.load = refuse\n"
+        "from kvik_cpu import extension\n"
+        "assert extension.load() is None, extension.load()\n"
+        "assert hasattr(torch.ops.kvik_cpu, 'paged_attention')\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_an_unloadable_library_is_built_again(tmp_path, monkeypatch, caplog):
+    """A file that is no library (a build killed while linking) is reported and handed to the
+    builder, not loaded."""
+    import torch.utils.cpp_extension as builder
+
+    from kvik_cpu import extension
+
+    (tmp_path / "kvik_cpu_ops_0123.so").write_bytes(b"not an ELF file")
+    calls = []
+    monkeypatch.setattr(builder, "load", lambda **kwargs: calls.append(kwargs))
+    with caplog.at_level(logging.WARNING, logger="kvik_cpu.extension"):
+        extension._build_or_load("kvik_cpu_ops_0123", tmp_path)
+    assert "building it again" in caplog.text
+    assert [c["name"] for c in calls] == ["kvik_cpu_ops_0123"]
+    assert calls[0]["extra_cflags"] == extension.CFLAGS

@@ -127,6 +127,7 @@ def load() -> str | None:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
     name = f"kvik_cpu_ops_{digest.hexdigest()[:16]}"
     build_dir = _build_dir() / name
     try:
@@ -142,25 +143,44 @@ def load() -> str | None:
     return None
 
 
+#: The compiler's and linker's flags (in the library's name: a change builds it again).
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread. The library
+    # then needs libgomp.so.1, which torch has loaded already.
+    "-fopenmp",
+    # No -ffast-math: the kernels round where their references do, which approximate reciprocals
+    # and finite-only math break (silu gave NaN below -89). expf's calls in omp simd loops go to
+    # glibc's vector expf (libmvec) through vector_math.h; without errno they have no side effect
+    # to keep in order.
+    "-fno-math-errno",
+]
+LDFLAGS = ["-fopenmp", "-lmvec"]
+
+
 def _build_or_load(name: str, build_dir: Path) -> None:
+    """Load ``build_dir``'s library where one was built, else build it.
+
+    The name already pins what the library depends on (sources, torch version, CPU flags, compiler
+    flags), so a library there is loaded as it is: torch's own loader would compare its build
+    file's include paths, which name the virtual environment that built it, and compile it all
+    again for every other environment with the same torch (a minute on two cores).
+    """
+    library = build_dir / f"{name}.so"
+    if library.exists():
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError as e:  # a truncated or foreign file: build it again below
+            logger.warning("could not load %s (%s); building it again", library, e)
     from torch.utils.cpp_extension import load as load_extension
 
     load_extension(
         name=name,
         sources=[str(s) for s in SOURCES],
-        extra_cflags=[
-            "-O3",
-            "-march=native",
-            # at::parallel_for is inline OpenMP code: without -fopenmp it runs on one thread.
-            # The library then needs libgomp.so.1, which torch has loaded already.
-            "-fopenmp",
-            # No -ffast-math: the kernels round where their references do, which approximate
-            # reciprocals and finite-only math break (silu gave NaN below -89). expf's calls
-            # in omp simd loops go to glibc's vector expf (libmvec) through vector_math.h;
-            # without errno they have no side effect to keep in order.
-            "-fno-math-errno",
-        ],
-        extra_ldflags=["-fopenmp", "-lmvec"],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
         build_directory=str(build_dir),
         is_python_module=False,
         verbose=False,
