@@ -8,6 +8,7 @@ it cannot run. The targets are each platform's (``kvik_cuda.aot``, ``kvik_rocm.a
 from __future__ import annotations
 
 import re
+import struct
 from typing import Any
 
 import triton
@@ -87,8 +88,62 @@ def compile_as_launched(kernel: Any, target: GPUTarget, **kwargs) -> Any:
     PDL and its wait checked (``check_pdl_variant``); else as ``compile_kernel`` builds it. The
     variant without PDL is the same code less the wait: AMD's and the interpreter's."""
     if target.backend == "cuda" and target.arch >= 90 and "PDL" in kernel.arg_names:
-        return check_pdl_variant(kernel, target, **kwargs)
-    return compile_kernel(kernel, target, **kwargs)
+        compiled = check_pdl_variant(kernel, target, **kwargs)
+    else:
+        compiled = compile_kernel(kernel, target, **kwargs)
+    if target.backend == "cuda":
+        check_register_allocation(compiled, kernel.__name__)
+    return compiled
+
+
+#: The cubin's per-kernel attributes (``.nv.info``): EIATTR_REGCOUNT and EIATTR_FRAME_SIZE, each
+#: a 4-byte symbol index and a 4-byte value.
+EIATTR_REGCOUNT, EIATTR_FRAME_SIZE = 0x2F, 0x11
+#: ptxas's fallback that ``check_register_allocation`` refuses: 32 registers a thread and at least
+#: this much stack. fp32 attention variants fell into it on sm_90 (32 registers, 5-13 KB of stack a
+#: thread) and ran 5-15x slower than their neighbours in 255 registers (docs/benchmarks.md, "fp32
+#: attention on Hopper"); the GPU's figures for each variant matched these compile-time ones.
+SPILL_MODE_REGISTERS, SPILL_MODE_FRAME_BYTES = 32, 1024
+
+
+def cubin_registers_and_frame(cubin: bytes) -> tuple[int, int]:
+    """(registers a thread, stack frame bytes a thread) of the one kernel in ``cubin`` (an ELF
+    file), as ptxas allocated them: what ``ptxas -v`` prints and the driver reports once loaded."""
+    section_offset = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entry_size, count, names_index = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [
+        struct.unpack_from("<IIQQQQIIQQ", cubin, section_offset + i * entry_size)
+        for i in range(count)
+    ]
+    names_at = headers[names_index][4]
+
+    def name(header) -> bytes:
+        start = names_at + header[0]
+        return cubin[start : cubin.index(b"\0", start)]
+
+    (info,) = [h for h in headers if name(h) == b".nv.info"]
+    data = cubin[info[4] : info[4] + info[5]]
+    values: dict[int, int] = {}
+    at = 0
+    while at < len(data):
+        form, attribute = data[at], data[at + 1]
+        if form == 0x04:  # EIFMT_SVAL: a 2-byte size, then that many bytes
+            (size,) = struct.unpack_from("<H", data, at + 2)
+            if attribute in (EIATTR_REGCOUNT, EIATTR_FRAME_SIZE) and size == 8:
+                values[attribute] = struct.unpack_from("<I", data, at + 8)[0]
+            at += 4 + size
+        else:  # EIFMT_NVAL, _BVAL, _HVAL: 4 bytes in all
+            at += 4
+    return values[EIATTR_REGCOUNT], values.get(EIATTR_FRAME_SIZE, 0)
+
+
+def check_register_allocation(compiled: Any, name: str) -> None:
+    """``compiled`` (an NVIDIA target's) is not in ptxas's 32-register fallback."""
+    registers, frame = cubin_registers_and_frame(compiled.asm["cubin"])
+    assert not (registers <= SPILL_MODE_REGISTERS and frame >= SPILL_MODE_FRAME_BYTES), (
+        f"{name}: ptxas gave it {registers} registers and {frame} bytes of stack a thread "
+        f"(its 32-register fallback, several times slower): choose another tile or warp count"
+    )
 
 
 def first_global_access(ptx: str) -> int:
