@@ -470,8 +470,9 @@ def known_register_fallback(
     ``check_register_allocation`` refuses any other): fp32 queries over an e4m3 cache in decode
     programs (the platforms' choosers see the cache's dtype only, and pick the tiles measured for
     16-bit queries; (16, 32, 4, 2) would take 255 registers) and, on sm_100, fp32 heads of 256 in
-    prompt programs (every candidate compiled at groups 1 to 8 fell into it at group 1). Both
-    unmeasured on a GPU; the test fails once either compiles otherwise, to be struck from here."""
+    prompt programs (every candidate compiled at groups 1 to 8 fell into it at group 1). The first
+    took 9-14x the time of (16, 32, 4, 2) on an H100 (docs/benchmarks.md, "fp32 attention on
+    Hopper"). The test fails once either compiles otherwise, to be struck from here."""
     fp32_over_e4m3_decode = dtype == torch.float32 and kv_fp8 and max_query_len == 1
     sm100_fp32_wide_prompt = arch == "sm100" and dtype == torch.float32 and head_size == 256
     return arch.startswith("sm") and (

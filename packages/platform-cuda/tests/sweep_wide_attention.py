@@ -5,9 +5,11 @@ tokens and 64 decodes at 1152 tokens, each candidate (block_m, tile_n, num_warps
 timed as a CUDA graph of 32 launches, with the registers and spill bytes the compiler gave it
 (sm_90's ptxas puts some fp32 variants in 32 registers with kilobytes of spills, 5-10x slower)
 and the largest difference from the first candidate's output. The first candidate of each list
-is what ``kvik_cuda.tuning.attention_config`` picks now.
+is what ``kvik_cuda.tuning.attention_config`` picks now. ``--kv-fp8``: fp32 queries of 128 over
+an e4m3 cache instead, decodes only (``test_triton_kernels_compile.known_register_fallback``'s
+first case: the chooser sees the cache's dtype and picks 16-bit queries' tiles).
 
-    python packages/platform-cuda/tests/sweep_wide_attention.py [--groups 1,2] [--fp32-only]
+    python packages/platform-cuda/tests/sweep_wide_attention.py [--groups 1,2] [--fp32-only | --kv-fp8]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ PROMPTS, PROMPT_LEN = 4, 1024
 DECODES, CONTEXT = 64, 1152
 PROMPT_CANDIDATES = [(32, 4, 2), (32, 8, 2), (16, 4, 2), (16, 8, 2), (64, 8, 2), (32, 8, 3)]
 DECODE_CANDIDATES = [(32, 4, 2), (32, 2, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2), (32, 4, 3)]
+E4M3 = torch.float8_e4m3fn
 
 
 def graph_ms(run) -> float:
@@ -45,26 +48,41 @@ def last_compiled_usage() -> tuple[object, object]:
     return getattr(compiled, "n_regs", "?"), getattr(compiled, "n_spills", "?")
 
 
-def inputs(dtype: torch.dtype, head: int, group: int, requests: int, tokens: int, context: int):
-    """Queries, a permuted paged cache and the per-request tables for ``requests`` of ``tokens``
-    new tokens each over ``context`` cached ones."""
+def inputs(
+    dtype: torch.dtype,
+    head: int,
+    group: int,
+    requests: int,
+    tokens: int,
+    context: int,
+    kv_fp8: bool,
+):
+    """Queries, a permuted paged cache (e4m3 where ``kv_fp8``) and the per-request tables for
+    ``requests`` of ``tokens`` new tokens each over ``context`` cached ones."""
     dev = torch.device("cuda")
     blocks = context // BLOCK
     query = torch.randn(requests * tokens, KV_HEADS * group, head, device=dev, dtype=dtype)
     cache = torch.randn(2, requests * blocks, BLOCK, KV_HEADS, head, device=dev, dtype=dtype)
+    cache = cache.to(E4M3) if kv_fp8 else cache
     table = torch.randperm(requests * blocks, device=dev, dtype=torch.int32).view(requests, -1)
     seq_lens = torch.full((requests,), context, device=dev, dtype=torch.int32)
     starts = torch.arange(0, requests * tokens + 1, tokens, device=dev, dtype=torch.int32)
     return query, cache, table, seq_lens, starts
 
 
-def sweep(arch: str, dtype: torch.dtype, head: int, group: int, decode: bool) -> None:
+def sweep(
+    arch: str, dtype: torch.dtype, head: int, group: int, decode: bool, kv_fp8: bool = False
+) -> None:
     requests, tokens, context = (
         (DECODES, 1, CONTEXT) if decode else (PROMPTS, PROMPT_LEN, PROMPT_LEN)
     )
-    query, cache, table, seq_lens, starts = inputs(dtype, head, group, requests, tokens, context)
+    query, cache, table, seq_lens, starts = inputs(
+        dtype, head, group, requests, tokens, context, kv_fp8
+    )
     block_m = block_rows(group, tokens)
-    now = attention_config(arch, head, group, tokens, dtype)
+    now = attention_config(arch, head, group, tokens, cache.dtype)
+    one = torch.ones((), dtype=torch.float32, device=query.device)
+    scales = {"k_scale": one, "v_scale": one} if kv_fp8 else {}
     candidates = [now] + [
         AttentionConfig(block_m, *c)
         for c in (DECODE_CANDIDATES if decode else PROMPT_CANDIDATES)
@@ -77,8 +95,9 @@ def sweep(arch: str, dtype: torch.dtype, head: int, group: int, decode: bool) ->
 
         def run(out=out, config=config):
             paged_attention(
-                query, cache[0], cache[1], out, starts, seq_lens, table, head**-0.5, None, config
-            )
+                query, cache[0], cache[1], out, starts, seq_lens, table, head**-0.5, None, config,
+                **scales,
+            )  # fmt: skip
 
         kernels._launch_attention._compiled.clear()
         try:
@@ -90,8 +109,10 @@ def sweep(arch: str, dtype: torch.dtype, head: int, group: int, decode: bool) ->
         shape = f"{requests} decodes at {context}" if decode else f"{requests} prompts of {tokens}"
         rate = f", {kv_bytes / (ms * 1e-3) / 1e12:.2f} TB/s of cache" if decode else ""
         mark = "  <- now" if config == now else ""
+        cache_label = " e4m3 cache" if kv_fp8 else ""
         print(
-            f"{str(dtype)[6:]} head {head} group {group} {shape} {config}: {ms * 1e3:.1f} us{rate},"
+            f"{str(dtype)[6:]} head {head} group {group}{cache_label} {shape} {config}:"
+            f" {ms * 1e3:.1f} us{rate},"
             f" regs/spills {last_compiled_usage()}, max|diff| {(out - first).abs().max().item():.1e}"
             f"{mark}",
             flush=True,
@@ -107,6 +128,10 @@ def main() -> None:
     if "--fp32-only" not in sys.argv:
         shapes.insert(0, (torch.bfloat16, 256))
     print(torch.cuda.get_device_name(), arch, flush=True)
+    if "--kv-fp8" in sys.argv:
+        for group in groups:
+            sweep(arch, torch.float32, 128, group, decode=True, kv_fp8=True)
+        return
     for dtype, head in shapes:
         for group in groups:
             for decode in (False, True):

@@ -29,11 +29,11 @@ from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 #: (keys a step, warps, stages). The 16-bit heads' (32, 4, 2) is where sm_90's ptxas falls into a
 #: 32-register allocation that spills 1.3-3.3 KB a thread, 5-15x slower. On an H100 (CUDA-graph
 #: replays, 2026-12-06, docs/benchmarks.md "fp32 attention on Hopper"): 4 prompts of 1024 tokens
-#: at head 128 took 13.2-23.8 ms in 4 warps and 1.5-2.7 ms in 8; 64 decodes at 1152 tokens 270-870
+#: at head 128 took 13.2-43.9 ms in 4 warps and 1.5-4.7 ms in 8; 64 decodes at 1152 tokens 270-870
 #: us in 32-key tiles and 160-520 in 64-key ones; at head 256, 64-key prompt tiles in 8 warps are
-#: the one candidate that never fell into the 32-register mode (3.7-7.1 ms; 4 warps: 3.7-24.8),
+#: the one candidate that never fell into the 32-register mode (3.7-7.8 ms; 4 warps: 3.7-24.8),
 #: and decodes take 0.48-0.97 ms in 2 warps against 5.3-10.8 in 4. Measured at 1, 2, 4 and 8 query
-#: heads a KV head (head 256: 1, 2 and 4) with ``sweep_wide_attention.py`` and its probe.
+#: heads a KV head with ``sweep_wide_attention.py`` and its probe.
 FP32_WIDE_ROWS: dict[tuple[int, bool], tuple[int, int, int]] = {
     (512, True): (32, 8, 2),
     (512, False): (64, 4, 2),
