@@ -27,7 +27,7 @@ from kvik.triton_kernels.paged_attention import AttentionConfig, block_rows
 
 #: fp32 heads of 128 and 256 (a row of 512 or 1024 bytes): (row bytes, prompt program?) ->
 #: (keys a step, warps, stages). The 16-bit heads' (32, 4, 2) is where sm_90's ptxas falls into a
-#: 32-register allocation that spills 1.3-3.3 KB a thread, 5-15x slower. On an H100 (CUDA-graph
+#: 32-register allocation with 5-13 KB of stack a thread, 5-15x slower. On an H100 (CUDA-graph
 #: replays, 2026-12-06, docs/benchmarks.md "fp32 attention on Hopper"): 4 prompts of 1024 tokens
 #: at head 128 took 13.2-43.9 ms in 4 warps and 1.5-4.7 ms in 8; 64 decodes at 1152 tokens 270-870
 #: us in 32-key tiles and 160-520 in 64-key ones; at head 256, 64-key prompt tiles in 8 warps are
