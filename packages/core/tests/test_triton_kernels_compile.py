@@ -32,6 +32,7 @@ from kvik.triton_kernels.argmax import (  # noqa: E402
     argmax_chunks_kernel,
     argmax_merge_kernel,
 )
+from kvik.triton_kernels.attention import accepting_query_dtype  # noqa: E402
 from kvik.triton_kernels.eagle3_indices import BLOCK as EAGLE3_INDICES_BLOCK  # noqa: E402
 from kvik.triton_kernels.eagle3_indices import WARPS as EAGLE3_INDICES_WARPS  # noqa: E402
 from kvik.triton_kernels.eagle3_indices import eagle3_indices_kernel  # noqa: E402
@@ -94,7 +95,8 @@ def platform_targets() -> dict[str, tuple[Any, int, Any]]:
         except ImportError:
             continue
         for arch, target in aot.TARGETS.items():
-            targets[arch] = (target, aot.SHARED_MEMORY_LIMIT[arch], tuning.attention_config)
+            chooser = accepting_query_dtype(tuning.attention_config)
+            targets[arch] = (target, aot.SHARED_MEMORY_LIMIT[arch], chooser)
     return targets
 
 
@@ -460,6 +462,9 @@ FP8_ATTENTION_CASES = [
     (torch.bfloat16, 256, 1, 1, 2),
     (torch.float16, 128, 4, 512, 1),
     (torch.float32, 128, 3, 1, 1),
+    (torch.float32, 128, 4, 512, 1),
+    (torch.float32, 256, 2, 512, 1),
+    (torch.float32, 256, 4, 1, 1),
 ]
 
 
@@ -467,17 +472,12 @@ def known_register_fallback(
     arch: str, dtype: torch.dtype, head_size: int, max_query_len: int, kv_fp8: bool
 ) -> bool:
     """The launches that ptxas compiles in its 32-register fallback today (``aot``'s
-    ``check_register_allocation`` refuses any other): fp32 queries over an e4m3 cache in decode
-    programs (the platforms' choosers see the cache's dtype only, and pick the tiles measured for
-    16-bit queries; (16, 32, 4, 2) would take 255 registers) and, on sm_100, fp32 heads of 256 in
-    prompt programs (every candidate compiled at groups 1 to 8 fell into it at group 1). The first
-    took 9-14x the time of (16, 32, 4, 2) on an H100 (docs/benchmarks.md, "fp32 attention on
-    Hopper"). The test fails once either compiles otherwise, to be struck from here."""
-    fp32_over_e4m3_decode = dtype == torch.float32 and kv_fp8 and max_query_len == 1
-    sm100_fp32_wide_prompt = arch == "sm100" and dtype == torch.float32 and head_size == 256
-    return arch.startswith("sm") and (
-        fp32_over_e4m3_decode or (sm100_fp32_wide_prompt and max_query_len > 1)
-    )
+    ``check_register_allocation`` refuses any other): fp32 heads of 256 in prompt programs, on
+    sm_100 over a 32-bit cache and on sm_90 over an e4m3 one (every candidate compiled at groups 1
+    to 8 fell into it at group 1 or at every group; not timed on a GPU). The test fails once one
+    compiles otherwise, to be struck from here."""
+    wide_fp32_prompt = dtype == torch.float32 and head_size == 256 and max_query_len > 1
+    return wide_fp32_prompt and arch == ("sm90" if kv_fp8 else "sm100")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -497,7 +497,7 @@ def test_paged_attention(
     kv_heads = 8
     attention_config = TARGETS[arch][2]
     cache_dtype = torch.float8_e4m3fn if kv_fp8 else dtype
-    config = attention_config(arch, head_size, group, max_query_len, cache_dtype)
+    config = attention_config(arch, head_size, group, max_query_len, cache_dtype, query_dtype=dtype)
     # NVIDIA targets widen an e4m3 cache's value pairs in PTX, as the launcher does on their GPUs.
     pair_asm = kv_fp8 and arch.startswith("sm")
     constexprs = attention_constexprs(

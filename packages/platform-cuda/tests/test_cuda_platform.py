@@ -291,6 +291,34 @@ def test_fp32_wide_heads_avoid_the_spilling_variants() -> None:
         )
 
 
+def test_fp32_queries_over_an_e4m3_cache_take_their_own_tiles() -> None:
+    """With the queries' dtype (the backend passes it), fp32 queries over an e4m3 cache take
+    FP32_OVER_E4M3's tiles, 16-bit ones the measured e4m3 tiles and plans as before; the H200's
+    decode plans (measured for 16-bit queries) stand aside for fp32 ones."""
+    from kvik.triton_kernels.attention import attention_config, decode_launch
+    from kvik.triton_kernels.paged_attention import AttentionConfig
+    from kvik_cuda import tuning
+
+    CudaPlatform.on_selected()
+    e4m3, f32 = torch.float8_e4m3fn, torch.float32
+    for arch in ("sm90", "sm100"):
+        assert attention_config(arch, 128, 4, 1, e4m3, f32) == AttentionConfig(16, 32, 4, 2)
+        assert attention_config(arch, 256, 2, 1, e4m3, f32) == AttentionConfig(16, 32, 4, 2)
+        assert attention_config(arch, 128, 4, 512, e4m3, f32) == AttentionConfig(64, 16, 8, 2)
+        assert attention_config(arch, 256, 2, 512, e4m3, f32) == attention_config(
+            arch, 256, 2, 512, e4m3
+        )  # no candidate left the fallback: the general rule
+        for queries in (None, torch.bfloat16, torch.float16):
+            assert attention_config(arch, 128, 4, 1, e4m3, queries) == AttentionConfig(16, 64, 2, 3)
+    planned = decode_launch("sm90", 128, 4, e4m3, 128, 8, 131072, 132, torch.bfloat16)
+    assert planned == tuning.decode_plan("sm90", 128, 4, e4m3, 128 * 8, 132)
+    assert decode_launch("sm90", 128, 4, e4m3, 128, 8, 131072, 132, f32) == (
+        AttentionConfig(16, 32, 4, 2),
+        1,
+    )
+    assert tuning.decode_plan("sm90", 128, 4, e4m3, 128 * 8, 132, query_dtype=f32) is None
+
+
 def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
     """kvik::fused_moe_fp8_block runs kvik_cuda's Triton kernel on CUDA tensors, and every
     configuration chosen for e4m3 experts keeps each K step inside one 128-wide scale group."""

@@ -42,9 +42,30 @@ FP32_WIDE_ROWS: dict[tuple[int, bool], tuple[int, int, int]] = {
 }
 
 
+#: fp32 queries over an e4m3 cache: (padded head size, prompt program?) -> (keys a step, warps,
+#: stages). The 16-bit queries' tiles compile there in ptxas's 32-register fallback on sm_90
+#: (decodes' (64, 2, 3): 5.5-13.6 KB of stack a thread; prompts' (32, 4, 2): 6.5-20.6 KB).
+#: Decodes timed on an H100 (docs/benchmarks.md "fp32 attention on Hopper"): 64 at 1152 tokens,
+#: heads of 128, took 5,883 and 3,849 µs in (64, 2, 3) at groups 1 and 4 and 424 in (32, 4, 2),
+#: the fastest of seven; heads of 256 compile to 168 registers in it (not timed). The prompt tiles
+#: for heads of 128 are the candidate whose allocation stayed out of the fallback on sm_90 and
+#: sm_100 at groups 1, 4 and 8 (255 and 110 registers), chosen from the compile alone, not timed;
+#: for heads of 256 no candidate did on sm_90, so they keep the general rule.
+FP32_OVER_E4M3: dict[tuple[int, bool], tuple[int, int, int]] = {
+    (128, True): (16, 8, 2),
+    (128, False): (32, 4, 2),
+    (256, False): (32, 4, 2),
+}
+
+
 @functools.cache
 def attention_config(
-    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
+    arch: str,
+    head_size: int,
+    group: int,
+    max_query_len: int,
+    dtype: torch.dtype,
+    query_dtype: torch.dtype | None = None,
 ) -> AttentionConfig:
     """The configuration on ``arch`` ("sm90", "sm100", ...), as swept on the H200
     (docs/benchmarks.md, the twentieth session): decodes' 16-row programs walk 64 keys a step with
@@ -52,10 +73,18 @@ def attention_config(
     chunks' 64-row programs 32 keys in 2 stages (8 prompts of 1024: 284 us, 313 in 3 stages;
     128-row programs with 64 keys win only from ~8192-token chunks, by 2-3%). Where a row of the
     head is wider than 256 bytes: 16-bit heads of 256 take 32 keys, 4 warps and 2 stages, so the
-    tiles fit Hopper's and Blackwell's shared memory; fp32 heads take ``FP32_WIDE_ROWS``."""
+    tiles fit Hopper's and Blackwell's shared memory; fp32 heads take ``FP32_WIDE_ROWS``. ``dtype``
+    is the KV cache's; fp32 ``query_dtype`` over an e4m3 cache takes ``FP32_OVER_E4M3``."""
     if not arch.startswith("sm"):
         raise ValueError(f"kvik_cuda configures NVIDIA architectures (sm*), not {arch!r}")
     block_m = block_rows(group, max_query_len)
+    over_e4m3 = (triton.next_power_of_2(head_size), block_m >= 64)
+    if (
+        dtype == torch.float8_e4m3fn
+        and query_dtype == torch.float32
+        and over_e4m3 in FP32_OVER_E4M3
+    ):
+        return AttentionConfig(block_m, *FP32_OVER_E4M3[over_e4m3])
     row_bytes = triton.next_power_of_2(head_size) * dtype.itemsize
     if dtype == torch.float32 and (row_bytes, block_m >= 64) in FP32_WIDE_ROWS:
         return AttentionConfig(block_m, *FP32_WIDE_ROWS[row_bytes, block_m >= 64])
@@ -98,12 +127,21 @@ H200_SMS = 132
 
 
 def decode_plan(
-    arch: str, head_size: int, group: int, dtype: torch.dtype, programs: int, num_sms: int
+    arch: str,
+    head_size: int,
+    group: int,
+    dtype: torch.dtype,
+    programs: int,
+    num_sms: int,
+    query_dtype: torch.dtype | None = None,
 ) -> tuple[AttentionConfig, int] | None:
     """The measured decode launch for ``programs`` (request, KV head) pairs on ``arch``, or None
     (``kvik.triton_kernels.attention.decode_launch`` then takes the defaults). Only the shapes
-    and machine the table was measured on: a different SM count moves every wave boundary."""
+    and machine the table was measured on (16-bit queries): a different SM count moves every
+    wave boundary."""
     if (arch, num_sms, head_size, group) != ("sm90", H200_SMS, 128, 4):
+        return None
+    if query_dtype == torch.float32:
         return None
     if dtype == torch.float8_e4m3fn:
         plans = H200_FP8_DECODE_PLANS

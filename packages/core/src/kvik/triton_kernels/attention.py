@@ -7,12 +7,16 @@ An FP8 KV cache (``--kv-cache-dtype fp8``) goes through the same kernels, each t
 Every GPU platform that runs Triton registers this one class under the same name (kvik_cuda,
 kvik_rocm). The launch configuration is the platform's: when selected, it registers a chooser for
 the architectures it owns (``register_attention_configs("sm", ...)``), looked up by the device's
-architecture name at each launch.
+architecture name at each launch. Choosers and decode planners see the KV cache's dtype and, where
+they take a ``query_dtype`` keyword, the queries' (fp32 queries over an e4m3 cache want other tiles
+than 16-bit ones: docs/benchmarks.md, "fp32 attention on Hopper"); those without it are called as
+before.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,16 +42,37 @@ from kvik.triton_kernels.paged_attention import (
 )
 from kvik.triton_kernels.rotary import rotary_and_cache
 
-#: (arch, head_size, group, max_query_len, dtype) -> the launch configuration on ``arch``.
-ConfigChooser = Callable[[str, int, int, int, torch.dtype], AttentionConfig]
+#: (arch, head_size, group, max_query_len, KV cache dtype[, query_dtype=...]) -> the launch
+#: configuration on ``arch``.
+ConfigChooser = Callable[..., AttentionConfig]
 
-#: (arch, head_size, group, KV cache dtype, programs, num_sms) -> (configuration, split count) for
-#: a decode launch of ``programs`` (request, KV head) pairs, or None where the platform has no
-#: measured choice (then its chooser's configuration and ``num_kv_splits``).
-DecodePlanner = Callable[[str, int, int, torch.dtype, int, int], tuple[AttentionConfig, int] | None]
+#: (arch, head_size, group, KV cache dtype, programs, num_sms[, query_dtype=...]) ->
+#: (configuration, split count) for a decode launch of ``programs`` (request, KV head) pairs, or
+#: None where the platform has no measured choice (then its chooser's configuration and
+#: ``num_kv_splits``).
+DecodePlanner = Callable[..., tuple[AttentionConfig, int] | None]
+
+
+def accepting_query_dtype(chooser: Callable) -> Callable:
+    """``chooser`` where it takes a ``query_dtype`` keyword (or any keyword), else ``chooser``
+    called without it: a platform's chooser or planner written before the keyword came still
+    registers and runs unchanged."""
+    try:
+        parameters = inspect.signature(chooser).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it as it was
+        parameters = ()
+    if any(p.name == "query_dtype" or p.kind is p.VAR_KEYWORD for p in parameters):
+        return chooser
+
+    @functools.wraps(chooser)
+    def without_query_dtype(*args, query_dtype: torch.dtype | None = None):
+        return chooser(*args)
+
+    return without_query_dtype
+
 
 #: Architecture-name prefix ("sm", "gfx") -> its platform's chooser; the interpreter's is built in.
-_CHOOSERS: dict[str, ConfigChooser] = {"interpreter": interpreter_config}
+_CHOOSERS: dict[str, ConfigChooser] = {"interpreter": accepting_query_dtype(interpreter_config)}
 #: Architecture-name prefix -> its platform's decode planner (none built in).
 _DECODE_PLANNERS: dict[str, DecodePlanner] = {}
 
@@ -64,17 +89,23 @@ def register_attention_configs(arch_prefix: str, chooser: ConfigChooser) -> None
     (registering again replaces, so a platform's choice is always its latest)."""
     if not arch_prefix:
         raise ValueError("an architecture prefix must be non-empty, e.g. 'sm' or 'gfx'")
-    _CHOOSERS[arch_prefix] = chooser
+    _CHOOSERS[arch_prefix] = accepting_query_dtype(chooser)
     attention_config.cache_clear()
     decode_launch.cache_clear()  # its default takes the chooser's configuration
 
 
 @functools.cache
 def attention_config(
-    arch: str, head_size: int, group: int, max_query_len: int, dtype: torch.dtype
+    arch: str,
+    head_size: int,
+    group: int,
+    max_query_len: int,
+    dtype: torch.dtype,
+    query_dtype: torch.dtype | None = None,
 ) -> AttentionConfig:
     """The launch configuration on ``arch`` from the chooser registered for it (the longest
-    matching prefix); cached, since every layer of every step asks."""
+    matching prefix) for a ``dtype`` KV cache under ``query_dtype`` queries (None: the cache's
+    dtype); cached, since every layer of every step asks."""
     chooser = _registered_for(_CHOOSERS, arch)
     if chooser is None:
         raise RuntimeError(
@@ -83,7 +114,7 @@ def attention_config(
             "registers one when it is selected: run through the engine, or call its "
             "registration (e.g. kvik_cuda.registration.register_kernels())"
         )
-    return chooser(arch, head_size, group, max_query_len, dtype)
+    return chooser(arch, head_size, group, max_query_len, dtype, query_dtype=query_dtype or dtype)
 
 
 def register_decode_plans(arch_prefix: str, planner: DecodePlanner | None) -> None:
@@ -98,7 +129,7 @@ def register_decode_plans(arch_prefix: str, planner: DecodePlanner | None) -> No
     if planner is None:
         _DECODE_PLANNERS.pop(arch_prefix, None)
     else:
-        _DECODE_PLANNERS[arch_prefix] = planner
+        _DECODE_PLANNERS[arch_prefix] = accepting_query_dtype(planner)
     decode_launch.cache_clear()
 
 
@@ -112,14 +143,25 @@ def decode_launch(
     num_kv_heads: int,
     max_model_len: int,
     num_sms: int,
+    query_dtype: torch.dtype | None = None,
 ) -> tuple[AttentionConfig, int]:
     """(configuration, split count) of a decode launch of ``num_reqs`` requests over a ``dtype``
-    cache: the platform's decode planner's where it has one for this shape, else its chooser's
-    decode configuration and ``num_kv_splits``. From the (padded) request count and
-    max_model_len only, never the step's lengths, so a captured graph's choice holds on replay."""
+    cache under ``query_dtype`` queries (None: the cache's dtype): the platform's decode planner's
+    where it has one for this shape, else its chooser's decode configuration and
+    ``num_kv_splits``. From the (padded) request count and max_model_len only, never the step's
+    lengths, so a captured graph's choice holds on replay."""
+    query_dtype = query_dtype or dtype
     planner = _registered_for(_DECODE_PLANNERS, arch)
     plan = (
-        planner(arch, head_size, group, dtype, num_reqs * num_kv_heads, num_sms)
+        planner(
+            arch,
+            head_size,
+            group,
+            dtype,
+            num_reqs * num_kv_heads,
+            num_sms,
+            query_dtype=query_dtype,
+        )  # fmt: skip
         if planner
         else None
     )
@@ -131,7 +173,7 @@ def decode_launch(
             )
         return config, splits
     return (
-        attention_config(arch, head_size, group, 1, dtype),
+        attention_config(arch, head_size, group, 1, dtype, query_dtype),
         num_kv_splits(num_reqs, num_kv_heads, max_model_len, num_sms),
     )
 
@@ -277,7 +319,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
         spec = self.spec
         return decode_launch(
             self.arch, spec.head_size, spec.num_heads // spec.num_kv_heads, self.cache_dtype,
-            num_reqs, spec.num_kv_heads, spec.max_model_len, self.num_sms,
+            num_reqs, spec.num_kv_heads, spec.max_model_len, self.num_sms, spec.dtype,
         )  # fmt: skip
 
 
@@ -376,7 +418,9 @@ class TritonAttentionImpl(AttentionImpl):
             self.scale,
             self.sliding_window,
             metadata.decode_config
-            or attention_config(metadata.arch, d, h // hk, c.max_query_len, kv_cache.dtype),
+            or attention_config(
+                metadata.arch, d, h // hk, c.max_query_len, kv_cache.dtype, query.dtype
+            ),
             metadata.num_splits,
             metadata.part_acc,
             metadata.part_max,
@@ -412,7 +456,9 @@ class TritonAttentionImpl(AttentionImpl):
         paged_attention(
             query[:t].view(t, h, d), keys, values, output[:t].view(t, h, d),
             *metadata.rest_metadata, self.scale, self.sliding_window,
-            attention_config(metadata.arch, d, group, c.max_query_len, kv_cache.dtype), 1,
+            attention_config(
+                metadata.arch, d, group, c.max_query_len, kv_cache.dtype, query.dtype
+            ), 1,
             k_scale=self.k_scale, v_scale=self.v_scale,
             output_scales=None if output_scales is None else output_scales[:t],
         )  # fmt: skip
