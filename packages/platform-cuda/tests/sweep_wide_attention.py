@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 import torch
-import triton
+from sweep_decode_attention import graph_time  # this folder is the script's sys.path[0]
 
 from kvik.triton_kernels import paged_attention as kernels
 from kvik.triton_kernels.attention import device_arch
@@ -30,16 +30,6 @@ DECODES, CONTEXT = 64, 1152
 PROMPT_CANDIDATES = [(32, 4, 2), (32, 8, 2), (16, 4, 2), (16, 8, 2), (64, 8, 2), (32, 8, 3)]
 DECODE_CANDIDATES = [(32, 4, 2), (32, 2, 2), (16, 4, 2), (64, 4, 2), (32, 8, 2), (32, 4, 3)]
 E4M3 = torch.float8_e4m3fn
-
-
-def graph_ms(run) -> float:
-    """ms a launch of ``run``, replayed as a CUDA graph of 32."""
-    run()  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(32):
-            run()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=50, return_mode="median") / 32
 
 
 def last_compiled_usage() -> tuple[object, object]:
@@ -101,7 +91,7 @@ def sweep(
 
         kernels._launch_attention._compiled.clear()
         try:
-            ms = graph_ms(run)
+            ms = graph_time(run)
         except Exception as error:  # a candidate past the shared memory: report, go on
             print(f"  {config}: failed: {repr(error)[:160]}", flush=True)
             continue

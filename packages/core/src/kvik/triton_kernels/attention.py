@@ -161,7 +161,7 @@ def decode_launch(
             num_reqs * num_kv_heads,
             num_sms,
             query_dtype=query_dtype,
-        )  # fmt: skip
+        )
         if planner
         else None
     )
