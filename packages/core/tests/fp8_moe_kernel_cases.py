@@ -232,8 +232,9 @@ def test_fused_moe_fp8_block(dtype, tokens, experts, hidden, inter, top_k, renor
         (1, (MoeConfig(16, 64, 128, 1, 4, 2, 1), MoeConfig(16, 64, 128, 1, 4, 2, 1))),
         (20, (MoeConfig(16, 64, 128, 2, 4, 2, 0, 1), MoeConfig(32, 64, 64, 1, 4, 2))),
         (20, (MoeConfig(16, 64, 128, 2, 4, 2, 1, 1), MoeConfig(16, 64, 128, 1, 4, 2, 1))),
+        (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 1, 1), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 1))),
     ],
-    ids=["grouped", "swapped", "swapped-one-token", "paired", "swapped-paired"],
+    ids=["grouped", "swapped", "swapped-one-token", "paired", "swapped-paired", "half-rows"],
 )
 def test_fused_moe_fp8_block_with_other_tiles(tokens, configs) -> None:
     """Row blocks swept in groups, K steps of 64 (two a scale group), the down GEMM on row

@@ -589,6 +589,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int, swap: bool) -> None:
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,
                 "GROUP_M": config.group_m,
+                "HALF_ROWS": bool(config.half_rows) and tokens > 1,
             },  # fmt: skip
             num_warps=config.num_warps,
             num_stages=config.num_stages,

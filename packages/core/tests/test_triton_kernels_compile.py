@@ -706,12 +706,17 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
                 "BLOCK_N": config.block_n,
                 "BLOCK_K": config.block_k,
                 "GROUP_M": config.group_m,
+                "HALF_ROWS": bool(config.half_rows) and tokens > 1,
             },  # fmt: skip
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
         if arch == "sm90" and config.block_m >= 64 and dtype != torch.float32:
             assert "wgmma" in compiled.asm["ptx"]
+            if config.half_rows and tokens > 1:
+                # The half block's copy of the tile runs on wgmma too: a second shape, or the
+                # same shape issued twice as often.
+                assert compiled.asm["ptx"].count("wgmma.mma_async") > 1
             if gated and config.paired:
                 # Warpgroups split the rows in 64s first, then the 2 * block_n columns.
                 groups = config.num_warps // 4

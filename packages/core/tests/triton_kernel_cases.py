@@ -1310,18 +1310,30 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
         (MoeConfig(16, 64, 32, 2, 4, 2, 1), MoeConfig(32, 64, 64, 1, 4, 2, 1)),
         (MoeConfig(16, 32, 32, 2, 4, 2, 0, 1), MoeConfig(32, 16, 64, 2, 4, 2)),
         (MoeConfig(16, 64, 32, 2, 4, 2, 1, 1), MoeConfig(16, 64, 32, 2, 4, 2, 1, 1)),
+        (MoeConfig(32, 32, 32, 2, 4, 2, 0, 0, 1), MoeConfig(32, 16, 64, 2, 4, 2, 0, 0, 1)),
+        (MoeConfig(32, 32, 32, 2, 4, 2, 0, 1, 1), MoeConfig(64, 32, 32, 1, 4, 2, 1, 0, 1)),
     ],
-    ids=["grouped", "tall", "swapped", "paired", "swapped-paired"],
-)
+    ids=["grouped", "tall", "swapped", "paired", "swapped-paired", "half-rows",
+         "half-rows-paired-swapped"],
+)  # fmt: skip
 def test_fused_moe_with_other_tiles(configs) -> None:
     """Row blocks swept in groups, the down GEMM on row blocks of another height (the pairs
-    aligned twice), tiles computed transposed (swap_ab), and gate and up as one product
-    (paired), as the platforms' configurations do."""
+    aligned twice), tiles computed transposed (swap_ab), gate and up as one product (paired),
+    and an expert's last row block multiplied as half a block where its second half is padding
+    (half_rows), as the platforms' configurations do."""
     tokens, experts, hidden, inter, top_k = (
         (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
     )
     x = randn(tokens, hidden)
     logits = router_logits(tokens, experts, 3, torch.float32)
+    if any(config.half_rows for config in configs):
+        # Two experts take nearly every token, so their runs hold full row blocks, and the
+        # others' runs end in half-padded blocks: both copies of the tile run.
+        logits[:, 3:5] += 4.0
+        counts = torch.bincount(logits.topk(top_k).indices.flatten().cpu(), minlength=experts)
+        for block_m in {config.block_m for config in configs}:
+            tail = counts % block_m
+            assert ((tail > 0) & (tail <= block_m // 2)).any() and (counts > block_m // 2).any()
     w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
     w2 = randn(experts, hidden, inter) * inter**-0.5
     out = fused_moe(x, logits, w13, w2, top_k, True, configs)

@@ -335,22 +335,42 @@ def test_block_fp8_experts_get_their_kernel_and_tiles() -> None:
                 assert 128 % config.block_k == 0
 
 
-def test_moe_table_rows_take_optional_swap_and_paired_entries(tmp_path) -> None:
-    """A table row is six integers, then optionally swap_ab and paired; every row of the
-    packaged table that is swapped has the shapes a swapped tile needs."""
+def test_moe_table_rows_take_optional_swap_paired_and_half_rows_entries(tmp_path) -> None:
+    """A table row is six integers, then optionally swap_ab, paired and half_rows; the tuning
+    script writes them up to the last one set; every row of the packaged table that is swapped
+    has the shapes a swapped tile needs, and every half_rows row blocks of 64 rows or more."""
+    import importlib.util
     import json
+    from pathlib import Path
 
+    from kvik.triton_kernels.fused_moe import MoeConfig
     from kvik_cuda.moe_tuning import TABLE, _tables
 
     data = {"tables": [{
         "arch": "sm90", "experts": 4, "intermediate": 64, "hidden": 128, "top_k": 2,
         "dtype": "bfloat16",
-        "configs": {"1": {"up": [16, 64, 64, 1, 4, 3, 1, 1], "down": [16, 32, 64, 1, 4, 3]}},
+        "configs": {
+            "1": {"up": [16, 64, 64, 1, 4, 3, 1, 1], "down": [16, 32, 64, 1, 4, 3]},
+            "64": {"up": [64, 64, 64, 1, 4, 3, 0, 1, 1], "down": [128, 64, 64, 1, 8, 3, 0, 0, 1]},
+        },
     }]}  # fmt: skip
     path = tmp_path / "table.json"
     path.write_text(json.dumps(data))
-    up, down = _tables(path)[("sm90", 4, 64, 128, 2, "bfloat16")][1]
-    assert (up.swap_ab, up.paired, down.swap_ab, down.paired) == (1, 1, 0, 0)
+    rows = _tables(path)[("sm90", 4, 64, 128, 2, "bfloat16")]
+    up, down = rows[1]
+    assert (up.swap_ab, up.paired, up.half_rows, down.swap_ab, down.paired) == (1, 1, 0, 0, 0)
+    up, down = rows[64]
+    assert (up.paired, up.half_rows, down.paired, down.half_rows) == (1, 1, 0, 1)
     for rows in _tables(TABLE).values():
         for config in (c for pair in rows.values() for c in pair):
             assert not config.swap_ab or (config.block_m <= 32 and config.block_n % 64 == 0)
+            assert not config.half_rows or config.block_m >= 64
+    script = Path(__file__).with_name("tune_fused_moe.py")
+    spec = importlib.util.spec_from_file_location("tune_fused_moe", script)
+    tune = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tune)
+    for row in ([64, 64, 64, 1, 4, 3], [16, 64, 64, 1, 4, 3, 1], [64, 64, 64, 1, 4, 3, 0, 0, 1]):
+        assert tune.table_row(MoeConfig(*row)) == row
+        assert tune.parse_configs(",".join(map(str, row))) == [MoeConfig(*row)]
+    with pytest.raises(ValueError, match="half_rows"):
+        MoeConfig(16, 64, 64, 1, 4, 3, 0, 0, 1)

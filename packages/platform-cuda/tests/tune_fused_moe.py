@@ -2,7 +2,7 @@
 
     python packages/platform-cuda/tests/tune_fused_moe.py [--experts 128] [--intermediate 768]
         [--hidden 2048] [--top-k 8] [--dtype bfloat16|float8_e4m3fn] [--tokens 1,2,4,...]
-        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP[,PAIRED]];...']
+        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP[,PAIRED[,HALF_ROWS]]];...']
 
 For each token count: random hidden states and router logits (routing close to uniform, as with
 unrelated tokens), the pairs aligned to each row-block size once, then every candidate
@@ -93,39 +93,49 @@ def allowed(config: MoeConfig, gated: bool, itemsize: int) -> bool:
         return False
     if config.paired and not gated:
         return False  # gate and up: the first GEMM's
+    if config.half_rows and (bm < 64 or config.swap_ab):
+        return False  # half of 32 rows or fewer: no wgmma for the half (measured slower)
     return config.num_stages * tile_bytes <= SHARED_MEMORY
 
 
 def variants(config: MoeConfig, gated: bool, itemsize: int) -> list[MoeConfig]:
-    """``config`` swapped, paired, and both, where the GEMM allows them (see ``allowed``):
-    timed first with the table's row, since the pool is larger than a budget usually covers."""
+    """``config`` swapped, paired, and both, and with half_rows flipped, where the GEMM allows
+    them (see ``allowed``): timed first with the table's row, since the pool is larger than a
+    budget usually covers."""
     found = []
-    for swap, paired in ((1, config.paired), (config.swap_ab, 1), (1, 1)):
-        other = dataclasses.replace(config, swap_ab=swap, paired=paired)
+    for swap, paired, half in (
+        (1, config.paired, config.half_rows),
+        (config.swap_ab, 1, config.half_rows),
+        (1, 1, 0),
+        (config.swap_ab, config.paired, 1 - config.half_rows),
+    ):
+        other = dataclasses.replace(config, swap_ab=swap, paired=paired, half_rows=half)
         if other != config and other not in found and allowed(other, gated, itemsize):
             found.append(other)
     return found
 
 
 def parse_configs(text: str) -> list[MoeConfig]:
-    """``--try``'s configurations: six or seven integers each, separated by semicolons."""
+    """``--try``'s configurations: six to nine integers each, separated by semicolons."""
     configs = []
     for part in filter(None, text.split(";")):
         values = [int(v) for v in part.split(",")]
-        if len(values) not in (6, 7, 8):
+        if len(values) not in (6, 7, 8, 9):
             raise argparse.ArgumentTypeError(
                 "a configuration is block_m,block_n,block_k,group_m,num_warps,num_stages"
-                f"[,swap_ab[,paired]], not {part!r}"
+                f"[,swap_ab[,paired[,half_rows]]], not {part!r}"
             )
         configs.append(MoeConfig(*values))
     return configs
 
 
 def table_row(config: MoeConfig) -> list[int]:
-    """A configuration as the table stores it: six integers, then swap_ab and paired where
-    either is set."""
+    """A configuration as the table stores it: six integers, then swap_ab, paired and
+    half_rows up to the last one set."""
     row = [int(v) for v in vars(config).values()]
-    return row if config.paired else row[:7] if config.swap_ab else row[:6]
+    while len(row) > 6 and row[-1] == 0:
+        row.pop()
+    return row
 
 
 def relative_error(result: torch.Tensor, expected: torch.Tensor) -> float:
@@ -247,7 +257,7 @@ def main() -> int:
         type=parse_configs,
         default=[],
         help="configurations timed first for both GEMMs (after the table's row), e.g. "
-        "'128,128,64,16,8,3;16,64,128,1,4,4,1,1' (a seventh 1: swapped, an eighth: paired)",
+        "'128,128,64,16,8,3;16,64,128,1,4,4,1,1' (a seventh 1: swapped, an eighth: paired, a ninth: half_rows)",
     )
     args = parser.parse_args()
     random.seed(args.seed)

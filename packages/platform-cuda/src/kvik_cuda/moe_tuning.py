@@ -5,8 +5,10 @@ rule for shapes the table does not hold.
 A table row is keyed by token count; a step takes the row of the smallest count at or above its
 own (the largest row past the end). Each row gives the gate/up and the down GEMM's
 ``[block_m, block_n, block_k, group_m, num_warps, num_stages]``, then optionally ``swap_ab``
-(1: tiles computed transposed) and ``paired`` (1: gate and up as one product), as
-``MoeConfig`` has them.
+(1: tiles computed transposed), ``paired`` (1: gate and up as one product) and ``half_rows`` (1:
+an expert's last row block multiplied as half a block where its second half is padding), as
+``MoeConfig`` has them. The bf16 rows for 4096 and 8192 tokens on sm90 take half_rows from an
+H100's A/B of the whole op (2.7% and 1.0% faster; docs/benchmarks.md); the tuner sweeps it.
 """
 
 from __future__ import annotations
