@@ -5,9 +5,9 @@ tokens and 64 decodes at 1152 tokens, each candidate (block_m, tile_n, num_warps
 timed as a CUDA graph of 32 launches, with the registers and spill bytes the compiler gave it
 (sm_90's ptxas puts some fp32 variants in 32 registers with kilobytes of spills, 5-10x slower)
 and the largest difference from the first candidate's output. The first candidate of each list
-is what ``kvik_cuda.tuning.attention_config`` picks now. ``--kv-fp8``: fp32 queries of 128 over
-an e4m3 cache instead, decodes only (``test_triton_kernels_compile.known_register_fallback``'s
-first case: the chooser sees the cache's dtype and picks 16-bit queries' tiles).
+is what ``kvik_cuda.tuning.attention_config`` picks now (given the queries' dtype). ``--kv-fp8``:
+fp32 queries of 128 over an e4m3 cache instead, prompts and decodes, where the 16-bit queries'
+tiles fell into the fallback and ``FP32_OVER_E4M3`` now decides.
 
     python packages/platform-cuda/tests/sweep_wide_attention.py [--groups 1,2] [--fp32-only | --kv-fp8]
 """
@@ -70,7 +70,7 @@ def sweep(
         dtype, head, group, requests, tokens, context, kv_fp8
     )
     block_m = block_rows(group, tokens)
-    now = attention_config(arch, head, group, tokens, cache.dtype)
+    now = attention_config(arch, head, group, tokens, cache.dtype, query_dtype=dtype)
     one = torch.ones((), dtype=torch.float32, device=query.device)
     scales = {"k_scale": one, "v_scale": one} if kv_fp8 else {}
     candidates = [now] + [
@@ -120,7 +120,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), arch, flush=True)
     if "--kv-fp8" in sys.argv:
         for group in groups:
-            sweep(arch, torch.float32, 128, group, decode=True, kv_fp8=True)
+            for decode in (False, True):
+                sweep(arch, torch.float32, 128, group, decode, kv_fp8=True)
         return
     for dtype, head in shapes:
         for group in groups:
