@@ -43,6 +43,7 @@ from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
 from kvik.triton_kernels.fp8_skinny_glu import fp8_skinny_glu_kernel, glu_config  # noqa: E402
 from kvik.triton_kernels.fused_moe import (  # noqa: E402
     SUM_LAST_MAX_TOKENS,
+    even_tiles,
     moe_gemm_kernel,
     step_constexprs,
 )
@@ -590,6 +591,7 @@ def test_fused_moe_fp8_block(arch: str, tokens: int, swap: bool) -> None:
                 "BLOCK_K": config.block_k,
                 "GROUP_M": config.group_m,
                 "HALF_ROWS": bool(config.half_rows) and tokens > 1,
+                **even_tiles(*((768, 2048) if gated else (2048, 768)), config),
             },  # fmt: skip
             num_warps=config.num_warps,
             num_stages=config.num_stages,

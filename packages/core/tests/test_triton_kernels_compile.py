@@ -51,6 +51,7 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     SUM_LAST_MAX_TOKENS,
     SUM_WARPS,
     align_constexprs,
+    even_tiles,
     moe_align_kernel,
     moe_count_kernel,
     moe_gemm_kernel,
@@ -707,6 +708,7 @@ def test_fused_moe(arch, tokens, experts, inter, hidden, top_k, dtype, paired) -
                 "BLOCK_K": config.block_k,
                 "GROUP_M": config.group_m,
                 "HALF_ROWS": bool(config.half_rows) and tokens > 1,
+                **even_tiles(n, k, config),
             },  # fmt: skip
             num_warps=config.num_warps,
             num_stages=config.num_stages,

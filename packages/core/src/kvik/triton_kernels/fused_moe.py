@@ -39,6 +39,7 @@ and weight tile's scales.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,6 +49,11 @@ import triton.language as tl
 from torch import Tensor
 
 from kvik.ops import check_fused_moe_shapes
+
+#: The grouped GEMMs' K steps without the K and column masks where the tiles divide K and N
+#: (``moe_gemm_kernel``'s EVEN_K and EVEN_N); ``KVIK_MOE_UNMASKED_STEPS=0`` keeps the masks (an
+#: A/B switch for timing, read at import).
+UNMASKED_STEPS = os.environ.get("KVIK_MOE_UNMASKED_STEPS", "1") == "1"
 
 
 @dataclass(frozen=True)
@@ -396,8 +402,16 @@ def _moe_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
 ):
     """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored per pair.
+
+    The loads take no row mask: a padding row reads A's row 0 instead (its results are never
+    stored, and no row's sums depend on another's). EVEN_K (BLOCK_K divides K) and EVEN_N
+    (BLOCK_N divides N) drop the K and column masks too, so a K step's loads carry no
+    predicates: on an H100 the op 1% faster in bf16 and 4-6% in block FP8 at 4096-8192 tokens
+    (docs/benchmarks.md, the forty-sixth session).
 
     SWAP_AB computes the tile's transpose: the BLOCK_N weight rows are the MMA's M side (64 rows
     a Hopper warpgroup) and the pairs its N side, so that a row block of 16 pairs still runs on
@@ -409,16 +423,16 @@ def _moe_tile(
     weight rows interleaved, split after the loop: one MMA of twice the width (m64n128 for
     BLOCK_N = 64 on Hopper) reads the activations' tile from shared memory once, not twice."""
     expert = expert.to(tl.int64)
-    a_row = (pair // A_ROW_DIV).to(tl.int64)
+    a_row = tl.where(row_ok, pair // A_ROW_DIV, 0).to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
+    col_ok = (cols < N) | EVEN_N
     ks = tl.arange(0, BLOCK_K)
     # The weight rows of the product: the tile's columns, or PAIRED (GATED) each column's gate
     # row and up row interleaved, 2 * BLOCK_N of them, so gate and up are one product.
     if PAIRED:
         j = tl.arange(0, 2 * BLOCK_N)
         w_rows = pid_n * BLOCK_N + j // 2 + (j % 2) * N
-        w_ok = pid_n * BLOCK_N + j // 2 < N
+        w_ok = (pid_n * BLOCK_N + j // 2 < N) | EVEN_N
     else:
         w_rows = cols
         w_ok = col_ok
@@ -437,24 +451,38 @@ def _moe_tile(
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (w_rows // 128) * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((N + cols) // 128) * stride_wsn
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = ks < K - k * BLOCK_K
-        if SWAP_AB:
-            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-            w_mask = w_ok[:, None] & k_ok[None, :]
+        if EVEN_K:
+            if SWAP_AB:
+                a = tl.load(a_ptrs)
+                w_mask = w_ok[:, None]
+            else:
+                a = tl.load(a_ptrs)
+                w_mask = w_ok[None, :]
         else:
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_mask = k_ok[:, None] & w_ok[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            k_ok = ks < K - k * BLOCK_K
+            if SWAP_AB:
+                a = tl.load(a_ptrs, mask=k_ok[:, None], other=0.0)
+                w_mask = w_ok[:, None] & k_ok[None, :]
+            else:
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                w_mask = k_ok[:, None] & w_ok[None, :]
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_BLOCK:
             group = k * BLOCK_K // 128
-            a_scale = tl.load(a_scale_ptrs + group, mask=row_ok, other=0.0)
+            a_scale = tl.load(a_scale_ptrs + group)
             w_scale = tl.load(w_scale_ptrs + group, mask=w_ok, other=0.0)
         else:
             a_scale = 0.0  # not read
             w_scale = 0.0
         acc = _step_product(a, w, acc, a_scale, w_scale, FP8_BLOCK, SWAP_AB)
         if separate_up:
-            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            if EVEN_K and EVEN_N:
+                w_up = tl.load(w_ptrs + N * stride_wn)
+            else:
+                w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8_BLOCK:
                 w_up_scale = tl.load(w_up_scale_ptrs + group, mask=col_ok, other=0.0)
             else:
@@ -526,6 +554,8 @@ def moe_gemm_kernel(
     # BLOCK_M / 2 rows (a second compiled copy of the tile): with 128-row blocks and 256 pairs an
     # expert on average (4096 tokens of Qwen3-30B-A3B), 21% of the rows multiplied were padding.
     HALF_ROWS: tl.constexpr = False,
+    EVEN_K: tl.constexpr = False,  # BLOCK_K divides K: K steps without masks (``_moe_tile``)
+    EVEN_N: tl.constexpr = False,  # BLOCK_N divides N: weight loads without column masks
 ):
     """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
 
@@ -574,7 +604,7 @@ def moe_gemm_kernel(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
             within == 0, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om, stride_asm,
             stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB, PAIRED,
-            BLOCK_M, BLOCK_N, BLOCK_K,
+            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
         )  # fmt: skip
     elif pid_m * BLOCK_M < tl.load(total_ptr):
         expert = tl.load(block_expert_ptr + pid_m)
@@ -590,7 +620,7 @@ def moe_gemm_kernel(
                 a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, half_pair,
                 half_pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
                 stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK,
-                SWAP_AB, PAIRED, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                SWAP_AB, PAIRED, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
         else:
             pair = tl.load(first + tl.arange(0, BLOCK_M))
@@ -598,7 +628,7 @@ def moe_gemm_kernel(
                 a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
                 pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
                 stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK,
-                SWAP_AB, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K,
+                SWAP_AB, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
     if SUM_LAST:
         # Every program of the column block counts, those past the pairs too. The barrier puts
@@ -857,6 +887,14 @@ def step_constexprs(
     }  # fmt: skip
 
 
+def even_tiles(n: int, k: int, config: MoeConfig) -> dict[str, bool]:
+    """``moe_gemm_kernel``'s EVEN_K and EVEN_N for a product of ``n`` columns over ``k``."""
+    return {
+        "EVEN_K": UNMASKED_STEPS and k % config.block_k == 0,
+        "EVEN_N": UNMASKED_STEPS and n % config.block_n == 0,
+    }
+
+
 def grouped_gemm(
     a: Tensor,
     w: Tensor,
@@ -924,6 +962,7 @@ def grouped_gemm(
         ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, HALF_ROWS=bool(config.half_rows) and one_token is None,
+        **even_tiles(n, k, config),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
