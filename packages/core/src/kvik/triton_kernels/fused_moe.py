@@ -451,25 +451,15 @@ def _moe_tile(
         w_scale_ptrs = w_scale_ptr + expert * stride_wse + (w_rows // 128) * stride_wsn
         w_up_scale_ptrs = w_scale_ptr + expert * stride_wse + ((N + cols) // 128) * stride_wsn
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            if SWAP_AB:
-                a = tl.load(a_ptrs)
-                w_mask = w_ok[:, None]
-            else:
-                a = tl.load(a_ptrs)
-                w_mask = w_ok[None, :]
+        # Under EVEN_K and EVEN_N the masks are constants, all true, which the compiler drops.
+        k_ok = (ks < K - k * BLOCK_K) | EVEN_K
+        if SWAP_AB:
+            a = tl.load(a_ptrs, mask=k_ok[:, None], other=0.0)
+            w_mask = w_ok[:, None] & k_ok[None, :]
         else:
-            k_ok = ks < K - k * BLOCK_K
-            if SWAP_AB:
-                a = tl.load(a_ptrs, mask=k_ok[:, None], other=0.0)
-                w_mask = w_ok[:, None] & k_ok[None, :]
-            else:
-                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-                w_mask = k_ok[:, None] & w_ok[None, :]
-        if EVEN_K and EVEN_N:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & w_ok[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
         if FP8_BLOCK:
             group = k * BLOCK_K // 128
             a_scale = tl.load(a_scale_ptrs + group)
@@ -479,10 +469,7 @@ def _moe_tile(
             w_scale = 0.0
         acc = _step_product(a, w, acc, a_scale, w_scale, FP8_BLOCK, SWAP_AB)
         if separate_up:
-            if EVEN_K and EVEN_N:
-                w_up = tl.load(w_ptrs + N * stride_wn)
-            else:
-                w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
+            w_up = tl.load(w_ptrs + N * stride_wn, mask=w_mask, other=0.0)
             if FP8_BLOCK:
                 w_up_scale = tl.load(w_up_scale_ptrs + group, mask=col_ok, other=0.0)
             else:
