@@ -61,6 +61,7 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     moe_sum_kernel,
     step_constexprs,
 )
+from kvik.triton_kernels.fused_moe_tma import moe_down_tma_kernel  # noqa: E402
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
     reshape_and_cache_config,
@@ -656,6 +657,77 @@ MOE_ARCHS = [arch for arch in ARCHS if moe_chooser(arch) is not None]
 # Mixtral's (8 of 14336 over 4096, top-2), which no table holds (the default rule).
 MOE_SHAPES = [(1, 128, 768, 2048, 8), (64, 128, 768, 2048, 8), (4096, 128, 768, 2048, 8),
               (16, 8, 14336, 4096, 2), (4096, 8, 14336, 4096, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", [arch for arch in MOE_ARCHS if arch.startswith("sm")])
+@pytest.mark.parametrize("tokens", [4096, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_fused_moe_down_tma(arch: str, tokens: int, dtype: torch.dtype) -> None:
+    """The persistent TMA down GEMM (``moe_down_tma``) at Qwen3-30B-A3B's prefill sizes with the
+    table's down tiles, and the gate/up GEMM storing in the aligned order for it (OUT_BY_SLOT):
+    both build, the first on TMA's bulk tensor copies and, on Hopper, wgmma."""
+    experts, inter, hidden, top_k = 128, 768, 2048, 8
+    fp8 = dtype == torch.float8_e4m3fn
+    up, down = moe_chooser(arch)(arch, tokens, experts, inter, hidden, top_k, dtype)
+    if fp8:
+        down = dataclasses.replace(down, block_k=min(down.block_k, 128))
+    operand = TRITON_TYPES[dtype]
+    signature = types(
+        moe_down_tma_kernel, torch.bfloat16, sorted_ptr="*i32", block_expert_ptr="*i32",
+        total_ptr="*i32", weights_ptr="*fp32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+        a_desc=f"tensordesc<{operand}[{down.block_m}, {down.block_k}]>",
+        w_desc=f"tensordesc<{operand}[{down.block_n}, {down.block_k}]>",
+    )  # fmt: skip
+    ints = {"N": hidden, "K": inter, "stride_om": hidden, "stride_asm": 8 if fp8 else 0,
+            "stride_wse": 16 * 6 if fp8 else 0, "stride_wsn": 6 if fp8 else 0}  # fmt: skip
+    compiled = compiled_ok(
+        moe_down_tma_kernel,
+        arch,
+        aligned=launch_aligned(moe_down_tma_kernel, **ints),
+        types=signature,
+        constexprs={
+            "WEIGHTED": True,
+            "FP8_BLOCK": fp8,
+            "BLOCK_M": down.block_m,
+            "BLOCK_N": down.block_n,
+            "BLOCK_K": down.block_k,
+            "GROUP_M": down.group_m,
+        },  # fmt: skip
+        num_warps=down.num_warps,
+        num_stages=down.num_stages,
+    )
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx
+    if arch == "sm90":
+        assert "wgmma.mma_async" in ptx
+    gate_up_types = types(moe_gemm_kernel, torch.bfloat16, sorted_ptr="*i32",
+                          block_expert_ptr="*i32", total_ptr="*i32", weights_ptr="*fp32",
+                          ids_ptr="*i32", counter_ptr="*i32", a_ptr=f"*{operand}",
+                          w_ptr=f"*{operand}", a_scale_ptr="*fp32", w_scale_ptr="*fp32")  # fmt: skip
+    compiled_ok(
+        moe_gemm_kernel,
+        arch,
+        aligned=launch_aligned(moe_gemm_kernel, N=inter, K=hidden, stride_am=hidden),
+        types=gate_up_types,
+        constexprs={
+            **step_constexprs(False, True, False, False, top_k, experts, True, tokens),
+            "A_ROW_DIV": top_k,
+            "GATED": True,
+            "WEIGHTED": False,
+            "FP8_BLOCK": fp8,
+            "SWAP_AB": bool(up.swap_ab),
+            "PAIRED": bool(up.paired),
+            "BLOCK_M": up.block_m,
+            "BLOCK_N": up.block_n,
+            "BLOCK_K": up.block_k,
+            "GROUP_M": up.group_m,
+            "HALF_ROWS": bool(up.half_rows),
+            **even_tiles(inter, hidden, up),
+            "OUT_BY_SLOT": True,
+        },  # fmt: skip
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

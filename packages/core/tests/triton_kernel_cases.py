@@ -1312,15 +1312,19 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
         (MoeConfig(16, 64, 32, 2, 4, 2, 1, 1), MoeConfig(16, 64, 32, 2, 4, 2, 1, 1)),
         (MoeConfig(32, 32, 32, 2, 4, 2, 0, 0, 1), MoeConfig(32, 16, 64, 2, 4, 2, 0, 0, 1)),
         (MoeConfig(32, 32, 32, 2, 4, 2, 0, 1, 1), MoeConfig(64, 32, 32, 1, 4, 2, 1, 0, 1)),
+        (MoeConfig(16, 32, 32, 2, 4, 2), MoeConfig(16, 32, 32, 2, 4, 2, 0, 0, 0, 1)),
+        (MoeConfig(32, 32, 32, 4, 4, 2, 0, 1, 1), MoeConfig(32, 32, 64, 1, 4, 2, 0, 0, 0, 1)),
     ],
     ids=["grouped", "tall", "swapped", "paired", "swapped-paired", "half-rows",
-         "half-rows-paired-swapped"],
+         "half-rows-paired-swapped", "tma", "tma-half-rows-paired"],
 )  # fmt: skip
 def test_fused_moe_with_other_tiles(configs) -> None:
     """Row blocks swept in groups, the down GEMM on row blocks of another height (the pairs
     aligned twice), tiles computed transposed (swap_ab), gate and up as one product (paired),
-    and an expert's last row block multiplied as half a block where its second half is padding
-    (half_rows), as the platforms' configurations do."""
+    an expert's last row block multiplied as half a block where its second half is padding
+    (half_rows), and the down GEMM persistent with TMA loads of the gate/up output stored in the
+    aligned order (tma; its padding rows poisoned on the GPU), as the platforms' configurations
+    do."""
     tokens, experts, hidden, inter, top_k = (
         (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
     )
@@ -1336,6 +1340,7 @@ def test_fused_moe_with_other_tiles(configs) -> None:
             assert ((tail > 0) & (tail <= block_m // 2)).any() and (counts > block_m // 2).any()
     w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
     w2 = randn(experts, hidden, inter) * inter**-0.5
+    poison_allocator()
     out = fused_moe(x, logits, w13, w2, top_k, True, configs)
     ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
     check(out, ref, torch.float32)

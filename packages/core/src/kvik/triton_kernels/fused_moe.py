@@ -78,6 +78,11 @@ class MoeConfig:
     #: block_m / 2 pairs) multiplies its first half alone (``moe_gemm_kernel``'s HALF_ROWS).
     #: A table row's ninth entry.
     half_rows: int = 0
+    #: 1 (read from the down GEMM's configuration): the gate/up GEMM stores its output in the
+    #: aligned order and the down GEMM runs persistent with TMA loads
+    #: (``kvik.triton_kernels.fused_moe_tma``), on GPUs with TMA and where both GEMMs take the same
+    #: block_m; otherwise ignored. A table row's tenth entry.
+    tma: int = 0
 
     def __post_init__(self) -> None:
         if self.half_rows and self.block_m < 32:
@@ -383,6 +388,7 @@ def _moe_tile(
     expert,
     pair,
     row_ok,
+    out_row,
     pid_n,
     N,
     K,
@@ -405,7 +411,8 @@ def _moe_tile(
     EVEN_K: tl.constexpr,
     EVEN_N: tl.constexpr,
 ):
-    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored per pair.
+    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gemm_kernel``, stored in rows
+    ``out_row`` (the pairs, or with OUT_BY_SLOT their aligned slots).
 
     The loads take no row mask: a padding row reads A's row 0 instead (its results are never
     stored, and no row's sums depend on another's). EVEN_K (BLOCK_K divides K) and EVEN_N
@@ -486,7 +493,7 @@ def _moe_tile(
         acc = gate * tl.sigmoid(gate) * up
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
-    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    out_ptrs = out_ptr + out_row.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -543,6 +550,9 @@ def moe_gemm_kernel(
     HALF_ROWS: tl.constexpr = False,
     EVEN_K: tl.constexpr = False,  # BLOCK_K divides K: K steps without masks (``_moe_tile``)
     EVEN_N: tl.constexpr = False,  # BLOCK_N divides N: weight loads without column masks
+    # Row r of a row block stored at out row pid_m * BLOCK_M + r (the aligned order, which
+    # ``moe_down_tma`` reads with TMA), not at its pair's row. Not with ONE_TOKEN.
+    OUT_BY_SLOT: tl.constexpr = False,
 ):
     """out[pair, :N] = A[pair // A_ROW_DIV] @ W[expert]^T for the pairs of each row block.
 
@@ -589,9 +599,9 @@ def moe_gemm_kernel(
             expert = tl.load(ids_ptr + pid_m)
         _moe_tile(
             a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
-            within == 0, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om, stride_asm,
-            stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB, PAIRED,
-            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+            within == 0, pair, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
+            stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK, SWAP_AB,
+            PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
         )  # fmt: skip
     elif pid_m * BLOCK_M < tl.load(total_ptr):
         expert = tl.load(block_expert_ptr + pid_m)
@@ -603,19 +613,25 @@ def moe_gemm_kernel(
             half = tl.load(first + BLOCK_M // 2) >= num_pairs
         if half:
             half_pair = tl.load(first + tl.arange(0, BLOCK_M // 2))
+            half_out = half_pair
+            if OUT_BY_SLOT:
+                half_out = pid_m * BLOCK_M + tl.arange(0, BLOCK_M // 2)
             _moe_tile(
                 a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, half_pair,
-                half_pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
-                stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK,
-                SWAP_AB, PAIRED, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                half_pair < num_pairs, half_out, pid_n, N, K, stride_am, stride_we, stride_wn,
+                stride_om, stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED,
+                FP8_BLOCK, SWAP_AB, PAIRED, BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
         else:
             pair = tl.load(first + tl.arange(0, BLOCK_M))
+            out_row = pair
+            if OUT_BY_SLOT:
+                out_row = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             _moe_tile(
                 a_ptr, w_ptr, out_ptr, weights_ptr, a_scale_ptr, w_scale_ptr, expert, pair,
-                pair < num_pairs, pid_n, N, K, stride_am, stride_we, stride_wn, stride_om,
-                stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED, FP8_BLOCK,
-                SWAP_AB, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
+                pair < num_pairs, out_row, pid_n, N, K, stride_am, stride_we, stride_wn,
+                stride_om, stride_asm, stride_wse, stride_wsn, A_ROW_DIV, GATED, WEIGHTED,
+                FP8_BLOCK, SWAP_AB, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N,
             )  # fmt: skip
     if SUM_LAST:
         # Every program of the column block counts, those past the pairs too. The barrier puts
@@ -897,12 +913,15 @@ def grouped_gemm(
     one_token: OneTokenRouting | None = None,
     sum_last: SumInLastProgram | None = None,
     zero_counters: Tensor | None = None,
+    out_by_slot: bool = False,
 ) -> None:
     """One grouped GEMM over the pairs ``aligned`` by ``align_to_blocks`` (None with
     ``one_token``: pair k alone in row block k; a gated GEMM routes the token itself).
     ``scales``: (A's per-row-group scales, W's tile scales) for block-FP8 operands. ``sum_last``:
     also add each token's ``top_k`` rows of ``out`` (the second GEMM of a decode-sized step);
-    ``zero_counters``: zero those counters (the first GEMM, so the second finds them zero)."""
+    ``zero_counters``: zero those counters (the first GEMM, so the second finds them zero).
+    ``out_by_slot``: ``out`` [row blocks * block_m, N] takes each row at its aligned slot, for
+    ``moe_down_tma``."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     if one_token is not None:
@@ -949,9 +968,33 @@ def grouped_gemm(
         ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, HALF_ROWS=bool(config.half_rows) and one_token is None,
-        **even_tiles(n, k, config),
+        **even_tiles(n, k, config), OUT_BY_SLOT=out_by_slot,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
+
+
+#: ``KVIK_MOE_TMA``: "table" (the default) takes each down configuration's ``tma``; "0" never
+#: runs ``moe_down_tma``, "1" runs it wherever it can (A/B switches for timing, read at import).
+TMA_DOWN = os.environ.get("KVIK_MOE_TMA", "table")
+
+
+def use_tma_down(
+    up_config: MoeConfig, down_config: MoeConfig, hidden: Tensor, tokens: int, size: int
+) -> bool:
+    """Whether the step's down GEMM runs as ``moe_down_tma`` (the gate/up GEMM then stores its
+    output in the aligned order): where the configuration asks (or ``KVIK_MOE_TMA=1``), the
+    step is not a one-token step, both GEMMs align to the same block_m, the tiles divide the
+    hidden size, and the device has TMA."""
+    from kvik.triton_kernels.fused_moe_tma import down_tma_fits, tma_supported
+
+    wanted = TMA_DOWN == "1" or (TMA_DOWN == "table" and bool(down_config.tma))
+    return (
+        wanted
+        and tokens > 1
+        and up_config.block_m == down_config.block_m
+        and down_tma_fits(size, down_config)
+        and tma_supported(hidden.device)
+    )
 
 
 def _experts(
@@ -993,8 +1036,9 @@ def _experts(
     else:
         weights, ids, counts = route_and_count(router_logits, top_k, renormalize)
         aligned = align_to_blocks(ids, experts, up_config.block_m, counts)
+    tma_down = use_tma_down(up_config, down_config, hidden, tokens, size)
     sum_last = None
-    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS:
+    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS and not tma_down:
         sum_last = SumInLastProgram(
             torch.empty(tokens, size, dtype=hidden.dtype, device=device),
             torch.empty(triton.cdiv(size, down_config.block_n), dtype=torch.int32, device=device),
@@ -1003,11 +1047,23 @@ def _experts(
     if fp8_scales is not None:
         a, a_scale = per_token_group_quant_fp8(hidden)
         up_scales = (a_scale, fp8_scales[0])
-    act = torch.empty(num_pairs, inter, dtype=hidden.dtype, device=device)
+    # With tma_down, the gate/up output in the aligned order: a row per slot, padding included.
+    act_rows = aligned[1].shape[0] * up_config.block_m if tma_down else num_pairs
+    act = torch.empty(act_rows, inter, dtype=hidden.dtype, device=device)
     grouped_gemm(
         a, w13, act, aligned, None, top_k, True, up_config, up_scales, top_k=top_k,
         one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
+        out_by_slot=tma_down,
     )  # fmt: skip
+    if tma_down:
+        from kvik.triton_kernels.fused_moe_tma import moe_down_tma
+
+        if fp8_scales is not None:
+            act, act_scale = per_token_group_quant_fp8(act)
+            down_scales = (act_scale, fp8_scales[1])
+        out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
+        moe_down_tma(act, w2, out, aligned, weights, down_config, down_scales)
+        return out if top_k == 1 else moe_sum(out, tokens, top_k)
     if aligned is not None and down_config.block_m != up_config.block_m:
         aligned = align_to_blocks(ids, experts, down_config.block_m, counts)
     if fp8_scales is not None:

@@ -1,0 +1,159 @@
+"""The fused MoE's down GEMM for prefill-sized steps: persistent programs that load both operands
+with TMA (tensor descriptors). Part of ``kvik.triton_kernels.fused_moe``, which decides when it
+runs (a configuration's ``tma``); reference: ``kvik.ops.fused_moe``.
+
+Why a second form of the down GEMM. At Qwen3-30B-A3B's 4096-token step a stand-alone probe of
+this GEMM took 242.5 µs on an H100 where ``moe_gemm_kernel`` took 274.3 (docs/benchmarks.md,
+the forty-sixth session): a program per SM looping over the tiles overlaps one tile's epilogue
+with the next tile's loads, and TMA moves each K step's tiles without the address arithmetic of
+pointer loads. Neither alone gained. Hopper's TMA cannot gather rows, so the activations must be
+contiguous per row block: the gate/up GEMM stores its output in the aligned (sorted) order
+(``moe_gemm_kernel``'s OUT_BY_SLOT), row block b's rows at [b * BLOCK_M, (b + 1) * BLOCK_M), the
+padding rows unwritten. Each output row depends on its own input row alone, so whatever the
+padding rows hold reaches only padding outputs, which are never stored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def moe_down_tma_kernel(
+    a_desc,  # [row blocks * BLOCK_M, K]: the activations in the aligned order
+    w_desc,  # [E * N, K]: the experts' weights, one expert's N rows after another's
+    out_ptr,  # [num_pairs, N], stored per pair
+    sorted_ptr,  # the aligned pairs (align_to_blocks), num_pairs where padding
+    block_expert_ptr,
+    total_ptr,  # the aligned rows in use (a multiple of BLOCK_M)
+    weights_ptr,  # WEIGHTED: the pairs' routing weights
+    a_scale_ptr,  # FP8_BLOCK: [row blocks * BLOCK_M, ceil(K/128)] fp32, by aligned row
+    w_scale_ptr,  # FP8_BLOCK: [E, ceil(N/128), ceil(K/128)] fp32
+    num_pairs,
+    num_programs,
+    N,
+    K,
+    stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
+    WEIGHTED: tl.constexpr,
+    FP8_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """out[pair, :N] = A[slot] @ W[expert]^T (times the pair's weight) for every aligned slot
+    holding a pair; BLOCK_N divides N (the launcher checks), K's last step is zero-filled by the
+    descriptors. The programs take the tiles of the rows in use in turn, GROUP_M row blocks
+    sweeping the columns together as in ``moe_gemm_kernel``."""
+    blocks_n = N // BLOCK_N
+    blocks_m = tl.cdiv(tl.load(total_ptr), BLOCK_M)
+    tiles = blocks_m * blocks_n
+    per_group = GROUP_M * blocks_n
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=True):
+        first_m = (tile // per_group) * GROUP_M
+        group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_size
+        pid_n = (tile % per_group) // group_size
+        expert = tl.load(block_expert_ptr + pid_m)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = w_desc.load([expert * N + pid_n * BLOCK_N, k * BLOCK_K])
+            if FP8_BLOCK:
+                # BLOCK_K divides 128: the step lies in one scale group.
+                group = k * BLOCK_K // 128
+                a_scale = tl.load(a_scale_ptr + rows.to(tl.int64) * stride_asm + group)
+                w_scale = tl.load(
+                    w_scale_ptr + expert.to(tl.int64) * stride_wse + (cols // 128) * stride_wsn
+                    + group
+                )  # fmt: skip
+                acc += tl.dot(a, w.T) * a_scale[:, None] * w_scale[None, :]
+            else:
+                acc = tl.dot(a, w.T, acc, input_precision="ieee")  # fp32 without TF32
+        pair = tl.load(sorted_ptr + rows)
+        row_ok = pair < num_pairs
+        if WEIGHTED:
+            acc = acc * tl.load(weights_ptr + pair, mask=row_ok, other=0.0)[:, None]
+        out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each looping over several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether ``moe_down_tma`` may run here: on NVIDIA GPUs from Hopper (sm_90, TMA), or on the
+    CPU under the interpreter."""
+    if device.type == "cpu":
+        return True
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and (torch.cuda.get_device_capability(device)[0] >= 9)
+    )
+
+
+def down_tma_fits(n: int, config) -> bool:
+    """Whether the down GEMM's tiles suit ``moe_down_tma_kernel``: BLOCK_N divides the
+    experts' N (one expert's rows a weight tile)."""
+    return n % config.block_n == 0
+
+
+def moe_down_tma(
+    act_sorted: Tensor,
+    w: Tensor,
+    out: Tensor,
+    aligned: tuple[Tensor, Tensor, Tensor],
+    weights: Tensor | None,
+    config,
+    scales: tuple[Tensor, Tensor] | None = None,
+) -> None:
+    """``out[pair] = act_sorted[slot of pair] @ w[expert]^T`` (times ``weights[pair]``) for the
+    pairs ``aligned`` by ``align_to_blocks`` at ``config.block_m`` rows a block; ``act_sorted``
+    [row blocks * block_m, K] holds the gate/up GEMM's output in that order. ``scales``: the
+    activations' per-row-group scales (same order) and the weights' tile scales (block FP8)."""
+    sorted_pairs, block_expert, total = aligned
+    experts, n, k = w.shape
+    if not down_tma_fits(n, config):
+        raise ValueError(f"moe_down_tma needs block_n to divide N={n}, got {config}")
+    if act_sorted.shape[0] != block_expert.shape[0] * config.block_m:
+        raise ValueError(
+            f"act_sorted has {act_sorted.shape[0]} rows for {block_expert.shape[0]} row blocks "
+            f"of {config.block_m}"
+        )
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    a_desc = TensorDescriptor.from_tensor(act_sorted, [config.block_m, config.block_k])
+    w_desc = TensorDescriptor.from_tensor(w.view(experts * n, k), [config.block_n, config.block_k])
+    if scales is None:
+        a_scale = w_scale = out  # not read
+        scale_strides = (0, 0, 0)
+    else:
+        a_scale, w_scale = scales
+        if a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
+            raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
+        scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+    tiles = block_expert.shape[0] * (n // config.block_n)
+    programs = max(1, min(_multiprocessors(out.device), tiles))
+    moe_down_tma_kernel[(programs,)](
+        a_desc, w_desc, out, sorted_pairs, block_expert, total,
+        out if weights is None else weights, a_scale, w_scale,
+        out.shape[0], programs, n, k, out.stride(0), *scale_strides,
+        WEIGHTED=weights is not None, FP8_BLOCK=scales is not None, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
