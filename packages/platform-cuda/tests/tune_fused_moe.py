@@ -116,22 +116,22 @@ def variants(config: MoeConfig, gated: bool, itemsize: int) -> list[MoeConfig]:
 
 
 def parse_configs(text: str) -> list[MoeConfig]:
-    """``--try``'s configurations: six to nine integers each, separated by semicolons."""
+    """``--try``'s configurations: six to ten integers each, separated by semicolons."""
     configs = []
     for part in filter(None, text.split(";")):
         values = [int(v) for v in part.split(",")]
-        if len(values) not in (6, 7, 8, 9):
+        if len(values) not in (6, 7, 8, 9, 10):
             raise argparse.ArgumentTypeError(
                 "a configuration is block_m,block_n,block_k,group_m,num_warps,num_stages"
-                f"[,swap_ab[,paired[,half_rows]]], not {part!r}"
+                f"[,swap_ab[,paired[,half_rows[,tma]]]], not {part!r}"
             )
         configs.append(MoeConfig(*values))
     return configs
 
 
 def table_row(config: MoeConfig) -> list[int]:
-    """A configuration as the table stores it: six integers, then swap_ab, paired and
-    half_rows up to the last one set."""
+    """A configuration as the table stores it: six integers, then swap_ab, paired, half_rows
+    and tma up to the last one set."""
     row = [int(v) for v in vars(config).values()]
     while len(row) > 6 and row[-1] == 0:
         row.pop()

@@ -7,8 +7,11 @@ own (the largest row past the end). Each row gives the gate/up and the down GEMM
 ``[block_m, block_n, block_k, group_m, num_warps, num_stages]``, then optionally ``swap_ab``
 (1: tiles computed transposed), ``paired`` (1: gate and up as one product) and ``half_rows`` (1:
 an expert's last row block multiplied as half a block where its second half is padding), as
-``MoeConfig`` has them. The bf16 rows for 4096 and 8192 tokens on sm90 take half_rows from an
-H100's A/B of the whole op (2.7% and 1.0% faster; docs/benchmarks.md); the tuner sweeps it.
+``MoeConfig`` has them, and last ``tma`` (the down row's 1: the down GEMM persistent with TMA
+loads, the gate/up output stored in the aligned order). The bf16 rows for 4096 and 8192 tokens on
+sm90 take half_rows from an H100's A/B of the whole op (2.7% and 1.0% faster; docs/benchmarks.md);
+the tuner sweeps it. ``tma`` comes from A/Bs of the whole op too (``KVIK_MOE_TMA=0``/``1`` with
+bench/moe_gpu.py): the tuner times each GEMM apart, the down GEMM in its pointer form only.
 """
 
 from __future__ import annotations
