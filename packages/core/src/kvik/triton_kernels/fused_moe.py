@@ -979,12 +979,12 @@ TMA_DOWN = os.environ.get("KVIK_MOE_TMA", "table")
 
 
 def use_tma_down(
-    up_config: MoeConfig, down_config: MoeConfig, hidden: Tensor, tokens: int, size: int
+    up_config: MoeConfig, down_config: MoeConfig, hidden: Tensor, w2: Tensor, tokens: int
 ) -> bool:
     """Whether the step's down GEMM runs as ``moe_down_tma`` (the gate/up GEMM then stores its
     output in the aligned order): where the configuration asks (or ``KVIK_MOE_TMA=1``), the
-    step is not a one-token step, both GEMMs align to the same block_m, the tiles divide the
-    hidden size, and the device has TMA."""
+    step is not a one-token step, both GEMMs align to the same block_m, ``down_tma_fits``, and
+    the device has TMA."""
     from kvik.triton_kernels.fused_moe_tma import down_tma_fits, tma_supported
 
     wanted = TMA_DOWN == "1" or (TMA_DOWN == "table" and bool(down_config.tma))
@@ -992,7 +992,7 @@ def use_tma_down(
         wanted
         and tokens > 1
         and up_config.block_m == down_config.block_m
-        and down_tma_fits(size, down_config)
+        and down_tma_fits(w2.shape[1], w2.shape[2], w2.element_size(), down_config)
         and tma_supported(hidden.device)
     )
 
@@ -1036,7 +1036,7 @@ def _experts(
     else:
         weights, ids, counts = route_and_count(router_logits, top_k, renormalize)
         aligned = align_to_blocks(ids, experts, up_config.block_m, counts)
-    tma_down = use_tma_down(up_config, down_config, hidden, tokens, size)
+    tma_down = use_tma_down(up_config, down_config, hidden, w2, tokens)
     sum_last = None
     if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS and not tma_down:
         sum_last = SumInLastProgram(

@@ -107,10 +107,11 @@ def tma_supported(device: torch.device) -> bool:
     )
 
 
-def down_tma_fits(n: int, config) -> bool:
-    """Whether the down GEMM's tiles suit ``moe_down_tma_kernel``: BLOCK_N divides the
-    experts' N (one expert's rows a weight tile)."""
-    return n % config.block_n == 0
+def down_tma_fits(n: int, k: int, itemsize: int, config) -> bool:
+    """Whether the down GEMM suits ``moe_down_tma_kernel``: BLOCK_N divides the experts' N (one
+    expert's rows a weight tile), and a row of K elements is a multiple of 16 bytes (a tensor
+    descriptor's strides must be)."""
+    return n % config.block_n == 0 and (k * itemsize) % 16 == 0
 
 
 def moe_down_tma(
@@ -128,8 +129,11 @@ def moe_down_tma(
     activations' per-row-group scales (same order) and the weights' tile scales (block FP8)."""
     sorted_pairs, block_expert, total = aligned
     experts, n, k = w.shape
-    if not down_tma_fits(n, config):
-        raise ValueError(f"moe_down_tma needs block_n to divide N={n}, got {config}")
+    if not down_tma_fits(n, k, w.element_size(), config):
+        raise ValueError(
+            f"moe_down_tma needs block_n to divide N={n} and rows of K={k} in multiples of 16 "
+            f"bytes, got {config} and {w.dtype}"
+        )
     if act_sorted.shape[0] != block_expert.shape[0] * config.block_m:
         raise ValueError(
             f"act_sorted has {act_sorted.shape[0]} rows for {block_expert.shape[0]} row blocks "
