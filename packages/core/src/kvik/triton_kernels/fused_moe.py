@@ -16,7 +16,9 @@ where they are routed, so a step replays under a CUDA graph (nothing is read bac
    projections, ``silu(gate) * up`` in fp32, stored per (token, k) pair.
 5. ``moe_gemm_kernel`` (weighted): those times the expert's down projection, scaled by the routing
    weight, stored per pair; the top-k rows of a token are then summed (``moe_sum_kernel``, in
-   fp32, one rounding; each thread adds its columns row by row).
+   fp32, one rounding; each thread adds its columns row by row). Where the down configuration
+   asks (``MoeConfig.tma``), step 4 stores its rows in the aligned order instead and step 5 is
+   ``kvik.triton_kernels.fused_moe_tma``'s persistent GEMM with TMA loads.
 
 Grids cover the most row blocks the routing could need (every pair's expert padded), and a
 program past the device-side total returns at once.
