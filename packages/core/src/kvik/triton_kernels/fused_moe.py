@@ -900,6 +900,20 @@ def even_tiles(n: int, k: int, config: MoeConfig) -> dict[str, bool]:
     }
 
 
+def scale_args(
+    scales: tuple[Tensor, Tensor] | None, unused: Tensor
+) -> tuple[Tensor, Tensor, tuple[int, int, int]]:
+    """A grouped GEMM's (a_scale, w_scale, (stride_asm, stride_wse, stride_wsn)) arguments:
+    ``scales``' (block FP8), else ``unused`` in their place and zero strides."""
+    if scales is None:
+        return unused, unused, (0, 0, 0)  # not read unless FP8_BLOCK
+    a_scale, w_scale = scales
+    if a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
+        # The kernels step through K's scale groups at unit stride.
+        raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
+    return a_scale, w_scale, (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+
+
 def grouped_gemm(
     a: Tensor,
     w: Tensor,
@@ -933,15 +947,7 @@ def grouped_gemm(
         sorted_pairs, block_expert, total = aligned
         blocks = block_expert.shape[0]
     grid = (blocks * triton.cdiv(n, config.block_n),)
-    if scales is None:
-        a_scale = w_scale = out  # not read unless FP8_BLOCK
-        scale_strides = (0, 0, 0)
-    else:
-        a_scale, w_scale = scales
-        if a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
-            # The kernel steps through K's scale groups at unit stride.
-            raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
-        scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+    a_scale, w_scale, scale_strides = scale_args(scales, out)
     route = one_token is not None and gated
     if route:
         weights = one_token.weights  # where the routing stores them

@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvik.triton_kernels.fused_moe import scale_args
+
 
 @triton.jit
 def moe_down_tma_kernel(
@@ -143,14 +145,7 @@ def moe_down_tma(
 
     a_desc = TensorDescriptor.from_tensor(act_sorted, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w.view(experts * n, k), [config.block_n, config.block_k])
-    if scales is None:
-        a_scale = w_scale = out  # not read
-        scale_strides = (0, 0, 0)
-    else:
-        a_scale, w_scale = scales
-        if a_scale.stride(1) != 1 or w_scale.stride(2) != 1:
-            raise ValueError("block-FP8 scales must be contiguous along K (row-major groups)")
-        scale_strides = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1))
+    a_scale, w_scale, scale_strides = scale_args(scales, out)
     tiles = block_expert.shape[0] * (n // config.block_n)
     programs = max(1, min(_multiprocessors(out.device), tiles))
     moe_down_tma_kernel[(programs,)](
