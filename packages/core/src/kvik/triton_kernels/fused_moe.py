@@ -1063,25 +1063,21 @@ def _experts(
         one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
         out_by_slot=tma_down,
     )  # fmt: skip
-    if tma_down:
-        from kvik.triton_kernels.fused_moe_tma import moe_down_tma
-
-        if fp8_scales is not None:
-            act, act_scale = per_token_group_quant_fp8(act)
-            down_scales = (act_scale, fp8_scales[1])
-        out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
-        moe_down_tma(act, w2, out, aligned, weights, down_config, down_scales)
-        return out if top_k == 1 else moe_sum(out, tokens, top_k)
     if aligned is not None and down_config.block_m != up_config.block_m:
         aligned = align_to_blocks(ids, experts, down_config.block_m, counts)
     if fp8_scales is not None:
         act, act_scale = per_token_group_quant_fp8(act)
         down_scales = (act_scale, fp8_scales[1])
     out = torch.empty(num_pairs, size, dtype=hidden.dtype, device=device)
-    grouped_gemm(
-        act, w2, out, aligned, weights, 1, False, down_config, down_scales, top_k=top_k,
-        one_token=one_token, sum_last=sum_last,
-    )  # fmt: skip
+    if tma_down:  # both GEMMs at one block_m: the alignment above is the gate/up GEMM's
+        from kvik.triton_kernels.fused_moe_tma import moe_down_tma
+
+        moe_down_tma(act, w2, out, aligned, weights, down_config, down_scales)
+    else:
+        grouped_gemm(
+            act, w2, out, aligned, weights, 1, False, down_config, down_scales, top_k=top_k,
+            one_token=one_token, sum_last=sum_last,
+        )  # fmt: skip
     if sum_last is not None:
         return sum_last.out
     if top_k == 1:
