@@ -119,10 +119,16 @@ def round_to_e4m3(x: Tensor) -> Tensor:
 
 
 def fake_quantize_groups(x: Tensor) -> Tensor:
-    """float64 rows rounded through e4m3 with one dynamic scale per 128 columns."""
-    groups = x.unflatten(-1, (-1, BLOCK))
+    """Rows (values exact in fp32) rounded through e4m3 with one dynamic scale per 128 columns,
+    the scale and ``x / scale`` in fp32 as the format's quantizers compute them, the rounding
+    and the product in float64. In float64 throughout, an input value whose quotient lies
+    across an e4m3 rounding midpoint from the op's fp32 one rounds the other way, and that one
+    flip moves the token's gate/up sums enough to flip many of its gated activations too: the
+    one mechanism found for a CI run's 3.1e-2 (row 0's x30 group, top_k 1; not reproduced in
+    4,700 seeds). The activations' own flips remain (their sums differ): ~3e-3 at worst."""
+    groups = x.unflatten(-1, (-1, BLOCK)).float()
     scale = (groups.abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-10)
-    return (round_to_e4m3(groups / scale) * scale).flatten(-2)
+    return (round_to_e4m3((groups / scale).double()) * scale.double()).flatten(-2)
 
 
 def dequantize(w: Tensor, scale: Tensor) -> Tensor:
