@@ -1346,6 +1346,27 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     check(out, ref, torch.float32)
 
 
+def test_tma_down_comes_from_the_row_and_is_forced_for_bf16_only(monkeypatch) -> None:
+    """``use_tma_down``: a down row's ``tma`` asks for the TMA form with either kind of experts,
+    ``KVIK_MOE_TMA=1`` forces it for bf16/fp16 experts only (its block-FP8 form faulted on an
+    H100: docs/benchmarks.md, the forty-eighth session) and ``0`` never runs it."""
+    from kvik.triton_kernels import fused_moe as fused_moe_module
+
+    up = MoeConfig(32, 64, 64, 1, 4, 2)
+    plain, asks = MoeConfig(32, 64, 64, 1, 4, 2), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1)
+    hidden = torch.empty(20, 256, dtype=torch.bfloat16, device=DEVICE)
+    w2 = torch.empty(8, 256, 128, dtype=torch.bfloat16, device=DEVICE)
+
+    def chosen(setting: str, down: MoeConfig, block_fp8: bool) -> bool:
+        monkeypatch.setattr(fused_moe_module, "TMA_DOWN", setting)
+        return fused_moe_module.use_tma_down(up, down, hidden, w2, 20, block_fp8)
+
+    assert chosen("table", asks, False) and chosen("table", asks, True)
+    assert not chosen("table", plain, False) and not chosen("table", plain, True)
+    assert chosen("1", plain, False) and not chosen("1", plain, True)
+    assert not chosen("0", asks, False) and not chosen("0", asks, True)
+
+
 def test_fused_moe_without_tokens() -> None:
     x, logits = randn(0, 64), randn(0, 8)
     out = fused_moe(x, logits, randn(8, 64, 64), randn(8, 64, 32), 2, True)

@@ -64,11 +64,7 @@ def moe_down_tma_kernel(
         group_size = tl.minimum(blocks_m - first_m, GROUP_M)
         pid_m = first_m + (tile % per_group) % group_size
         pid_n = (tile % per_group) // group_size
-        # Clamped although every tile the loop runs is in range: the flattened loop's pipeline
-        # may compute a tile past the last one ahead of time, and its block's expert (-1 past
-        # the end) would place the block-FP8 scale loads before their tensor.
-        pid_m = tl.minimum(pid_m, blocks_m - 1)
-        expert = tl.maximum(tl.load(block_expert_ptr + pid_m), 0)
+        expert = tl.load(block_expert_ptr + pid_m)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
