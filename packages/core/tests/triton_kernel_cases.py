@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 import triton
+import triton.language as tl
 from torch import Tensor
 
 from kvik import ops
@@ -47,6 +48,7 @@ from kvik.triton_kernels.fused_moe import (
     route_and_count,
     routing_rows,
 )
+from kvik.triton_kernels.fused_moe_tma import _tile_coordinates
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
@@ -1344,6 +1346,36 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     out = fused_moe(x, logits, w13, w2, top_k, True, configs)
     ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
     check(out, ref, torch.float32)
+
+
+@triton.jit
+def _tile_coordinates_probe(out_ptr, first, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    # Elementwise over 256 tile indices from ``first``: the helper's scalar arithmetic, vectorised.
+    tile = first + tl.arange(0, 256)
+    pid_m, pid_n = _tile_coordinates(tile, blocks_m, blocks_n, GROUP_M)
+    tl.store(out_ptr + tl.arange(0, 256) * 2, pid_m)
+    tl.store(out_ptr + tl.arange(0, 256) * 2 + 1, pid_n)
+
+
+@pytest.mark.parametrize("group_m", [1, 4, 8])
+@pytest.mark.parametrize("blocks_m,blocks_n", [(8, 3), (7, 4), (1, 1), (12, 16), (0, 2)])
+def test_tma_down_tiles_past_the_last_stay_in_the_grid(blocks_m, blocks_n, group_m) -> None:
+    """``moe_down_tma_kernel``'s tile index -> (row block, column block): the tiles the loop runs
+    cover the grid once each, in GROUP_M-row sweeps, and the indices past the last one (which
+    the flattened loop computes ahead of time, triton-lang/triton#11601) stay inside it, even
+    where the last group is empty (blocks_m a multiple of GROUP_M: a division by zero)."""
+    out = torch.empty(256, 2, dtype=torch.int32, device=DEVICE)
+    _tile_coordinates_probe[(1,)](out, 0, blocks_m, blocks_n, GROUP_M=group_m)
+    got = [tuple(pair) for pair in out.cpu().tolist()]
+    tiles = blocks_m * blocks_n
+    want = []
+    for first_m in range(0, blocks_m, group_m):
+        size = min(group_m, blocks_m - first_m)
+        want += [(first_m + i % size, i // size) for i in range(size * blocks_n)]
+    assert got[:tiles] == want and sorted(want) == sorted(
+        (m, n) for m in range(blocks_m) for n in range(blocks_n)
+    )
+    assert all(0 <= m < max(blocks_m, 1) and 0 <= n < blocks_n for m, n in got)
 
 
 def test_tma_down_comes_from_the_row_and_is_forced_for_bf16_only(monkeypatch) -> None:

@@ -26,6 +26,28 @@ from kvik.triton_kernels.fused_moe import scale_args
 
 
 @triton.jit
+def _tile_coordinates(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
+    """Tile ``tile``'s (row block, column block): GROUP_M row blocks sweep the columns together
+    (as in ``moe_gemm_kernel``). Any tile index at all maps into the grid, the ones past the
+    last included, because the loop over the tiles is flattened: Triton's nested-loop fusion
+    computes a tile's index arithmetic and scalar loads ahead of the trip that guards them
+    (triton-lang/triton#11601), so a tile past the last one is computed, if never stored. There
+    the last group may be empty (a division by zero) and the column block past N; unclamped,
+    the block-FP8 scale loads built from them read outside their tensors (TMA loads are bounds-
+    checked, pointer loads are not): the likely cause of the illegal memory access the block-FP8
+    form met on an H100 (docs/benchmarks.md, the forty-eighth session), which 41e9bcb's clamp of
+    the row block alone did not cure. Clamping changes no tile the loop runs."""
+    per_group = GROUP_M * blocks_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = tl.maximum(tl.minimum(blocks_m - first_m, GROUP_M), 1)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+    pid_m = tl.maximum(tl.minimum(pid_m, blocks_m - 1), 0)
+    pid_n = tl.maximum(tl.minimum(pid_n, blocks_n - 1), 0)
+    return pid_m, pid_n
+
+
+@triton.jit
 def moe_down_tma_kernel(
     a_desc,  # [row blocks * BLOCK_M, K]: the activations in the aligned order
     w_desc,  # [E * N, K]: the experts' weights, one expert's N rows after another's
@@ -58,13 +80,10 @@ def moe_down_tma_kernel(
     blocks_n = N // BLOCK_N
     blocks_m = tl.cdiv(tl.load(total_ptr), BLOCK_M)
     tiles = blocks_m * blocks_n
-    per_group = GROUP_M * blocks_n
     for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=True):
-        first_m = (tile // per_group) * GROUP_M
-        group_size = tl.minimum(blocks_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_size
-        pid_n = (tile % per_group) // group_size
-        expert = tl.load(block_expert_ptr + pid_m)
+        pid_m, pid_n = _tile_coordinates(tile, blocks_m, blocks_n, GROUP_M)
+        # -1 marks row blocks past the rows in use: only a tile computed ahead of time meets one.
+        expert = tl.maximum(tl.load(block_expert_ptr + pid_m), 0)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
