@@ -29,14 +29,13 @@ from kvik.triton_kernels.fused_moe import scale_args
 def _tile_coordinates(tile, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     """Tile ``tile``'s (row block, column block): GROUP_M row blocks sweep the columns together
     (as in ``moe_gemm_kernel``). Any tile index at all maps into the grid, the ones past the
-    last included, because the loop over the tiles is flattened: Triton's nested-loop fusion
-    computes a tile's index arithmetic and scalar loads ahead of the trip that guards them
-    (triton-lang/triton#11601), so a tile past the last one is computed, if never stored. There
-    the last group may be empty (a division by zero) and the column block past N; unclamped,
-    the block-FP8 scale loads built from them read outside their tensors (TMA loads are bounds-
-    checked, pointer loads are not): the likely cause of the illegal memory access the block-FP8
-    form met on an H100 (docs/benchmarks.md, the forty-eighth session), which 41e9bcb's clamp of
-    the row block alone did not cure. Clamping changes no tile the loop runs."""
+    last included, because the loop over the tiles is flattened and Triton's nested-loop fusion
+    may evaluate a tile's index arithmetic and scalar loads ahead of the trip that guards them
+    (triton-lang/triton#11601): past the last tile the last group can be empty (a division by
+    zero) and the column block past N, and the block-FP8 scale loads are pointer loads, not
+    bounds-checked as TMA's are. Clamping changes no tile the loop runs. (It did not cure the
+    block-FP8 form's illegal memory access at 8192 tokens: docs/benchmarks.md, the forty-ninth
+    session.)"""
     per_group = GROUP_M * blocks_n
     first_m = (tile // per_group) * GROUP_M
     group_size = tl.maximum(tl.minimum(blocks_m - first_m, GROUP_M), 1)
