@@ -1348,6 +1348,36 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     check(out, ref, torch.float32)
 
 
+@pytest.mark.parametrize("paired", [0, 1])
+def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired: int) -> None:
+    """The gate/up GEMM storing at aligned slots (``out_by_slot``, for ``moe_down_tma``): each
+    pair's SiLU-and-mul row lands at its slot, the padding slots stay unwritten, and no row of A
+    past the tokens is read. A padding slot holds the pair count, the index of a pair one token
+    past A's end; counted against out's rows (one a slot), it passed for a pair, and on an H100
+    that read past A faulted (docs/benchmarks.md, the forty-ninth session). Here A is a view
+    whose next row is NaN, which would reach the padding slots."""
+    tokens, experts, hidden, inter, top_k = 21, 6, 64, 32, 3
+    config = MoeConfig(16, 32, 32, 1, 4, 2, 0, paired)
+    storage = randn(tokens + 1, hidden)
+    storage[tokens] = float("nan")
+    x = storage[:tokens]
+    w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
+    _, ids = route(router_logits(tokens, experts, 0, torch.float32), top_k, True)
+    aligned = align_to_blocks(ids, experts, config.block_m)
+    slots = aligned[1].shape[0] * config.block_m
+    out = torch.full((slots, inter), 7.0, device=DEVICE)
+    grouped_gemm(x, w13, out, aligned, None, top_k, True, config, top_k=top_k, out_by_slot=True)
+    out, sorted_pairs = out.cpu().double(), aligned[0].cpu().long()
+    total = int(aligned[2].item())
+    pairs = sorted_pairs[:total]
+    is_pair = pairs < tokens * top_k
+    assert (out[:total][~is_pair] == 7.0).all() and (out[total:] == 7.0).all()
+    token, expert = pairs[is_pair] // top_k, ids.cpu().flatten().long()[pairs[is_pair]]
+    gate_up = torch.einsum("ph,pnh->pn", cpu64(x)[token], cpu64(w13)[expert])
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    check(out[:total][is_pair], gate * torch.sigmoid(gate) * up, torch.float32)
+
+
 @triton.jit
 def _tile_coordinates_probe(out_ptr, first, blocks_m, blocks_n, GROUP_M: tl.constexpr):
     # Elementwise over 256 tile indices from ``first``: the helper's scalar arithmetic, vectorised.

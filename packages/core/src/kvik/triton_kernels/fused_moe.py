@@ -940,6 +940,14 @@ def grouped_gemm(
     ``moe_down_tma``."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
+    # The pairs: each is a row of A once a_row_div is applied, and the padding slots hold this
+    # count, which the kernel tells from a pair by it. Not out's rows: out_by_slot's out has a
+    # row per slot, and with that count a padding slot passed for a pair of a token one past A's
+    # end (read out of bounds: an H100's illegal memory access, docs/benchmarks.md, the
+    # forty-ninth session).
+    num_pairs = a.shape[0] * a_row_div
+    if not out_by_slot and out.shape[0] != num_pairs:
+        raise ValueError(f"out has {out.shape[0]} rows for {num_pairs} pairs")
     if one_token is not None:
         blocks = top_k
         sorted_pairs = block_expert = total = out  # not read
@@ -963,7 +971,7 @@ def grouped_gemm(
         a_scale, w_scale, logits, ids,
         out if sum_last is None else sum_last.out,
         out if counters is None else counters,
-        out.shape[0], blocks, n, k, num_experts,
+        num_pairs, blocks, n, k, num_experts,
         0 if zero_counters is None else zero_counters.numel(),
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scale_strides,
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None and not route,
@@ -971,8 +979,7 @@ def grouped_gemm(
         PAIRED=bool(gated and config.paired),
         **step_constexprs(
             one_token is not None, gated, sum_last is not None, zero_counters is not None, top_k,
-            num_experts, one_token is not None and one_token.renormalize,
-            out.shape[0] // top_k,
+            num_experts, one_token is not None and one_token.renormalize, num_pairs // top_k,
         ),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, HALF_ROWS=bool(config.half_rows) and one_token is None,
