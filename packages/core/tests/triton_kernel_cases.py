@@ -1411,7 +1411,7 @@ def test_tma_down_tiles_past_the_last_stay_in_the_grid(blocks_m, blocks_n, group
 def test_tma_down_comes_from_the_row_and_is_forced_for_bf16_only(monkeypatch) -> None:
     """``use_tma_down``: a down row's ``tma`` asks for the TMA form with either kind of experts,
     ``KVIK_MOE_TMA=1`` forces it for bf16/fp16 experts only (its block-FP8 form faulted on an
-    H100: docs/benchmarks.md, the forty-eighth session) and ``0`` never runs it."""
+    H100, its fix not yet run on a GPU: ``use_tma_down``) and ``0`` never runs it."""
     from kvik.triton_kernels import fused_moe as fused_moe_module
 
     up = MoeConfig(32, 64, 64, 1, 4, 2)

@@ -15,8 +15,9 @@ bench/moe_gpu.py for bf16 experts; block-FP8 rows through explicit configuration
 tuner's --try, since ``1`` does not force block FP8): the tuner times each GEMM apart, the down
 GEMM in its pointer form only. No
 row sets it: on an H100 it gained 2-8% at 8192 tokens and block FP8 at 4096 with wider tiles
-than the pointer form's, lost at bf16 4096, and its block-FP8 form faulted in one process
-(``kvik.triton_kernels.fused_moe.use_tma_down``; docs/benchmarks.md, the forty-eighth session).
+than the pointer form's, lost at bf16 4096, and its block-FP8 form faulted: a read past the
+activations in the gate/up GEMM storing by slot, found in the forty-ninth session and fixed, the
+fix not yet run on a GPU (``kvik.triton_kernels.fused_moe.use_tma_down``; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1008,10 +1008,13 @@ def use_tma_down(
     ``down_tma_fits``, and the device has TMA.
 
     Why not block FP8 under ``KVIK_MOE_TMA=1``: on an H100 the block-FP8 form faulted (illegal
-    memory access) at 8192 tokens in ``bench/moe_gpu.py``'s run of four cases in one process,
-    twice, with and without clamping its row blocks, while the same tiles ran right in a process
-    of their own (docs/benchmarks.md, the forty-eighth session). Until that is understood only
-    configurations given explicitly (the kernel cases, the tuner) run it; no table row asks."""
+    memory access) at 8192 tokens (docs/benchmarks.md, the forty-eighth session). The cause,
+    found with compute-sanitizer in the forty-ninth: the gate/up GEMM storing by slot counted
+    pairs by out's rows, so a padding slot passed for a pair of a token one past A's end and
+    its row was read (in bf16 too, where the read landed inside a neighbouring allocation);
+    ``grouped_gemm`` now counts pairs from A. That fix has not yet run on a GPU, so until it
+    has only configurations given explicitly (the kernel cases, the tuner) run the block-FP8
+    form; no table row asks for either."""
     from kvik.triton_kernels.fused_moe_tma import down_tma_fits, tma_supported
 
     forced = TMA_DOWN == "1" and not block_fp8
