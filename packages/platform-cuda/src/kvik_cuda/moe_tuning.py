@@ -13,11 +13,11 @@ sm90 take half_rows from an H100's A/B of the whole op (2.7% and 1.0% faster; do
 the tuner sweeps it. ``tma`` comes from A/Bs of the whole op too (``KVIK_MOE_TMA=0``/``1`` with
 bench/moe_gpu.py for bf16 experts; block-FP8 rows through explicit configurations, such as the
 tuner's --try, since ``1`` does not force block FP8): the tuner times each GEMM apart, the down
-GEMM in its pointer form only. No
-row sets it: on an H100 it gained 2-8% at 8192 tokens and block FP8 at 4096 with wider tiles
-than the pointer form's, lost at bf16 4096, and its block-FP8 form faulted: a read past the
-activations in the gate/up GEMM storing by slot, found in the forty-ninth session and fixed, the
-fix not yet run on a GPU (``kvik.triton_kernels.fused_moe.use_tma_down``; docs/benchmarks.md).
+GEMM in its pointer form only. No row sets it: on an H100 it gained 2-8% at 8192 tokens and
+block FP8 at 4096 with wider tiles than the pointer form's, lost at bf16 4096, and its block-FP8
+form faulted: a read past the activations in the gate/up GEMM storing by slot, found in the
+forty-ninth session and fixed, the fix not yet run on a GPU
+(``kvik.triton_kernels.fused_moe.use_tma_down``; docs/benchmarks.md).
 """
 
 from __future__ import annotations
