@@ -1408,25 +1408,25 @@ def test_tma_down_tiles_past_the_last_stay_in_the_grid(blocks_m, blocks_n, group
     assert all(0 <= m < max(blocks_m, 1) and 0 <= n < blocks_n for m, n in got)
 
 
-def test_tma_down_comes_from_the_row_and_is_forced_for_bf16_only(monkeypatch) -> None:
-    """``use_tma_down``: a down row's ``tma`` asks for the TMA form with either kind of experts,
-    ``KVIK_MOE_TMA=1`` forces it for bf16/fp16 experts only (its block-FP8 form faulted on an
-    H100, its fix not yet run on a GPU: ``use_tma_down``) and ``0`` never runs it."""
+def test_tma_down_comes_from_the_row_or_is_forced(monkeypatch) -> None:
+    """``use_tma_down``: a down row's ``tma`` asks for the TMA form, ``KVIK_MOE_TMA=1`` forces it
+    and ``0`` never runs it; a one-token step, or gate/up rows of another block_m, never do."""
     from kvik.triton_kernels import fused_moe as fused_moe_module
 
-    up = MoeConfig(32, 64, 64, 1, 4, 2)
+    up, wider_up = MoeConfig(32, 64, 64, 1, 4, 2), MoeConfig(64, 64, 64, 1, 4, 2)
     plain, asks = MoeConfig(32, 64, 64, 1, 4, 2), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1)
     hidden = torch.empty(20, 256, dtype=torch.bfloat16, device=DEVICE)
     w2 = torch.empty(8, 256, 128, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setattr("kvik.triton_kernels.fused_moe_tma.tma_supported", lambda device: True)
 
-    def chosen(setting: str, down: MoeConfig, block_fp8: bool) -> bool:
+    def chosen(setting: str, down: MoeConfig, tokens: int = 20, up: MoeConfig = up) -> bool:
         monkeypatch.setattr(fused_moe_module, "TMA_DOWN", setting)
-        return fused_moe_module.use_tma_down(up, down, hidden, w2, 20, block_fp8)
+        return fused_moe_module.use_tma_down(up, down, hidden, w2, tokens)
 
-    assert chosen("table", asks, False) and chosen("table", asks, True)
-    assert not chosen("table", plain, False) and not chosen("table", plain, True)
-    assert chosen("1", plain, False) and not chosen("1", plain, True)
-    assert not chosen("0", asks, False) and not chosen("0", asks, True)
+    assert chosen("table", asks) and not chosen("table", plain)
+    assert chosen("1", plain) and chosen("1", asks)
+    assert not chosen("0", asks) and not chosen("0", plain)
+    assert not chosen("table", asks, tokens=1) and not chosen("1", plain, up=wider_up)
 
 
 def test_fused_moe_without_tokens() -> None:

@@ -365,6 +365,8 @@ def test_moe_table_rows_take_optional_swap_paired_and_half_rows_entries(tmp_path
         for config in (c for pair in rows.values() for c in pair):
             assert not config.swap_ab or (config.block_m <= 32 and config.block_n % 64 == 0)
             assert not config.half_rows or config.block_m >= 64
+        # use_tma_down passes over a tma row whose gate/up GEMM aligns to another block_m.
+        assert all(not down.tma or up.block_m == down.block_m for up, down in rows.values())
     script = Path(__file__).with_name("tune_fused_moe.py")
     spec = importlib.util.spec_from_file_location("tune_fused_moe", script)
     tune = importlib.util.module_from_spec(spec)

@@ -10,14 +10,12 @@ an expert's last row block multiplied as half a block where its second half is p
 ``MoeConfig`` has them, and last ``tma`` (the down row's 1: the down GEMM persistent with TMA
 loads, the gate/up output stored in the aligned order). The bf16 rows for 4096 and 8192 tokens on
 sm90 take half_rows from an H100's A/B of the whole op (2.7% and 1.0% faster; docs/benchmarks.md);
-the tuner sweeps it. ``tma`` comes from A/Bs of the whole op too (``KVIK_MOE_TMA=0``/``1`` with
-bench/moe_gpu.py for bf16 experts; block-FP8 rows through explicit configurations, such as the
-tuner's --try, since ``1`` does not force block FP8): the tuner times each GEMM apart, the down
-GEMM in its pointer form only. No row sets it: on an H100 it gained 2-8% at 8192 tokens and
-block FP8 at 4096 with wider tiles than the pointer form's, lost at bf16 4096, and its block-FP8
-form faulted: a read past the activations in the gate/up GEMM storing by slot, found in the
-forty-ninth session and fixed, the fix not yet run on a GPU
-(``kvik.triton_kernels.fused_moe.use_tma_down``; docs/benchmarks.md).
+the tuner sweeps it. ``tma`` comes from A/Bs of the whole op
+(``KVIK_MOE_TMA=table``/``1`` against ``0`` with bench/moe_gpu.py; the tuner times each GEMM
+apart, the down GEMM in its pointer form only). On an H200 (the fiftieth session) the TMA form
+took 3-7% off the bf16 op at 2048, 4096, 4608 and 8192 tokens and 2-3% off block FP8's at 4096
+and 8192 with wider down tiles than the pointer form's; those sm90 rows set it. (On an H100 the
+bf16 4096 row lost with it; the table follows the H200. docs/benchmarks.md.)
 """
 
 from __future__ import annotations

@@ -989,36 +989,26 @@ def grouped_gemm(
 
 
 #: ``KVIK_MOE_TMA``: "table" (the default) takes each down configuration's ``tma``; "0" never
-#: runs ``moe_down_tma``, "1" runs it wherever it can with bf16/fp16 experts (A/B switches for
-#: timing, read at import).
+#: runs ``moe_down_tma``, "1" runs it wherever it can (A/B switches for timing, read at import).
 TMA_DOWN = os.environ.get("KVIK_MOE_TMA", "table")
 
 
 def use_tma_down(
-    up_config: MoeConfig,
-    down_config: MoeConfig,
-    hidden: Tensor,
-    w2: Tensor,
-    tokens: int,
-    block_fp8: bool = False,
+    up_config: MoeConfig, down_config: MoeConfig, hidden: Tensor, w2: Tensor, tokens: int
 ) -> bool:
     """Whether the step's down GEMM runs as ``moe_down_tma`` (the gate/up GEMM then stores its
-    output in the aligned order): where the configuration asks (or ``KVIK_MOE_TMA=1``, not for
-    block-FP8 experts), the step is not a one-token step, both GEMMs align to the same block_m,
-    ``down_tma_fits``, and the device has TMA.
+    output in the aligned order): where the configuration asks (or ``KVIK_MOE_TMA=1``), the step
+    is not a one-token step, both GEMMs align to the same block_m, ``down_tma_fits``, and the
+    device has TMA.
 
-    Why not block FP8 under ``KVIK_MOE_TMA=1``: on an H100 the block-FP8 form faulted (illegal
-    memory access) at 8192 tokens (docs/benchmarks.md, the forty-eighth session). The cause,
-    found with compute-sanitizer in the forty-ninth: the gate/up GEMM storing by slot counted
-    pairs by out's rows, so a padding slot passed for a pair of a token one past A's end and
-    its row was read (in bf16 too, where the read landed inside a neighbouring allocation);
-    ``grouped_gemm`` now counts pairs from A. That fix has not yet run on a GPU, so until it
-    has only configurations given explicitly (the kernel cases, the tuner) run the block-FP8
-    form; no table row asks for either."""
+    The block-FP8 form once faulted (illegal memory access) at 8192 tokens on an H100: the
+    gate/up GEMM storing by slot counted pairs by out's rows, so a padding slot passed for a pair
+    of a token one past A's end and its row was read (in bf16 too, where the read landed inside a
+    neighbouring allocation). ``grouped_gemm`` counts pairs from A since; the sequence that
+    faulted ran clean on an H200 with it (docs/benchmarks.md, the fiftieth session)."""
     from kvik.triton_kernels.fused_moe_tma import down_tma_fits, tma_supported
 
-    forced = TMA_DOWN == "1" and not block_fp8
-    wanted = forced or (TMA_DOWN == "table" and bool(down_config.tma))
+    wanted = TMA_DOWN == "1" or (TMA_DOWN == "table" and bool(down_config.tma))
     return (
         wanted
         and tokens > 1
@@ -1067,7 +1057,7 @@ def _experts(
     else:
         weights, ids, counts = route_and_count(router_logits, top_k, renormalize)
         aligned = align_to_blocks(ids, experts, up_config.block_m, counts)
-    tma_down = use_tma_down(up_config, down_config, hidden, w2, tokens, fp8_scales is not None)
+    tma_down = use_tma_down(up_config, down_config, hidden, w2, tokens)
     sum_last = None
     if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS and not tma_down:
         sum_last = SumInLastProgram(
