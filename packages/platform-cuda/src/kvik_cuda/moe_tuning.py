@@ -8,9 +8,9 @@ own (the largest row past the end). Each row gives the gate/up and the down GEMM
 (1: tiles computed transposed), ``paired`` (1: gate and up as one product) and ``half_rows`` (1:
 an expert's last row block multiplied as half a block where its second half is padding), as
 ``MoeConfig`` has them, and last ``tma`` (the down row's 1: the down GEMM persistent with TMA
-loads, the gate/up output stored in the aligned order). The bf16 rows for 4096 and 8192 tokens on
-sm90 take half_rows from an H100's A/B of the whole op (2.7% and 1.0% faster; docs/benchmarks.md);
-the tuner sweeps it. ``tma`` comes from A/Bs of the whole op
+loads, the gate/up output stored in the aligned order). The bf16 gate/up rows for 4096 and 8192
+tokens on sm90 (and 4096's down row) take half_rows from an H100's A/B of the whole op (2.7% and
+1.0% faster; docs/benchmarks.md); the tuner sweeps it. ``tma`` comes from A/Bs of the whole op
 (``KVIK_MOE_TMA=table``/``1`` against ``0`` with bench/moe_gpu.py; the tuner times each GEMM
 apart, the down GEMM in its pointer form only). On an H200 (the fiftieth session) the TMA form
 took 3-7% off the bf16 op at 2048, 4096, 4608 and 8192 tokens and 2-3% off block FP8's at 4096
