@@ -241,15 +241,20 @@ def test_fused_moe_fp8_block(dtype, tokens, experts, hidden, inter, top_k, renor
         (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 1, 1), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 1))),
         (20, (MoeConfig(16, 64, 128, 2, 4, 2, 0, 1), MoeConfig(16, 64, 64, 2, 4, 2, 0, 0, 0, 1))),
         (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 1, 1), MoeConfig(32, 64, 128, 1, 4, 2, 0, 0, 0, 1))),
+        (20, (MoeConfig(16, 64, 64, 2, 4, 2, 0, 1, 0, 1), MoeConfig(32, 64, 64, 1, 4, 2))),
+        (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 0, 0, 1), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1))),
     ],
     ids=["grouped", "swapped", "swapped-one-token", "paired", "swapped-paired", "half-rows",
-         "tma", "tma-half-rows"],
+         "tma", "tma-half-rows", "tma-gate-up", "tma-both"],
 )  # fmt: skip
 def test_fused_moe_fp8_block_with_other_tiles(tokens, configs) -> None:
     """Row blocks swept in groups, K steps of 64 (two a scale group), the down GEMM on row
     blocks of another height, tiles computed transposed (swap_ab: the weight rows on the MMA's
     M side), gate and up as one product (paired: their block scales interleaved too), and the
-    down GEMM persistent with TMA loads of the gate/up output in the aligned order (tma)."""
+    down GEMM persistent with TMA loads of the gate/up output in the aligned order (tma), and
+    the gate/up GEMM persistent with its weight tiles and their block scales by gate and up row
+    (tma in the gate/up row; N = 128 is one scale block, so the up tiles' scales are the next
+    block row's)."""
     experts, hidden, inter, top_k = 8, 256, 128, 3
     x = torch.randn(tokens, hidden).to(DEVICE)
     logits = torch.randn(tokens, experts).to(DEVICE)

@@ -61,7 +61,10 @@ from kvik.triton_kernels.fused_moe import (  # noqa: E402
     moe_sum_kernel,
     step_constexprs,
 )
-from kvik.triton_kernels.fused_moe_tma import moe_down_tma_kernel  # noqa: E402
+from kvik.triton_kernels.fused_moe_tma import (  # noqa: E402
+    moe_down_tma_kernel,
+    moe_gate_up_tma_kernel,
+)
 from kvik.triton_kernels.gemv import GemvConfig, gemv_kernel  # noqa: E402
 from kvik.triton_kernels.kv_cache import (  # noqa: E402
     reshape_and_cache_config,
@@ -728,6 +731,51 @@ def test_fused_moe_down_tma(arch: str, tokens: int, dtype: torch.dtype) -> None:
         num_warps=up.num_warps,
         num_stages=up.num_stages,
     )
+
+
+@pytest.mark.parametrize("arch", [arch for arch in MOE_ARCHS if arch.startswith("sm")])
+@pytest.mark.parametrize("tokens", [4096, 8192])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("out_by_slot", [False, True], ids=["by-pair", "by-slot"])
+def test_fused_moe_gate_up_tma(arch: str, tokens: int, dtype, out_by_slot: bool) -> None:
+    """The persistent gate/up GEMM with TMA weight loads (``moe_gate_up_tma``) at Qwen3-30B-A3B's
+    prefill sizes with the table's gate/up tiles, storing per pair or in the aligned order (for
+    the TMA down GEMM): it builds, within the shared memory, on TMA's bulk tensor copies and, on
+    Hopper, wgmma."""
+    experts, inter, hidden, top_k = 128, 768, 2048, 8
+    fp8 = dtype == torch.float8_e4m3fn
+    up, _ = moe_chooser(arch)(arch, tokens, experts, inter, hidden, top_k, dtype)
+    operand = TRITON_TYPES[dtype]
+    signature = types(
+        moe_gate_up_tma_kernel, torch.bfloat16, a_ptr=f"*{operand}", sorted_ptr="*i32",
+        block_expert_ptr="*i32", total_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+        w_desc=f"tensordesc<{operand}[{up.block_n}, {up.block_k}]>",
+    )  # fmt: skip
+    ints = {"N": inter, "K": hidden, "stride_am": hidden, "stride_om": inter,
+            "stride_asm": 16 if fp8 else 0, "stride_wse": 12 * 16 if fp8 else 0,
+            "stride_wsn": 16 if fp8 else 0}  # fmt: skip
+    compiled = compiled_ok(
+        moe_gate_up_tma_kernel,
+        arch,
+        aligned=launch_aligned(moe_gate_up_tma_kernel, **ints),
+        types=signature,
+        constexprs={
+            "A_ROW_DIV": top_k,
+            "FP8_BLOCK": fp8,
+            "OUT_BY_SLOT": out_by_slot,
+            "EVEN_K": hidden % up.block_k == 0,
+            "BLOCK_M": up.block_m,
+            "BLOCK_N": up.block_n,
+            "BLOCK_K": up.block_k,
+            "GROUP_M": up.group_m,
+        },  # fmt: skip
+        num_warps=up.num_warps,
+        num_stages=up.num_stages,
+    )
+    ptx = compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in ptx
+    if arch == "sm90":
+        assert "wgmma.mma_async" in ptx
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

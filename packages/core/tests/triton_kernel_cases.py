@@ -48,7 +48,7 @@ from kvik.triton_kernels.fused_moe import (
     route_and_count,
     routing_rows,
 )
-from kvik.triton_kernels.fused_moe_tma import _tile_coordinates
+from kvik.triton_kernels.fused_moe_tma import _tile_coordinates, moe_gate_up_tma
 from kvik.triton_kernels.gemv import GemvConfig, OneRowLinear, gemv
 from kvik.triton_kernels.kv_cache import reshape_and_cache
 from kvik.triton_kernels.paged_attention import num_kv_splits, paged_attention
@@ -1316,17 +1316,22 @@ def test_fused_moe(dtype, tokens, experts, hidden, inter, top_k, renormalize, un
         (MoeConfig(32, 32, 32, 2, 4, 2, 0, 1, 1), MoeConfig(64, 32, 32, 1, 4, 2, 1, 0, 1)),
         (MoeConfig(16, 32, 32, 2, 4, 2), MoeConfig(16, 32, 32, 2, 4, 2, 0, 0, 0, 1)),
         (MoeConfig(32, 32, 32, 4, 4, 2, 0, 1, 1), MoeConfig(32, 32, 64, 1, 4, 2, 0, 0, 0, 1)),
+        (MoeConfig(32, 16, 32, 2, 4, 2, 0, 1, 1, 1), MoeConfig(16, 16, 64, 2, 4, 2)),
+        (MoeConfig(32, 16, 64, 4, 4, 2, 0, 0, 0, 1), MoeConfig(32, 32, 32, 1, 4, 2, 0, 0, 0, 1)),
     ],
     ids=["grouped", "tall", "swapped", "paired", "swapped-paired", "half-rows",
-         "half-rows-paired-swapped", "tma", "tma-half-rows-paired"],
+         "half-rows-paired-swapped", "tma", "tma-half-rows-paired", "tma-gate-up",
+         "tma-both"],
 )  # fmt: skip
 def test_fused_moe_with_other_tiles(configs) -> None:
     """Row blocks swept in groups, the down GEMM on row blocks of another height (the pairs
     aligned twice), tiles computed transposed (swap_ab), gate and up as one product (paired),
     an expert's last row block multiplied as half a block where its second half is padding
-    (half_rows), and the down GEMM persistent with TMA loads of the gate/up output stored in the
-    aligned order (tma; its padding rows poisoned on the GPU), as the platforms' configurations
-    do."""
+    (half_rows), the down GEMM persistent with TMA loads of the gate/up output stored in the
+    aligned order (tma; its padding rows poisoned on the GPU), and the gate/up GEMM persistent
+    with its weights by TMA (tma in the gate/up row, which passes over its paired and half_rows;
+    alone, and storing in the aligned order for the TMA down GEMM), as the platforms'
+    configurations do."""
     tokens, experts, hidden, inter, top_k = (
         (40, 16, 96, 48, 4) if not ON_GPU else (300, 64, 1024, 512, 6)
     )
@@ -1348,8 +1353,8 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     check(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("paired", [0, 1])
-def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired: int) -> None:
+@pytest.mark.parametrize("paired,tma", [(0, 0), (1, 0), (0, 1)])
+def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired, tma) -> None:
     """The gate/up GEMM storing at aligned slots (``out_by_slot``, for ``moe_down_tma``): each
     pair's SiLU-and-mul row lands at its slot, the padding slots stay unwritten, and no row of A
     past the tokens is read. A padding slot holds the pair count, the index of a pair one token
@@ -1358,6 +1363,8 @@ def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired: in
     whose next row is NaN, which would reach the padding slots."""
     tokens, experts, hidden, inter, top_k = 21, 6, 64, 32, 3
     config = MoeConfig(16, 32, 32, 1, 4, 2, 0, paired)
+    if tma:  # moe_gate_up_tma: weight tiles by TMA, a tile's N within one expert's gate rows
+        config = MoeConfig(16, 16, 32, 1, 4, 2, 0, 0, 0, 1)
     storage = randn(tokens + 1, hidden)
     storage[tokens] = float("nan")
     x = storage[:tokens]
@@ -1366,7 +1373,12 @@ def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired: in
     aligned = align_to_blocks(ids, experts, config.block_m)
     slots = aligned[1].shape[0] * config.block_m
     out = torch.full((slots, inter), 7.0, device=DEVICE)
-    grouped_gemm(x, w13, out, aligned, None, top_k, True, config, top_k=top_k, out_by_slot=True)
+    if tma:
+        moe_gate_up_tma(x, w13, out, aligned, top_k, config, out_by_slot=True)
+    else:
+        grouped_gemm(
+            x, w13, out, aligned, None, top_k, True, config, top_k=top_k, out_by_slot=True
+        )
     out, sorted_pairs = out.cpu().double(), aligned[0].cpu().long()
     total = int(aligned[2].item())
     pairs = sorted_pairs[:total]
@@ -1427,6 +1439,46 @@ def test_tma_down_comes_from_the_row_or_is_forced(monkeypatch) -> None:
     assert chosen("1", plain) and chosen("1", asks)
     assert not chosen("0", asks) and not chosen("0", plain)
     assert not chosen("table", asks, tokens=1) and not chosen("1", plain, up=wider_up)
+
+
+def test_tma_gate_up_comes_from_the_row_or_is_forced(monkeypatch) -> None:
+    """``use_tma_gate_up``: a gate/up row's ``tma`` asks for ``moe_gate_up_tma``,
+    ``KVIK_MOE_TMA_UP=1`` forces it and ``0`` never runs it; a one-token step never does (it
+    routes inside the pointer form), nor tiles whose block_n does not divide the experts' N."""
+    from kvik.triton_kernels import fused_moe as fused_moe_module
+
+    plain, asks = MoeConfig(32, 64, 64, 1, 4, 2), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1)
+    too_wide = MoeConfig(32, 256, 64, 1, 4, 2, 0, 0, 0, 1)
+    hidden = torch.empty(20, 256, dtype=torch.bfloat16, device=DEVICE)
+    w13 = torch.empty(8, 2 * 192, 256, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setattr("kvik.triton_kernels.fused_moe_tma.tma_supported", lambda device: True)
+
+    def chosen(setting: str, up: MoeConfig, tokens: int = 20) -> bool:
+        monkeypatch.setattr(fused_moe_module, "TMA_UP", setting)
+        return fused_moe_module.use_tma_gate_up(up, hidden, w13, tokens)
+
+    assert chosen("table", asks) and not chosen("table", plain)
+    assert chosen("1", plain) and chosen("1", asks)
+    assert not chosen("0", asks) and not chosen("0", plain)
+    assert not chosen("table", asks, tokens=1) and not chosen("1", too_wide)
+
+
+def test_fused_moe_with_tma_gate_up_at_two_tokens(monkeypatch) -> None:
+    """Two tokens, the gate/up GEMM's TMA form forced: a step that would add its top-k rows in
+    the down GEMM's last programs (SUM_LAST, whose counters the pointer form of the gate/up GEMM
+    zeroes) sums in its own launch instead, and matches the reference."""
+    from kvik.triton_kernels import fused_moe as fused_moe_module
+
+    monkeypatch.setattr(fused_moe_module, "TMA_UP", "1")
+    tokens, experts, hidden, inter, top_k = 2, 8, 64, 32, 3
+    x = randn(tokens, hidden)
+    logits = router_logits(tokens, experts, 0, torch.float32)
+    w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
+    w2 = randn(experts, hidden, inter) * inter**-0.5
+    config = MoeConfig(16, 16, 32, 1, 4, 2)
+    out = fused_moe(x, logits, w13, w2, top_k, True, (config, config))
+    ref = ops._fused_moe(cpu64(x), cpu64(logits), cpu64(w13), cpu64(w2), top_k, True)
+    check(out, ref, torch.float32)
 
 
 def test_fused_moe_without_tokens() -> None:

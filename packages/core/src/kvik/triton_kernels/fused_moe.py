@@ -80,10 +80,11 @@ class MoeConfig:
     #: block_m / 2 pairs) multiplies its first half alone (``moe_gemm_kernel``'s HALF_ROWS).
     #: A table row's ninth entry.
     half_rows: int = 0
-    #: 1 (read from the down GEMM's configuration): the gate/up GEMM stores its output in the
-    #: aligned order and the down GEMM runs persistent with TMA loads
-    #: (``kvik.triton_kernels.fused_moe_tma``), on GPUs with TMA and where both GEMMs take the same
-    #: block_m; otherwise ignored. A table row's tenth entry.
+    #: 1 in the down GEMM's configuration: the gate/up GEMM stores its output in the aligned
+    #: order and the down GEMM runs persistent with TMA loads (``kvik.triton_kernels.fused_moe_tma``),
+    #: on GPUs with TMA and where both GEMMs take the same block_m. 1 in the gate/up GEMM's: that
+    #: GEMM runs persistent with the weights loaded by TMA (``moe_gate_up_tma``; swap_ab, paired
+    #: and half_rows do not apply to it). Otherwise ignored. A table row's tenth entry.
     tma: int = 0
 
     def __post_init__(self) -> None:
@@ -989,8 +990,10 @@ def grouped_gemm(
 
 
 #: ``KVIK_MOE_TMA``: "table" (the default) takes each down configuration's ``tma``; "0" never
-#: runs ``moe_down_tma``, "1" runs it wherever it can (A/B switches for timing, read at import).
+#: runs ``moe_down_tma``, "1" runs it wherever it can. ``KVIK_MOE_TMA_UP``: the same for the
+#: gate/up GEMM's ``moe_gate_up_tma``. A/B switches for timing, read at import.
 TMA_DOWN = os.environ.get("KVIK_MOE_TMA", "table")
+TMA_UP = os.environ.get("KVIK_MOE_TMA_UP", "table")
 
 
 def use_tma_down(
@@ -1014,6 +1017,21 @@ def use_tma_down(
         and tokens > 1
         and up_config.block_m == down_config.block_m
         and down_tma_fits(w2.shape[1], w2.shape[2], w2.element_size(), down_config)
+        and tma_supported(hidden.device)
+    )
+
+
+def use_tma_gate_up(up_config: MoeConfig, hidden: Tensor, w13: Tensor, tokens: int) -> bool:
+    """Whether the step's gate/up GEMM runs as ``moe_gate_up_tma``: where its configuration asks
+    (or ``KVIK_MOE_TMA_UP=1``), the step is not a one-token step (those route inside the GEMM),
+    ``gate_up_tma_fits``, and the device has TMA."""
+    from kvik.triton_kernels.fused_moe_tma import gate_up_tma_fits, tma_supported
+
+    wanted = TMA_UP == "1" or (TMA_UP == "table" and bool(up_config.tma))
+    return (
+        wanted
+        and tokens > 1
+        and gate_up_tma_fits(w13.shape[1] // 2, w13.shape[2], w13.element_size(), up_config)
         and tma_supported(hidden.device)
     )
 
@@ -1058,8 +1076,11 @@ def _experts(
         weights, ids, counts = route_and_count(router_logits, top_k, renormalize)
         aligned = align_to_blocks(ids, experts, up_config.block_m, counts)
     tma_down = use_tma_down(up_config, down_config, hidden, w2, tokens)
+    tma_up = use_tma_gate_up(up_config, hidden, w13, tokens)
     sum_last = None
-    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS and not tma_down:
+    # SUM_LAST's counters are zeroed by the pointer form of the gate/up GEMM, and summed by the
+    # pointer form of the down GEMM.
+    if top_k > 1 and tokens <= SUM_LAST_MAX_TOKENS and not (tma_down or tma_up):
         sum_last = SumInLastProgram(
             torch.empty(tokens, size, dtype=hidden.dtype, device=device),
             torch.empty(triton.cdiv(size, down_config.block_n), dtype=torch.int32, device=device),
@@ -1071,11 +1092,16 @@ def _experts(
     # With tma_down, the gate/up output in the aligned order: a row per slot, padding included.
     act_rows = aligned[1].shape[0] * up_config.block_m if tma_down else num_pairs
     act = torch.empty(act_rows, inter, dtype=hidden.dtype, device=device)
-    grouped_gemm(
-        a, w13, act, aligned, None, top_k, True, up_config, up_scales, top_k=top_k,
-        one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
-        out_by_slot=tma_down,
-    )  # fmt: skip
+    if tma_up:  # never a one-token step
+        from kvik.triton_kernels.fused_moe_tma import moe_gate_up_tma
+
+        moe_gate_up_tma(a, w13, act, aligned, top_k, up_config, up_scales, out_by_slot=tma_down)
+    else:
+        grouped_gemm(
+            a, w13, act, aligned, None, top_k, True, up_config, up_scales, top_k=top_k,
+            one_token=one_token, zero_counters=None if sum_last is None else sum_last.counters,
+            out_by_slot=tma_down,
+        )  # fmt: skip
     if aligned is not None and down_config.block_m != up_config.block_m:
         aligned = align_to_blocks(ids, experts, down_config.block_m, counts)
     if fp8_scales is not None:
