@@ -1376,9 +1376,7 @@ def test_gate_up_by_slot_reads_only_the_tokens_and_leaves_the_padding(paired, tm
     if tma:
         moe_gate_up_tma(x, w13, out, aligned, top_k, config, out_by_slot=True)
     else:
-        grouped_gemm(
-            x, w13, out, aligned, None, top_k, True, config, top_k=top_k, out_by_slot=True
-        )
+        grouped_gemm(x, w13, out, aligned, None, top_k, True, config, top_k=top_k, out_by_slot=True)
     out, sorted_pairs = out.cpu().double(), aligned[0].cpu().long()
     total = int(aligned[2].item())
     pairs = sorted_pairs[:total]
