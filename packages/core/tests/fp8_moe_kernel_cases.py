@@ -242,7 +242,7 @@ def test_fused_moe_fp8_block(dtype, tokens, experts, hidden, inter, top_k, renor
         (20, (MoeConfig(16, 64, 128, 2, 4, 2, 0, 1), MoeConfig(16, 64, 64, 2, 4, 2, 0, 0, 0, 1))),
         (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 1, 1), MoeConfig(32, 64, 128, 1, 4, 2, 0, 0, 0, 1))),
         (20, (MoeConfig(16, 64, 64, 2, 4, 2, 0, 1, 0, 1), MoeConfig(32, 64, 64, 1, 4, 2))),
-        (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 0, 0, 1), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1))),
+        (20, (MoeConfig(32, 64, 128, 2, 4, 2, 0, 0, 1, 1), MoeConfig(32, 64, 64, 1, 4, 2, 0, 0, 0, 1))),
     ],
     ids=["grouped", "swapped", "swapped-one-token", "paired", "swapped-paired", "half-rows",
          "tma", "tma-half-rows", "tma-gate-up", "tma-both"],

@@ -768,6 +768,7 @@ def test_fused_moe_gate_up_tma(arch: str, tokens: int, dtype, out_by_slot: bool)
             "BLOCK_N": up.block_n,
             "BLOCK_K": up.block_k,
             "GROUP_M": up.group_m,
+            "HALF_ROWS": bool(up.half_rows),
         },  # fmt: skip
         num_warps=up.num_warps,
         num_stages=up.num_stages,

@@ -83,8 +83,8 @@ class MoeConfig:
     #: 1 in the down GEMM's configuration: the gate/up GEMM stores its output in the aligned
     #: order and the down GEMM runs persistent with TMA loads (``kvik.triton_kernels.fused_moe_tma``),
     #: on GPUs with TMA and where both GEMMs take the same block_m. 1 in the gate/up GEMM's: that
-    #: GEMM runs persistent with the weights loaded by TMA (``moe_gate_up_tma``; swap_ab, paired
-    #: and half_rows do not apply to it). Otherwise ignored. A table row's tenth entry.
+    #: GEMM runs persistent with the weights loaded by TMA (``moe_gate_up_tma``, with its half_rows;
+    #: swap_ab and paired do not apply to it). Otherwise ignored. A table row's tenth entry.
     tma: int = 0
 
     def __post_init__(self) -> None:

@@ -114,6 +114,68 @@ def moe_down_tma_kernel(
 
 
 @triton.jit
+def _gate_up_tile(
+    a_ptr,
+    w_desc,
+    out_ptr,
+    a_scale_ptr,
+    w_scale_ptr,
+    expert,
+    pair,
+    slots,
+    pid_n,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_om,
+    stride_asm,
+    stride_wse,
+    stride_wsn,
+    A_ROW_DIV: tl.constexpr,
+    FP8_BLOCK: tl.constexpr,
+    OUT_BY_SLOT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M pairs, BLOCK_N columns] tile of ``moe_gate_up_tma_kernel``: the pairs' rows
+    of A by pointer loads (padding slots read row 0 and are never stored), the expert's gate
+    and up tiles by TMA, ``silu(gate) * up`` stored at the pairs (or OUT_BY_SLOT their slots)."""
+    row_ok = pair < num_pairs
+    a_row = tl.where(row_ok, pair // A_ROW_DIV, 0).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate_row = expert * 2 * N + pid_n * BLOCK_N
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = (ks < K - k * BLOCK_K) | EVEN_K
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        w_gate = w_desc.load([gate_row, k * BLOCK_K])
+        w_up = w_desc.load([gate_row + N, k * BLOCK_K])
+        if FP8_BLOCK:
+            # BLOCK_K divides 128: the step lies in one scale group.
+            group = k * BLOCK_K // 128
+            a_scale = tl.load(a_scale_ptr + a_row * stride_asm + group)[:, None]
+            w_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + group
+            gate_scale = tl.load(w_scales + (cols // 128) * stride_wsn)
+            up_scale = tl.load(w_scales + ((N + cols) // 128) * stride_wsn)
+            acc_gate += tl.dot(a, w_gate.T) * a_scale * gate_scale[None, :]
+            acc_up += tl.dot(a, w_up.T) * a_scale * up_scale[None, :]
+        else:
+            acc_gate = tl.dot(a, w_gate.T, acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, w_up.T, acc_up, input_precision="ieee")
+        a_ptrs += BLOCK_K
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up
+    out_row = slots if OUT_BY_SLOT else pair
+    out_ptrs = out_ptr + out_row.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
 def moe_gate_up_tma_kernel(
     a_ptr,  # [tokens, K]: the activations, pair p reads row p // A_ROW_DIV
     w_desc,  # [E * 2N, K]: each expert's N gate rows, then its N up rows
@@ -140,51 +202,46 @@ def moe_gate_up_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    HALF_ROWS: tl.constexpr,
 ):
     """out[pair, :N] = silu(A[pair // A_ROW_DIV] @ gate^T) * (A[...] @ up^T) of the pair's
     expert, for every aligned slot holding a pair (``moe_gemm_kernel``'s GATED product, without
-    its SWAP_AB, PAIRED and HALF_ROWS forms). BLOCK_N divides N (the launcher checks), so a
-    weight tile lies in one expert's gate (or up) rows; K's last step is zero-filled by the
-    descriptor and masked in A's loads. Padding slots read A's row 0 and are never stored."""
+    its SWAP_AB and PAIRED forms). BLOCK_N divides N (the launcher checks), so a weight tile lies
+    in one expert's gate (or up) rows; K's last step is zero-filled by the descriptor and masked
+    in A's loads. HALF_ROWS as in ``moe_gemm_kernel``: a row block whose middle slot is padding
+    multiplies its first half alone. The loop over the tiles is flattened (Triton's nested-loop
+    fusion, which overlaps a tile's epilogue with the next one's loads) only without HALF_ROWS,
+    whose two inner loops under a branch it cannot fuse."""
     blocks_n = N // BLOCK_N
     blocks_m = tl.cdiv(tl.load(total_ptr), BLOCK_M)
     tiles = blocks_m * blocks_n
-    ks = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=not HALF_ROWS):
         pid_m, pid_n = _tile_coordinates(tile, blocks_m, blocks_n, GROUP_M)
         # -1 marks row blocks past the rows in use: only a tile computed ahead of time meets one.
         expert = tl.maximum(tl.load(block_expert_ptr + pid_m), 0)
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + slots)
-        row_ok = pair < num_pairs
-        a_row = tl.where(row_ok, pair // A_ROW_DIV, 0).to(tl.int64)
-        a_ptrs = a_ptr + a_row[:, None] * stride_am + ks[None, :]
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate_row = expert * 2 * N + pid_n * BLOCK_N
-        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_ok = (ks < K - k * BLOCK_K) | EVEN_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w_gate = w_desc.load([gate_row, k * BLOCK_K])
-            w_up = w_desc.load([gate_row + N, k * BLOCK_K])
-            if FP8_BLOCK:
-                # BLOCK_K divides 128: the step lies in one scale group.
-                group = k * BLOCK_K // 128
-                a_scale = tl.load(a_scale_ptr + a_row * stride_asm + group)[:, None]
-                w_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + group
-                gate_scale = tl.load(w_scales + (cols // 128) * stride_wsn)
-                up_scale = tl.load(w_scales + ((N + cols) // 128) * stride_wsn)
-                acc_gate += tl.dot(a, w_gate.T) * a_scale * gate_scale[None, :]
-                acc_up += tl.dot(a, w_up.T) * a_scale * up_scale[None, :]
-            else:
-                acc_gate = tl.dot(a, w_gate.T, acc_gate, input_precision="ieee")
-                acc_up = tl.dot(a, w_up.T, acc_up, input_precision="ieee")
-            a_ptrs += BLOCK_K
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-        out_row = slots if OUT_BY_SLOT else pair
-        out_ptrs = out_ptr + out_row.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(out_ptrs, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        first = pid_m * BLOCK_M
+        # A run's pairs fill its first slots, so a block whose middle slot is padding has pairs
+        # in its first half only.
+        half = False
+        if HALF_ROWS:
+            half = tl.load(sorted_ptr + first + BLOCK_M // 2) >= num_pairs
+        if half:
+            # (Names of their own in each branch: Triton refuses a variable of two shapes.)
+            half_slots = first + tl.arange(0, BLOCK_M // 2)
+            _gate_up_tile(
+                a_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, expert,
+                tl.load(sorted_ptr + half_slots), half_slots, pid_n, num_pairs, N, K, stride_am,
+                stride_om, stride_asm, stride_wse, stride_wsn, A_ROW_DIV, FP8_BLOCK,
+                OUT_BY_SLOT, EVEN_K, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
+        else:
+            slots = first + tl.arange(0, BLOCK_M)
+            _gate_up_tile(
+                a_ptr, w_desc, out_ptr, a_scale_ptr, w_scale_ptr, expert,
+                tl.load(sorted_ptr + slots), slots, pid_n, num_pairs, N, K, stride_am,
+                stride_om, stride_asm, stride_wse, stride_wsn, A_ROW_DIV, FP8_BLOCK,
+                OUT_BY_SLOT, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K,
+            )  # fmt: skip
 
 
 @functools.cache
@@ -301,5 +358,6 @@ def moe_gate_up_tma(
         programs, n, k, a.stride(0), out.stride(0), *scale_strides, A_ROW_DIV=a_row_div,
         FP8_BLOCK=scales is not None, OUT_BY_SLOT=out_by_slot, EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages,
+        GROUP_M=config.group_m, HALF_ROWS=bool(config.half_rows), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
