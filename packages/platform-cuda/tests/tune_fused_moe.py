@@ -2,7 +2,8 @@
 
     python packages/platform-cuda/tests/tune_fused_moe.py [--experts 128] [--intermediate 768]
         [--hidden 2048] [--top-k 8] [--dtype bfloat16|float8_e4m3fn] [--tokens 1,2,4,...]
-        [--budget-s 480] [--out FILE] [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP[,PAIRED[,HALF_ROWS]]];...']
+        [--budget-s 480] [--out FILE]
+        [--try 'BM,BN,BK,GM,WARPS,STAGES[,SWAP[,PAIRED[,HALF_ROWS[,TMA]]]];...']
 
 For each token count: random hidden states and router logits (routing close to uniform, as with
 unrelated tokens), the pairs aligned to each row-block size once, then every candidate
@@ -10,7 +11,9 @@ configuration of the gate/up GEMM and of the down GEMM timed on its own (CUDA-gr
 ``triton.testing.do_bench_cudagraph``), in random order within the time budget (first the
 table's current row, that row swapped and paired where the GEMM allows, and --try's
 configurations it allows), its output checked against the table row's, and the fastest of each
-kept (the down GEMM with the gate/up GEMM's row height). The whole op then runs at the pair
+kept (the down GEMM with the gate/up GEMM's row height). A gate/up configuration with TMA set (a
+table row's or --try's) runs as the op runs it, ``moe_gate_up_tma``; the down GEMM's TMA form is
+timed only in the whole op (bench/moe_gpu.py). The whole op then runs at the pair
 found and at the table's row, and the faster stays. With
 ``--dtype float8_e4m3fn`` the experts are block-FP8 (one scale per 128 x 128 tile, Qwen3-FP8's
 layout) and the GEMMs run on per-token-group quantized activations, as
@@ -55,6 +58,7 @@ from kvik.triton_kernels.fused_moe import (
     grouped_gemm,
     route,
 )
+from kvik.triton_kernels.fused_moe_tma import moe_gate_up_tma
 from kvik_cuda.moe_tuning import TABLE, dump_tables, fused_moe_config
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
@@ -191,7 +195,9 @@ def tune_gemm(
             if config.block_m not in aligned_by_m:
                 aligned_by_m[config.block_m] = align_to_blocks(ids, experts, config.block_m)
             aligned = aligned_by_m[config.block_m]
-        if gated:
+        if gated and config.tma and one_token is None:  # the persistent TMA form
+            run = partial(moe_gate_up_tma, hidden, w13, act, aligned, top_k, config, scales[0])
+        elif gated:
             run = partial(
                 grouped_gemm, hidden, w13, act, aligned, None, top_k, True, config, scales[0],
                 top_k=top_k, one_token=one_token,
