@@ -1338,13 +1338,17 @@ def test_fused_moe_with_other_tiles(configs) -> None:
     x = randn(tokens, hidden)
     logits = router_logits(tokens, experts, 3, torch.float32)
     if any(config.half_rows for config in configs):
-        # Two experts take nearly every token, so their runs hold full row blocks, and the
-        # others' runs end in half-padded blocks: both copies of the tile run.
+        # Two experts take nearly every token, so their runs hold full row blocks, a third
+        # takes the first 60% of the tokens, so some run ends in a block padded in its second
+        # half only (which the full tile must take), and the others' runs end in half-padded
+        # blocks: both copies of the tile run.
         logits[:, 3:5] += 4.0
+        logits[: tokens * 3 // 5, 5] += 4.0
         counts = torch.bincount(logits.topk(top_k).indices.flatten().cpu(), minlength=experts)
-        for block_m in {config.block_m for config in configs}:
+        for block_m in {config.block_m for config in configs if config.half_rows}:
             tail = counts % block_m
             assert ((tail > 0) & (tail <= block_m // 2)).any() and (counts > block_m // 2).any()
+            assert (tail > block_m // 2).any()
     w13 = randn(experts, 2 * inter, hidden) * hidden**-0.5
     w2 = randn(experts, hidden, inter) * inter**-0.5
     poison_allocator()
