@@ -8,7 +8,8 @@ own (the largest row past the end). Each row gives the gate/up and the down GEMM
 (1: tiles computed transposed), ``paired`` (1: gate and up as one product) and ``half_rows`` (1:
 an expert's last row block multiplied as half a block where its second half is padding), as
 ``MoeConfig`` has them, and last ``tma`` (the down row's 1: the down GEMM persistent with TMA
-loads, the gate/up output stored in the aligned order). The bf16 gate/up rows for 4096 and 8192
+loads, the gate/up output stored in the aligned order; the gate/up row's 1: that GEMM persistent
+with its weights by TMA, which no row sets yet: not yet timed on a GPU). The bf16 gate/up rows for 4096 and 8192
 tokens on sm90 (and 4096's down row) take half_rows from an H100's A/B of the whole op (2.7% and
 1.0% faster; docs/benchmarks.md); the tuner sweeps it. ``tma`` comes from A/Bs of the whole op
 (``KVIK_MOE_TMA=table``/``1`` against ``0`` with bench/moe_gpu.py; the tuner times each GEMM

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kvik.triton_kernels.fused_moe import scale_args
+from kvik.triton_kernels.fused_moe import _step_product, scale_args
 
 
 @triton.jit
@@ -159,15 +159,14 @@ def _gate_up_tile(
         if FP8_BLOCK:
             # BLOCK_K divides 128: the step lies in one scale group.
             group = k * BLOCK_K // 128
-            a_scale = tl.load(a_scale_ptr + a_row * stride_asm + group)[:, None]
+            a_scale = tl.load(a_scale_ptr + a_row * stride_asm + group)
             w_scales = w_scale_ptr + expert.to(tl.int64) * stride_wse + group
             gate_scale = tl.load(w_scales + (cols // 128) * stride_wsn)
             up_scale = tl.load(w_scales + ((N + cols) // 128) * stride_wsn)
-            acc_gate += tl.dot(a, w_gate.T) * a_scale * gate_scale[None, :]
-            acc_up += tl.dot(a, w_up.T) * a_scale * up_scale[None, :]
         else:
-            acc_gate = tl.dot(a, w_gate.T, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, w_up.T, acc_up, input_precision="ieee")
+            a_scale, gate_scale, up_scale = 0.0, 0.0, 0.0  # not read
+        acc_gate = _step_product(a, w_gate.T, acc_gate, a_scale, gate_scale, FP8_BLOCK, False)
+        acc_up = _step_product(a, w_up.T, acc_up, a_scale, up_scale, FP8_BLOCK, False)
         a_ptrs += BLOCK_K
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
     out_row = slots if OUT_BY_SLOT else pair
