@@ -15,7 +15,9 @@ padding rows hold reaches only padding outputs, which are never stored.
 The gate/up GEMM has a persistent form too (``moe_gate_up_tma_kernel``, where the gate/up
 configuration asks): its activations are gathered by token, which TMA cannot do on Hopper, so
 they stay pointer loads, while the experts' gate and up tiles come by TMA. The same probe gave
-that GEMM -4% (428.4 against 444.8 µs at 4096 tokens on an H100).
+that GEMM -4% (428.4 against 444.8 µs at 4096 tokens on an H100), but in the whole op it lost at
+every shape measured (bf16 and block FP8, 2048-8192 tokens, on an H100: docs/benchmarks.md, the
+fifty-second session), so no table row asks for it; the tuner still tries it.
 """
 
 from __future__ import annotations
@@ -243,6 +245,31 @@ def moe_gate_up_tma_kernel(
             )  # fmt: skip
 
 
+#: (kernel, configuration, operand dtype) -> the pipeline depth that fits the device's shared
+#: memory, once a launch has found it (see ``_launch_within_shared_memory``).
+_FITTING_STAGES: dict[tuple, int] = {}
+
+
+def _launch_within_shared_memory(kernel, grid, key: tuple, stages: int, *args, **kwargs) -> None:
+    """Launch ``kernel`` at ``stages`` pipeline stages, or at the deepest pipeline below it whose
+    buffers fit in shared memory. A configuration tuned for the pointer-load GEMM (which
+    ``KVIK_MOE_TMA_UP=1`` or ``KVIK_MOE_TMA=1`` force into these kernels) can need more shared
+    memory here, and Triton knows the exact need only once it has compiled the kernel; it raises
+    before anything runs, so retrying one stage shallower is safe, and the depth found is kept."""
+    from triton.runtime.errors import OutOfResources
+
+    known = _FITTING_STAGES.get(key)
+    for depth in range(known or stages, 0, -1):
+        try:
+            kernel[grid](*args, num_stages=depth, **kwargs)
+        except OutOfResources:
+            if depth == 1:
+                raise
+            continue
+        _FITTING_STAGES[key] = depth
+        return
+
+
 @functools.cache
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
@@ -301,13 +328,14 @@ def moe_down_tma(
     a_scale, w_scale, scale_strides = scale_args(scales, out)
     tiles = block_expert.shape[0] * (n // config.block_n)
     programs = max(1, min(_multiprocessors(out.device), tiles))
-    moe_down_tma_kernel[(programs,)](
+    _launch_within_shared_memory(
+        moe_down_tma_kernel, (programs,), ("down", config, w.dtype), config.num_stages,
         a_desc, w_desc, out, sorted_pairs, block_expert, total,
         out if weights is None else weights, a_scale, w_scale,
         out.shape[0], programs, n, k, out.stride(0), *scale_strides,
         WEIGHTED=weights is not None, FP8_BLOCK=scales is not None, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
     )  # fmt: skip
 
 
@@ -352,11 +380,11 @@ def moe_gate_up_tma(
     a_scale, w_scale, scale_strides = scale_args(scales, out)
     tiles = block_expert.shape[0] * (n // config.block_n)
     programs = max(1, min(_multiprocessors(out.device), tiles))
-    moe_gate_up_tma_kernel[(programs,)](
+    _launch_within_shared_memory(
+        moe_gate_up_tma_kernel, (programs,), ("gate_up", config, w13.dtype), config.num_stages,
         a, w_desc, out, sorted_pairs, block_expert, total, a_scale, w_scale, num_pairs,
         programs, n, k, a.stride(0), out.stride(0), *scale_strides, A_ROW_DIV=a_row_div,
         FP8_BLOCK=scales is not None, OUT_BY_SLOT=out_by_slot, EVEN_K=k % config.block_k == 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, HALF_ROWS=bool(config.half_rows), num_warps=config.num_warps,
-        num_stages=config.num_stages,
     )  # fmt: skip
