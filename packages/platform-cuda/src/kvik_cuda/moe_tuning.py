@@ -9,7 +9,8 @@ own (the largest row past the end). Each row gives the gate/up and the down GEMM
 an expert's last row block multiplied as half a block where its second half is padding), as
 ``MoeConfig`` has them, and last ``tma`` (the down row's 1: the down GEMM persistent with TMA
 loads, the gate/up output stored in the aligned order; the gate/up row's 1: that GEMM persistent
-with its weights by TMA, which no row sets yet: not yet timed on a GPU). The bf16 gate/up rows for 4096 and 8192
+with its weights by TMA, which no row sets: on an H100 it made the op slower at 2048-8192 tokens,
+bf16 and block FP8). The bf16 gate/up rows for 4096 and 8192
 tokens on sm90 (and 4096's down row) take half_rows from an H100's A/B of the whole op (2.7% and
 1.0% faster; docs/benchmarks.md); the tuner sweeps it. ``tma`` comes from A/Bs of the whole op
 (``KVIK_MOE_TMA=table``/``1`` against ``0`` with bench/moe_gpu.py; the tuner times each GEMM
