@@ -685,6 +685,49 @@ def test_skinny_block_linear_at_1_to_16_rows(m: int, n: int, k: int, config: Fp8
         assert not x[1].any() and not out[1].any()
 
 
+# (N, K, block_n, split_k, groups a step): tiles inside a weight-scale block and wider than one
+# (one scale a tile; a scale a row), a K tail (the last group cut short), and a split whose
+# groups the step size must divide (8 groups in 2 splits: 4 a split, so 4 and 2 a step).
+GROUPS_PER_STEP_CASES = (
+    [(4096, 14336, 128, 8, 4), (6144, 4096, 64, 4, 2), (1000, 1500, 256, 1, 4)]
+    if ON_GPU
+    else [(72, 1000, 32, 1, 4), (200, 1000, 256, 2, 2), (40, 512, 16, 1, 4)]
+)
+
+
+@pytest.mark.parametrize(("n", "k", "block_n", "split_k", "per_step"), GROUPS_PER_STEP_CASES)
+@pytest.mark.parametrize("m", [1, 17])
+def test_skinny_groups_per_step_sum_as_one_group_a_step(
+    m: int, n: int, k: int, block_n: int, split_k: int, per_step: int
+) -> None:
+    """Several groups a pipeline stage (longer runs of each weight row a stage) add the same
+    scaled products in the same order: the bits of one group a step, block and per-channel
+    scales alike, and the reference's product."""
+    x, weight, weight_scale = activations(m, k, torch.float32), fp8_weight(n, k), block_scales(n, k)
+    weight_scale = weight_scale.to(DEVICE)
+    one, several = (
+        Fp8SkinnyConfig(block_n, split_k, 4, 3, quantize=False, groups_per_step=g)
+        for g in (1, per_step)
+    )
+    poison_allocator()
+    out = fp8_block_linear(x, weight, weight_scale, None, several)
+    check(out, ref_block_linear(x, weight, weight_scale.cpu(), None), torch.float32)
+    assert torch.equal(out, fp8_block_linear(x, weight, weight_scale, None, one))
+    channel_scale = (torch.rand(n) * 1e-3 + 1e-4).to(DEVICE)
+    scaled = [
+        fp8_scaled_linear(x, weight, channel_scale, None, None, config) for config in (one, several)
+    ]
+    assert torch.equal(scaled[0], scaled[1])
+    check(scaled[1], ref_scaled_linear(x, weight, channel_scale, None, None), torch.float32)
+
+
+def test_skinny_groups_per_step_need_quantized_activations() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        Fp8SkinnyConfig(128, 1, 4, 3, quantize=False, groups_per_step=3)
+    with pytest.raises(ValueError, match="quantized first"):
+        Fp8SkinnyConfig(128, 1, 4, 3, quantize=True, groups_per_step=2)
+
+
 @pytest.mark.parametrize(("m", "n", "k", "weight_scales", "static", "bias"), SKINNY_SCALED_CASES)
 def test_skinny_scaled_linear(m: int, n: int, k: int, weight_scales: str, static: bool, bias: bool):
     dtype = torch.bfloat16

@@ -38,6 +38,7 @@ from kvik.triton_kernels.fp8_quant import (  # noqa: E402
 from kvik.triton_kernels.fp8_skinny import (  # noqa: E402
     Fp8SkinnyConfig,
     fp8_skinny_kernel,
+    groups_a_step,
     padded_rows,
 )
 from kvik.triton_kernels.fp8_skinny_glu import fp8_skinny_glu_kernel, glu_config  # noqa: E402
@@ -261,7 +262,9 @@ def few_rows_cases() -> list:
         for name, config in tuning.fp8_block_few_rows_candidates(n, k).items():
             groups = k // GROUP_SIZE
             split_k = max(d for d in range(1, config.split_k + 1) if groups % d == 0)
+            per_step = groups_a_step(config, groups // split_k)
             key = (config.block_n, config.num_warps, config.num_stages, config.quantize, k, split_k)
+            key += (per_step,)
             if key not in seen:
                 seen.add(key)
                 cases.append(pytest.param(config, n, k, 1, True, id=f"{n}x{k}-m1-{name}"))
@@ -276,6 +279,7 @@ def test_fp8_skinny(
     quantize = config.quantize and block_scales
     groups = k // GROUP_SIZE
     split_k = max(d for d in range(1, config.split_k + 1) if groups % d == 0)
+    per_step = 1 if quantize else groups_a_step(config, groups // split_k)
     compiled = compiled_ok(
         fp8_skinny_kernel,
         arch,
@@ -291,6 +295,7 @@ def test_fp8_skinny(
             "SPLIT_K": split_k,
             "GROUPS_PER_SPLIT": groups // split_k,
             "GROUP": GROUP_SIZE,
+            "GROUPS_PER_STEP": per_step,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -441,7 +441,9 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
     in-kernel forms 1.5-2.7x slower, so only the tuning's own is kept as the baseline): deeper
     pipelines (more weight tiles in flight a program), programs of half and twice the width (twice
     and half the programs), 8 warps, and half and twice the K splits (narrow layers at one row run
-    at 40-50% of the bandwidth: fewer, longer K loops or more, shorter ones)."""
+    at 40-50% of the bandwidth: fewer, longer K loops or more, shorter ones); and stages of 2 or
+    4 groups (``groups_per_step``: a stage reads each weight row in one run of 256 or 512 bytes
+    rather than 128)."""
     split = skinny_split(n, k, SKINNY_MIN_ROWS_PAD)
     more_split = min(SKINNY_MAX_SPLIT, split * 2)
     less_split = max(1, split // 2)
@@ -455,4 +457,15 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
         f"n64 s4 pre split {less_split}": Fp8SkinnyConfig(64, less_split, 4, 4, quantize=False),
         "n64 s5 pre": Fp8SkinnyConfig(64, split, 4, 5, quantize=False),
         "n256 w8 s4 pre": Fp8SkinnyConfig(256, split, 8, 4, quantize=False),
+        "n128 s3 pre g2": Fp8SkinnyConfig(128, split, 4, 3, quantize=False, groups_per_step=2),
+        "n128 s3 pre g4": Fp8SkinnyConfig(128, split, 4, 3, quantize=False, groups_per_step=4),
+        f"n128 s2 pre split {less_split} g4": Fp8SkinnyConfig(
+            128, less_split, 4, 2, quantize=False, groups_per_step=4
+        ),
+        f"n64 s4 pre split {less_split} g2": Fp8SkinnyConfig(
+            64, less_split, 4, 4, quantize=False, groups_per_step=2
+        ),
+        f"n64 s3 pre split {less_split} g4": Fp8SkinnyConfig(
+            64, less_split, 4, 3, quantize=False, groups_per_step=4
+        ),
     }

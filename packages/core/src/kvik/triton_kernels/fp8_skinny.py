@@ -66,6 +66,10 @@ class Fp8SkinnyConfig:
     num_warps: int
     num_stages: int
     quantize: bool = True
+    #: Groups of 128 features a pipeline stage loads (block scales, activations quantized first):
+    #: each weight row's bytes of a stage are one run of ``128 * groups_per_step``. The launch
+    #: takes the most groups up to it that divide a split's groups.
+    groups_per_step: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -79,6 +83,12 @@ class Fp8SkinnyConfig:
             )
         if self.split_k < 1:
             raise ValueError(f"split_k must be at least 1, not {self.split_k}")
+        if self.groups_per_step < 1 or self.groups_per_step & (self.groups_per_step - 1):
+            raise ValueError(f"groups_per_step must be a power of two, not {self.groups_per_step}")
+        if self.groups_per_step > 1 and self.quantize:
+            raise ValueError(
+                "groups_per_step > 1 takes activations quantized first (quantize=False)"
+            )
 
 
 #: The most rows the kernel takes: past them a product is no longer a weight read with a little
@@ -91,6 +101,90 @@ SKINNY_MIN_ROWS_PAD = 16
 def padded_rows(m: int) -> int:
     """The MMA's N side for ``m`` rows: 16, 32 or 64 (a constexpr of the launch)."""
     return max(SKINNY_MIN_ROWS_PAD, triton.next_power_of_2(m))
+
+
+@triton.jit
+def _steps_of_groups(
+    acc,
+    w_ptrs,
+    x_ptrs,
+    w_scale_ptr,
+    x_scale_ptr,
+    tile,
+    n_load,
+    rows,
+    row_valid,
+    within,
+    g_first,
+    x_scale_stride,
+    x_scale_group_stride,
+    w_scale_stride,
+    K: tl.constexpr,
+    BLOCK_SCALES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPS_PER_SPLIT: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    """``fp8_skinny_kernel``'s K loop with ``GROUPS_PER_STEP`` groups a pipeline stage (the
+    activations quantized already): a weight row's bytes of a stage are one run of
+    ``GROUPS_PER_STEP * 128``, where one group a stage asks each row for 128 bytes at a time. The
+    groups are added in the same order, each scaled by its own block scales, so the sums equal
+    one group a step's. A step's scales are loaded a step ahead, as there, [GROUPS_PER_STEP] at
+    a time, and each group's picked out of them in registers."""
+    js = tl.arange(0, GROUPS_PER_STEP)
+    if BLOCK_SCALES:
+        x_scale_row = x_scale_ptr + rows * x_scale_stride  # [M_PAD]
+        if GROUP % BLOCK_N == 0:
+            w_scale_row = w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride
+            w_scales_ahead = tl.load(w_scale_row + g_first + js)  # [G]
+        else:
+            w_scale_row = w_scale_ptr + (n_load // GROUP) * w_scale_stride  # [BLOCK_N]
+            w_scales_ahead = tl.load(w_scale_row[:, None] + g_first + js[None, :])  # [BLOCK_N, G]
+        x_scales_ahead = tl.load(
+            x_scale_row[:, None] + (g_first + js[None, :]) * x_scale_group_stride,
+            mask=row_valid[:, None],
+            other=0.0,
+        )  # [M_PAD, G]
+    for i in range(0, GROUPS_PER_SPLIT // GROUPS_PER_STEP):
+        g_step = g_first + i * GROUPS_PER_STEP
+        if BLOCK_SCALES:
+            w_scales = w_scales_ahead
+            x_scales = x_scales_ahead
+            g_ahead = (
+                g_first
+                + tl.minimum(i + 1, GROUPS_PER_SPLIT // GROUPS_PER_STEP - 1) * GROUPS_PER_STEP
+            )
+            if GROUP % BLOCK_N == 0:
+                w_scales_ahead = tl.load(w_scale_row + g_ahead + js)
+            else:
+                w_scales_ahead = tl.load(w_scale_row[:, None] + g_ahead + js[None, :])
+            x_scales_ahead = tl.load(
+                x_scale_row[:, None] + (g_ahead + js[None, :]) * x_scale_group_stride,
+                mask=row_valid[:, None],
+                other=0.0,
+            )
+        for j in tl.static_range(GROUPS_PER_STEP):
+            k0 = (g_step + j) * GROUP
+            if K % GROUP == 0:
+                w = tl.load(w_ptrs + k0)
+                x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
+            else:
+                k_valid = within < K - k0
+                w = tl.load(w_ptrs + k0, mask=k_valid[None, :], other=0.0)
+                x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            part = tl.dot(w, tl.trans(x))  # [BLOCK_N, M_PAD], fp32
+            if BLOCK_SCALES:
+                x_scale = tl.sum(tl.where(js[None, :] == j, x_scales, 0.0), axis=1)  # [M_PAD]
+                if GROUP % BLOCK_N == 0:
+                    w_scale = tl.sum(tl.where(js == j, w_scales, 0.0), axis=0)
+                    acc += part * (x_scale * w_scale)[None, :]
+                else:
+                    w_scale = tl.sum(tl.where(js[None, :] == j, w_scales, 0.0), axis=1)
+                    acc += part * w_scale[:, None] * x_scale[None, :]
+            else:
+                acc += part
+    return acc
 
 
 @triton.jit
@@ -122,6 +216,7 @@ def fp8_skinny_kernel(
     GROUPS_PER_SPLIT: tl.constexpr,
     GROUP: tl.constexpr,  # 128
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
+    GROUPS_PER_STEP: tl.constexpr = 1,  # > 1: not QUANTIZE, divides GROUPS_PER_SPLIT
 ):
     wait_for_prior_kernel(PDL)
     tile = tl.program_id(0)
@@ -138,61 +233,68 @@ def fp8_skinny_kernel(
 
     acc = tl.zeros([BLOCK_N, M_PAD], tl.float32)
     g_first = split * GROUPS_PER_SPLIT
-    if BLOCK_SCALES:
-        # A K step's scales are loaded one step ahead, carried in registers: loaded in the step
-        # that uses them, they came after the MMA's wait and each step waited a whole memory
-        # latency for them (the weight and activation tiles are pipelined by Triton, the scales
-        # are not). The last step loads its own group's again, which is in bounds and unused.
-        if GROUP % BLOCK_N == 0:
-            # The tile lies in one weight-scale block: one scale for the tile a step.
-            w_scale_row = w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride
-        else:
-            w_scale_row = w_scale_ptr + (n_load // GROUP) * w_scale_stride
-        w_scale_ahead = tl.load(w_scale_row + g_first)
-        if not QUANTIZE:
-            x_scale_row = x_scale_ptr + rows * x_scale_stride
-            x_scale_ahead = tl.load(
-                x_scale_row + g_first * x_scale_group_stride, mask=row_valid, other=0.0
-            )
-    # The splits take equal runs of groups (split_k divides the groups): a constant trip count.
-    for i in range(0, GROUPS_PER_SPLIT):
-        g = g_first + i
-        k0 = g * GROUP
+    if GROUPS_PER_STEP > 1:
+        acc = _steps_of_groups(
+            acc, w_ptrs, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load, rows, row_valid, within,
+            g_first, x_scale_stride, x_scale_group_stride, w_scale_stride, K, BLOCK_SCALES,
+            BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
+        )  # fmt: skip
+    else:
         if BLOCK_SCALES:
-            w_scale = w_scale_ahead
-            g_ahead = g_first + tl.minimum(i + 1, GROUPS_PER_SPLIT - 1)
-            w_scale_ahead = tl.load(w_scale_row + g_ahead)
-            if not QUANTIZE:
-                x_scale = x_scale_ahead
-                x_scale_ahead = tl.load(
-                    x_scale_row + g_ahead * x_scale_group_stride, mask=row_valid, other=0.0
-                )
-        if K % GROUP == 0:
-            w = tl.load(w_ptrs + k0)
-            x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
-        else:
-            k_valid = within < K - k0
-            w = tl.load(w_ptrs + k0, mask=k_valid[None, :], other=0.0)
-            x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-        if QUANTIZE:
-            xf = x.to(tl.float32)
-            x_scale = dynamic_scale(tl.max(tl.abs(xf), axis=1))  # [M_PAD]
-            # Every program redoes this for all padded rows, so on the GPU the compiled cast
-            # rounds (the same values, fewer instructions on the CUDA cores a step).
-            if ROUND_IN_SOFTWARE:
-                xq = quantize_to_grid(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
-            else:
-                xq = scale_for_cast(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
-        else:
-            xq = x
-        part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
-        if BLOCK_SCALES:
+            # A K step's scales are loaded one step ahead, carried in registers: loaded in the step
+            # that uses them, they came after the MMA's wait and each step waited a whole memory
+            # latency for them (the weight and activation tiles are pipelined by Triton, the scales
+            # are not). The last step loads its own group's again, which is in bounds and unused.
             if GROUP % BLOCK_N == 0:
-                acc += part * (x_scale * w_scale)[None, :]
+                # The tile lies in one weight-scale block: one scale for the tile a step.
+                w_scale_row = w_scale_ptr + (tile * BLOCK_N // GROUP) * w_scale_stride
             else:
-                acc += part * w_scale[:, None] * x_scale[None, :]
-        else:
-            acc += part
+                w_scale_row = w_scale_ptr + (n_load // GROUP) * w_scale_stride
+            w_scale_ahead = tl.load(w_scale_row + g_first)
+            if not QUANTIZE:
+                x_scale_row = x_scale_ptr + rows * x_scale_stride
+                x_scale_ahead = tl.load(
+                    x_scale_row + g_first * x_scale_group_stride, mask=row_valid, other=0.0
+                )
+        # The splits take equal runs of groups (split_k divides the groups): a constant trip count.
+        for i in range(0, GROUPS_PER_SPLIT):
+            g = g_first + i
+            k0 = g * GROUP
+            if BLOCK_SCALES:
+                w_scale = w_scale_ahead
+                g_ahead = g_first + tl.minimum(i + 1, GROUPS_PER_SPLIT - 1)
+                w_scale_ahead = tl.load(w_scale_row + g_ahead)
+                if not QUANTIZE:
+                    x_scale = x_scale_ahead
+                    x_scale_ahead = tl.load(
+                        x_scale_row + g_ahead * x_scale_group_stride, mask=row_valid, other=0.0
+                    )
+            if K % GROUP == 0:
+                w = tl.load(w_ptrs + k0)
+                x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
+            else:
+                k_valid = within < K - k0
+                w = tl.load(w_ptrs + k0, mask=k_valid[None, :], other=0.0)
+                x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            if QUANTIZE:
+                xf = x.to(tl.float32)
+                x_scale = dynamic_scale(tl.max(tl.abs(xf), axis=1))  # [M_PAD]
+                # Every program redoes this for all padded rows, so on the GPU the compiled cast
+                # rounds (the same values, fewer instructions on the CUDA cores a step).
+                if ROUND_IN_SOFTWARE:
+                    xq = quantize_to_grid(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
+                else:
+                    xq = scale_for_cast(xf, x_scale[:, None]).to(w_ptr.dtype.element_ty)
+            else:
+                xq = x
+            part = tl.dot(w, tl.trans(xq))  # [BLOCK_N, M_PAD], fp32
+            if BLOCK_SCALES:
+                if GROUP % BLOCK_N == 0:
+                    acc += part * (x_scale * w_scale)[None, :]
+                else:
+                    acc += part * w_scale[:, None] * x_scale[None, :]
+            else:
+                acc += part
     if not BLOCK_SCALES:
         # Per-channel scales factor out of the sum: applied once, to this split's part.
         w_scale = tl.load(w_scale_ptr + n_load * w_scale_stride)
@@ -257,6 +359,20 @@ def even_split(groups: int, most: int) -> int:
     return max(d for d in range(1, min(most, groups) + 1) if groups % d == 0)
 
 
+def groups_a_step(config: Fp8SkinnyConfig, groups_per_split: int) -> int:
+    """The groups a pipeline stage of ``config`` loads (``GROUPS_PER_STEP``) in splits of
+    ``groups_per_split`` groups: the most, up to ``config.groups_per_step``, that divide them
+    into two steps or more (a loop of one step is not pipelined: its loads would wait)."""
+    per_step = 1
+    while (
+        per_step * 2 <= config.groups_per_step
+        and groups_per_split % (per_step * 2) == 0
+        and groups_per_split // (per_step * 2) >= 2
+    ):
+        per_step *= 2
+    return per_step
+
+
 def check_rows(x: Tensor) -> tuple[int, int]:
     if x.dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"fp8 quantization takes bf16, fp16 or fp32 activations, not {x.dtype}")
@@ -292,6 +408,7 @@ def launch(
     groups = triton.cdiv(k, GROUP_SIZE)
     split_k = even_split(groups, config.split_k)
     per_split = groups // split_k
+    per_step = 1 if quantize else groups_a_step(config, per_split)
     tiles = triton.cdiv(n, config.block_n)
     if split_k > 1:
         if tiles > SPLIT_COUNTERS:
@@ -311,7 +428,8 @@ def launch(
         out.stride(0), K=k, BLOCK_SCALES=block_scales, QUANTIZE=quantize,
         ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
-        GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, PDL=pdl, num_warps=config.num_warps,
+        GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, PDL=pdl, GROUPS_PER_STEP=per_step,
+        num_warps=config.num_warps,
         num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
