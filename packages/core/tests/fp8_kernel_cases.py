@@ -722,8 +722,10 @@ def test_skinny_groups_per_step_sum_as_one_group_a_step(
 
 
 def test_skinny_groups_per_step_need_quantized_activations() -> None:
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="1, 2 or 4"):
         Fp8SkinnyConfig(128, 1, 4, 3, quantize=False, groups_per_step=3)
+    with pytest.raises(ValueError, match="1, 2 or 4"):
+        Fp8SkinnyConfig(128, 1, 4, 3, quantize=False, groups_per_step=8)
     with pytest.raises(ValueError, match="quantized first"):
         Fp8SkinnyConfig(128, 1, 4, 3, quantize=True, groups_per_step=2)
 

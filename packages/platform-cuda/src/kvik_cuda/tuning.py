@@ -469,7 +469,4 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
         f"n64 s4 pre split {less_split} g2": Fp8SkinnyConfig(
             64, less_split, 4, 4, quantize=False, groups_per_step=2
         ),
-        f"n64 s3 pre split {less_split} g4": Fp8SkinnyConfig(
-            64, less_split, 4, 3, quantize=False, groups_per_step=4
-        ),
     }

@@ -66,9 +66,9 @@ class Fp8SkinnyConfig:
     num_warps: int
     num_stages: int
     quantize: bool = True
-    #: Groups of 128 features a pipeline stage loads (block scales, activations quantized first):
+    #: Groups of 128 features a pipeline stage loads, 1, 2 or 4 (activations quantized first):
     #: each weight row's bytes of a stage are one run of ``128 * groups_per_step``. The launch
-    #: takes the most groups up to it that divide a split's groups.
+    #: takes the most groups up to it that divide a split's groups in two steps or more.
     groups_per_step: int = 1
 
     def __post_init__(self) -> None:
@@ -83,8 +83,8 @@ class Fp8SkinnyConfig:
             )
         if self.split_k < 1:
             raise ValueError(f"split_k must be at least 1, not {self.split_k}")
-        if self.groups_per_step < 1 or self.groups_per_step & (self.groups_per_step - 1):
-            raise ValueError(f"groups_per_step must be a power of two, not {self.groups_per_step}")
+        if self.groups_per_step not in (1, 2, 4):
+            raise ValueError(f"groups_per_step must be 1, 2 or 4, not {self.groups_per_step}")
         if self.groups_per_step > 1 and self.quantize:
             raise ValueError(
                 "groups_per_step > 1 takes activations quantized first (quantize=False)"
@@ -106,7 +106,8 @@ def padded_rows(m: int) -> int:
 @triton.jit
 def _steps_of_groups(
     acc,
-    w_ptrs,
+    w_ptr,
+    w_stride,
     x_ptrs,
     w_scale_ptr,
     x_scale_ptr,
@@ -126,13 +127,18 @@ def _steps_of_groups(
     GROUPS_PER_STEP: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    """``fp8_skinny_kernel``'s K loop with ``GROUPS_PER_STEP`` groups a pipeline stage (the
-    activations quantized already): a weight row's bytes of a stage are one run of
-    ``GROUPS_PER_STEP * 128``, where one group a stage asks each row for 128 bytes at a time. The
-    groups are added in the same order, each scaled by its own block scales, so the sums equal
-    one group a step's. A step's scales are loaded a step ahead, as there, [GROUPS_PER_STEP] at
-    a time, and each group's picked out of them in registers."""
+    """``fp8_skinny_kernel``'s K loop with ``GROUPS_PER_STEP`` (2 or 4) groups a pipeline stage
+    (the activations quantized already). A stage's weight tile is one load, [BLOCK_N,
+    GROUPS_PER_STEP * 128]: each row's bytes of the stage are one run of 256 or 512, where one group
+    a stage asks each row for 128 bytes at a time. (On the H200 plain reads of a weight in runs
+    of 128 bytes a row moved 3.07 TB/s, in runs of 512 bytes 3.84: docs/benchmarks.md, the
+    fifty-third session.) The tile is split into its groups' [BLOCK_N, 128] tiles for the dots,
+    each scaled by its own block scales and added in the same order as one group a step, so the
+    sums are the same bits. A step's scales are loaded a step ahead, as there, [GROUPS_PER_STEP]
+    at a time, and each group's picked out of them in registers."""
     js = tl.arange(0, GROUPS_PER_STEP)
+    wide = tl.arange(0, GROUPS_PER_STEP * GROUP)
+    w_rows = w_ptr + n_load[:, None].to(tl.int64) * w_stride + wide[None, :]  # [BLOCK_N, G * 128]
     if BLOCK_SCALES:
         x_scale_row = x_scale_ptr + rows * x_scale_stride  # [M_PAD]
         if GROUP % BLOCK_N == 0:
@@ -164,15 +170,35 @@ def _steps_of_groups(
                 mask=row_valid[:, None],
                 other=0.0,
             )
+        k_step = g_step * GROUP
+        if K % GROUP == 0:
+            w_wide = tl.load(w_rows + k_step)
+        else:
+            w_wide = tl.load(w_rows + k_step, mask=(wide < K - k_step)[None, :], other=0.0)
+        # [BLOCK_N, G * 128] -> the groups' [BLOCK_N, 128] tiles (split halves a last dimension
+        # of 2: group 2a + b of four is half b, then half a).
+        w_groups = tl.permute(tl.reshape(w_wide, [BLOCK_N, GROUPS_PER_STEP, GROUP]), (0, 2, 1))
+        if GROUPS_PER_STEP == 2:
+            w0, w1 = tl.split(w_groups)
+        else:
+            even, odd = tl.split(tl.reshape(w_groups, [BLOCK_N, GROUP, 2, 2]))
+            w0, w2 = tl.split(even)
+            w1, w3 = tl.split(odd)
         for j in tl.static_range(GROUPS_PER_STEP):
             k0 = (g_step + j) * GROUP
             if K % GROUP == 0:
-                w = tl.load(w_ptrs + k0)
                 x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
             else:
                 k_valid = within < K - k0
-                w = tl.load(w_ptrs + k0, mask=k_valid[None, :], other=0.0)
                 x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+            if j == 0:
+                w = w0
+            elif j == 1:
+                w = w1
+            elif j == 2:
+                w = w2
+            else:
+                w = w3
             part = tl.dot(w, tl.trans(x))  # [BLOCK_N, M_PAD], fp32
             if BLOCK_SCALES:
                 x_scale = tl.sum(tl.where(js[None, :] == j, x_scales, 0.0), axis=1)  # [M_PAD]
@@ -235,7 +261,8 @@ def fp8_skinny_kernel(
     g_first = split * GROUPS_PER_SPLIT
     if GROUPS_PER_STEP > 1:
         acc = _steps_of_groups(
-            acc, w_ptrs, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load, rows, row_valid, within,
+            acc, w_ptr, w_stride, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load, rows, row_valid,
+            within,
             g_first, x_scale_stride, x_scale_group_stride, w_scale_stride, K, BLOCK_SCALES,
             BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
         )  # fmt: skip
