@@ -216,6 +216,7 @@ FP8_GEMV_CANDIDATES = {
     "n4 g8 s4 pre": Fp8GemvConfig(4, 8, FP8_GEMV_MAX_ROWS, 4, 4, prequantize=True),
     # The bf16 GEMV's bytes a step on gate_up (32 rows x 512 bytes, 92% of the H200's bandwidth
     # where the FP8 forms reach ~75%), in 8 warps for the registers the e4m3 values widen into.
+    # On the H200 no faster than the others (gate_up 36.7 and 37.2 µs; docs/benchmarks.md).
     "n32 g4 w8 pre": Fp8GemvConfig(32, 4, FP8_GEMV_MAX_ROWS, 8, 3, prequantize=True),
     "n16 g8 w8 pre": Fp8GemvConfig(16, 8, FP8_GEMV_MAX_ROWS, 8, 3, prequantize=True),
 }

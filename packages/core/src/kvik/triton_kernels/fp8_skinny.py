@@ -262,9 +262,8 @@ def fp8_skinny_kernel(
     if GROUPS_PER_STEP > 1:
         acc = _steps_of_groups(
             acc, w_ptr, w_stride, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load, rows, row_valid,
-            within,
-            g_first, x_scale_stride, x_scale_group_stride, w_scale_stride, K, BLOCK_SCALES,
-            BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
+            within, g_first, x_scale_stride, x_scale_group_stride, w_scale_stride, K,
+            BLOCK_SCALES, BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
         )  # fmt: skip
     else:
         if BLOCK_SCALES:
@@ -456,8 +455,7 @@ def launch(
         ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
         GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, PDL=pdl, GROUPS_PER_STEP=per_step,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages, launch_pdl=pdl,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
 
