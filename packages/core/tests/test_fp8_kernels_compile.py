@@ -264,7 +264,7 @@ def few_rows_cases() -> list:
             split_k = max(d for d in range(1, config.split_k + 1) if groups % d == 0)
             per_step = groups_a_step(config, groups // split_k)
             key = (config.block_n, config.num_warps, config.num_stages, config.quantize, k, split_k)
-            key += (per_step,)
+            key += (per_step, per_step > 1 and config.masked_groups)
             if key not in seen:
                 seen.add(key)
                 cases.append(pytest.param(config, n, k, 1, True, id=f"{n}x{k}-m1-{name}"))
@@ -296,6 +296,7 @@ def test_fp8_skinny(
             "GROUPS_PER_SPLIT": groups // split_k,
             "GROUP": GROUP_SIZE,
             "GROUPS_PER_STEP": per_step,
+            "MASKED_GROUPS": per_step > 1 and config.masked_groups,
         },
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -448,7 +448,8 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
     and half the programs), 8 warps, and half and twice the K splits (narrow layers at one row run
     at 40-50% of the bandwidth: fewer, longer K loops or more, shorter ones); and stages of 2 or
     4 groups (``groups_per_step``: a stage reads each weight row in one run of 256 or 512 bytes
-    rather than 128)."""
+    rather than 128), split into the groups' tiles in registers or multiplied whole with the
+    other groups' activations zeroed (``masked_groups``)."""
     split = skinny_split(n, k, SKINNY_MIN_ROWS_PAD)
     more_split = min(SKINNY_MAX_SPLIT, split * 2)
     less_split = max(1, split // 2)
@@ -469,5 +470,17 @@ def fp8_block_few_rows_candidates(n: int, k: int) -> dict[str, Fp8SkinnyConfig]:
         ),
         f"n64 s4 pre split {less_split} g2": Fp8SkinnyConfig(
             64, less_split, 4, 4, quantize=False, groups_per_step=2
+        ),
+        f"n64 s2 pre split {less_split} g4 masked": Fp8SkinnyConfig(
+            64, less_split, 4, 2, quantize=False, groups_per_step=4, masked_groups=True
+        ),
+        f"n64 s3 pre split {less_split} g4 masked": Fp8SkinnyConfig(
+            64, less_split, 4, 3, quantize=False, groups_per_step=4, masked_groups=True
+        ),
+        "n128 s2 pre g4 masked": Fp8SkinnyConfig(
+            128, split, 4, 2, quantize=False, groups_per_step=4, masked_groups=True
+        ),
+        "n64 s4 pre g2 masked": Fp8SkinnyConfig(
+            64, split, 4, 4, quantize=False, groups_per_step=2, masked_groups=True
         ),
     }

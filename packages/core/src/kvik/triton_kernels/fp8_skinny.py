@@ -70,6 +70,11 @@ class Fp8SkinnyConfig:
     #: each weight row's bytes of a stage are one run of ``128 * groups_per_step``. The launch
     #: takes the most groups up to it that divide a split's groups in two steps or more.
     groups_per_step: int = 1
+    #: With ``groups_per_step`` > 1: multiply a stage's whole tile once a group by the activations
+    #: with the stage's other groups' features zeroed (``groups_per_step`` times the MMA work, the
+    #: tile used as the copy left it in shared memory) rather than split it into the groups' tiles
+    #: in registers first.
+    masked_groups: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -89,6 +94,8 @@ class Fp8SkinnyConfig:
             raise ValueError(
                 "groups_per_step > 1 takes activations quantized first (quantize=False)"
             )
+        if self.masked_groups and self.groups_per_step == 1:
+            raise ValueError("masked_groups needs groups_per_step > 1")
 
 
 #: The most rows the kernel takes: past them a product is no longer a weight read with a little
@@ -108,6 +115,8 @@ def _steps_of_groups(
     acc,
     w_ptr,
     w_stride,
+    x_ptr,
+    x_stride,
     x_ptrs,
     w_scale_ptr,
     x_scale_ptr,
@@ -126,6 +135,7 @@ def _steps_of_groups(
     GROUPS_PER_SPLIT: tl.constexpr,
     GROUPS_PER_STEP: tl.constexpr,
     GROUP: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """``fp8_skinny_kernel``'s K loop with ``GROUPS_PER_STEP`` (2 or 4) groups a pipeline stage
     (the activations quantized already). A stage's weight tile is one load, [BLOCK_N,
@@ -134,11 +144,15 @@ def _steps_of_groups(
     of 128 bytes a row moved 3.07 TB/s, in runs of 512 bytes 3.84: docs/benchmarks.md, the
     fifty-third session.) The tile is split into its groups' [BLOCK_N, 128] tiles for the dots,
     each scaled by its own block scales and added in the same order as one group a step, so the
-    sums are the same bits. A step's scales are loaded a step ahead, as there, [GROUPS_PER_STEP]
-    at a time, and each group's picked out of them in registers."""
+    sums are the same bits. ``MASKED`` instead multiplies the whole tile once a group by the
+    stage's activations with the other groups' features zeroed: the zero products add nothing,
+    so the sums are the same, for the MMA work of the whole tile a group and no split. A step's
+    scales are loaded a step ahead, as there, [GROUPS_PER_STEP] at a time, and each group's
+    picked out of them in registers."""
     js = tl.arange(0, GROUPS_PER_STEP)
     wide = tl.arange(0, GROUPS_PER_STEP * GROUP)
     w_rows = w_ptr + n_load[:, None].to(tl.int64) * w_stride + wide[None, :]  # [BLOCK_N, G * 128]
+    x_rows = x_ptr + rows[:, None] * x_stride + wide[None, :]  # [M_PAD, G * 128]
     if BLOCK_SCALES:
         x_scale_row = x_scale_ptr + rows * x_scale_stride  # [M_PAD]
         if GROUP % BLOCK_N == 0:
@@ -175,31 +189,39 @@ def _steps_of_groups(
             w_wide = tl.load(w_rows + k_step)
         else:
             w_wide = tl.load(w_rows + k_step, mask=(wide < K - k_step)[None, :], other=0.0)
-        # [BLOCK_N, G * 128] -> the groups' [BLOCK_N, 128] tiles (split halves a last dimension
-        # of 2: group 2a + b of four is half b, then half a).
-        w_groups = tl.permute(tl.reshape(w_wide, [BLOCK_N, GROUPS_PER_STEP, GROUP]), (0, 2, 1))
-        if GROUPS_PER_STEP == 2:
-            w0, w1 = tl.split(w_groups)
-        else:
-            even, odd = tl.split(tl.reshape(w_groups, [BLOCK_N, GROUP, 2, 2]))
-            w0, w2 = tl.split(even)
-            w1, w3 = tl.split(odd)
+        if not MASKED:
+            # [BLOCK_N, G * 128] -> the groups' [BLOCK_N, 128] tiles (split halves a last
+            # dimension of 2: group 2a + b of four is half b, then half a).
+            w_groups = tl.permute(tl.reshape(w_wide, [BLOCK_N, GROUPS_PER_STEP, GROUP]), (0, 2, 1))
+            if GROUPS_PER_STEP == 2:
+                w0, w1 = tl.split(w_groups)
+            else:
+                even, odd = tl.split(tl.reshape(w_groups, [BLOCK_N, GROUP, 2, 2]))
+                w0, w2 = tl.split(even)
+                w1, w3 = tl.split(odd)
         for j in tl.static_range(GROUPS_PER_STEP):
-            k0 = (g_step + j) * GROUP
-            if K % GROUP == 0:
-                x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
+            if MASKED:
+                in_group = wide // GROUP == j
+                if K % GROUP != 0:
+                    in_group = in_group & (wide < K - k_step)
+                x = tl.load(x_rows + k_step, mask=row_valid[:, None] & in_group[None, :], other=0.0)
+                part = tl.dot(w_wide, tl.trans(x))  # [BLOCK_N, M_PAD], fp32
             else:
-                k_valid = within < K - k0
-                x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
-            if j == 0:
-                w = w0
-            elif j == 1:
-                w = w1
-            elif j == 2:
-                w = w2
-            else:
-                w = w3
-            part = tl.dot(w, tl.trans(x))  # [BLOCK_N, M_PAD], fp32
+                k0 = (g_step + j) * GROUP
+                if K % GROUP == 0:
+                    x = tl.load(x_ptrs + k0, mask=row_valid[:, None], other=0.0)
+                else:
+                    k_valid = within < K - k0
+                    x = tl.load(x_ptrs + k0, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+                if j == 0:
+                    w = w0
+                elif j == 1:
+                    w = w1
+                elif j == 2:
+                    w = w2
+                else:
+                    w = w3
+                part = tl.dot(w, tl.trans(x))  # [BLOCK_N, M_PAD], fp32
             if BLOCK_SCALES:
                 x_scale = tl.sum(tl.where(js[None, :] == j, x_scales, 0.0), axis=1)  # [M_PAD]
                 if GROUP % BLOCK_N == 0:
@@ -243,6 +265,7 @@ def fp8_skinny_kernel(
     GROUP: tl.constexpr,  # 128
     PDL: tl.constexpr = False,  # kvik.triton_kernels.pdl
     GROUPS_PER_STEP: tl.constexpr = 1,  # > 1: not QUANTIZE, divides GROUPS_PER_SPLIT
+    MASKED_GROUPS: tl.constexpr = False,  # GROUPS_PER_STEP > 1: Fp8SkinnyConfig.masked_groups
 ):
     wait_for_prior_kernel(PDL)
     tile = tl.program_id(0)
@@ -261,9 +284,10 @@ def fp8_skinny_kernel(
     g_first = split * GROUPS_PER_SPLIT
     if GROUPS_PER_STEP > 1:
         acc = _steps_of_groups(
-            acc, w_ptr, w_stride, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load, rows, row_valid,
-            within, g_first, x_scale_stride, x_scale_group_stride, w_scale_stride, K,
-            BLOCK_SCALES, BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
+            acc, w_ptr, w_stride, x_ptr, x_stride, x_ptrs, w_scale_ptr, x_scale_ptr, tile, n_load,
+            rows, row_valid, within, g_first, x_scale_stride, x_scale_group_stride,
+            w_scale_stride, K, BLOCK_SCALES, BLOCK_N, GROUPS_PER_SPLIT, GROUPS_PER_STEP, GROUP,
+            MASKED_GROUPS,
         )  # fmt: skip
     else:
         if BLOCK_SCALES:
@@ -455,6 +479,7 @@ def launch(
         ROUND_IN_SOFTWARE=not x.is_cuda,
         HAS_BIAS=bias is not None, M_PAD=padded_rows(m), BLOCK_N=config.block_n, SPLIT_K=split_k,
         GROUPS_PER_SPLIT=per_split, GROUP=GROUP_SIZE, PDL=pdl, GROUPS_PER_STEP=per_step,
+        MASKED_GROUPS=per_step > 1 and config.masked_groups,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )  # fmt: skip
     return out
