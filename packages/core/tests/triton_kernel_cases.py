@@ -572,12 +572,13 @@ def build_batch(
     head_size: int,
     dtype: torch.dtype,
     kv_scales: tuple[Tensor, Tensor] | None = None,
+    block_size: int = BLOCK_SIZE,
 ) -> tuple[AttentionMetadata, Tensor]:
-    """Requests as (cached context, new query tokens), blocks shuffled over a cache whose unused
-    slots hold NaN. Returns CPU metadata and the device cache with the cached contexts written
-    (with ``kv_scales``, an FP8 cache holding them quantized)."""
+    """Requests as (cached context, new query tokens), blocks of ``block_size`` slots shuffled
+    over a cache whose unused slots hold NaN. Returns CPU metadata and the device cache with the
+    cached contexts written (with ``kv_scales``, an FP8 cache holding them quantized)."""
     seq_lens = [c + q for c, q in requests]
-    blocks_per_req = [-(-s // BLOCK_SIZE) for s in seq_lens]
+    blocks_per_req = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_per_req) + 3
     ids = torch.randperm(num_blocks)
     block_table = torch.zeros(len(requests), max(blocks_per_req), dtype=torch.int32)
@@ -586,12 +587,12 @@ def build_batch(
     for r, ((context, query), n) in enumerate(zip(requests, blocks_per_req)):
         block_table[r, :n] = ids[used : used + n]
         used += n
-        slots = block_table[r].long()[torch.arange(context + query) // BLOCK_SIZE] * BLOCK_SIZE
-        slots += torch.arange(context + query) % BLOCK_SIZE
+        slots = block_table[r].long()[torch.arange(context + query) // block_size] * block_size
+        slots += torch.arange(context + query) % block_size
         context_slots.append(slots[:context])
         slot_mapping.append(slots[context:])
     cache_dtype = dtype if kv_scales is None else FP8_E4M3
-    shape = (2, num_blocks, BLOCK_SIZE, kv_heads, head_size)
+    shape = (2, num_blocks, block_size, kv_heads, head_size)
     cache = torch.full(shape, float("nan"), dtype=torch.float32).to(cache_dtype)
     flat = cache.view(2, -1, kv_heads, head_size)
     context_slots = torch.cat(context_slots)
@@ -614,7 +615,7 @@ def build_batch(
         slot_mapping=torch.cat(slot_mapping),
         max_query_len=int(query_lens.max()),
         max_seq_len=max(seq_lens),
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         num_leading_decodes=next((r for r, (_, q) in enumerate(requests) if q != 1), len(requests)),
     )
     return metadata, cache.to(DEVICE)
@@ -637,6 +638,7 @@ def run_attention(
     kv_scales: tuple[float, float] | None = None,
     decodes_apart: int = 0,
     merged_in_kernel: bool = False,
+    block_size: int = BLOCK_SIZE,
 ) -> None:
     """Write the new keys and attend, through the backend (splits None; with ``rotary``, its
     fused rotary-and-cache path) or the launchers with ``splits`` segments (``merged_in_kernel``:
@@ -647,7 +649,7 @@ def run_attention(
     fp8 = kv_scales is not None
     scales = tuple(torch.tensor(s, dtype=torch.float32) for s in kv_scales) if fp8 else None
     k_scale, v_scale = scales or (None, None)
-    metadata, cache = build_batch(requests, kv_heads, head_size, dtype, scales)
+    metadata, cache = build_batch(requests, kv_heads, head_size, dtype, scales, block_size)
     t = metadata.num_actual_tokens
     q = randn(t, heads * head_size, dtype=dtype)
     k, v = randn(t, kv_heads * head_size, dtype=dtype), randn(t, kv_heads * head_size, dtype=dtype)
@@ -690,7 +692,7 @@ def run_attention(
             num_kv_heads=kv_heads,
             head_size=head_size,
             dtype=dtype,
-            block_size=BLOCK_SIZE,
+            block_size=block_size,
             max_num_seqs=len(requests),
             max_num_tokens=t,
             max_model_len=max(c + q for c, q in requests),
@@ -1056,6 +1058,20 @@ def test_decode_only_batch_over_an_fp8_cache(dtype: torch.dtype, window: int | N
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 def test_split_kv_decode_over_an_fp8_cache(dtype: torch.dtype) -> None:
     run_attention(DECODES, KV_HEADS * 3, KV_HEADS, 128, dtype, splits=4, kv_scales=KV_SCALES)
+
+
+# Cache blocks against key tiles (the interpreter's tiles hold 16 keys, the GPU's 16 to 128):
+# blocks of 64 or 128 slots hold whole tiles, each read through one table entry from an offset
+# within its block (paged_attention's ONE_BLOCK_A_TILE); blocks of 8 fewer keys than a tile,
+# each key looked up. Prompt chunks, prefix hits, decodes, split decodes; bf16 and e4m3 caches.
+@pytest.mark.parametrize("block_size", [8, 64, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cache_blocks_around_a_key_tile(block_size: int, fp8: bool) -> None:
+    scales = KV_SCALES if fp8 else None
+    run_attention(MIXED, KV_HEADS * 4, KV_HEADS, 64, torch.float16, kv_scales=scales,
+                  block_size=block_size)  # fmt: skip
+    run_attention(DECODES, KV_HEADS * 4, KV_HEADS, 128, torch.float16, splits=3,
+                  kv_scales=scales, block_size=block_size)  # fmt: skip
 
 
 @pytest.fixture

@@ -247,9 +247,10 @@ def test_h200_decode_plans_take_the_batches_past_a_wave() -> None:
         tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn),
         1,
     )
-    # Over an e4m3 cache: its own plan from 97 requests (workload B's 256 among them).
+    # Over an e4m3 cache: its own plan from 97 requests (workload B's 256 among them), and no
+    # other entry of the 16-bit table.
     for num_reqs in (97, 128, 200, 256):
-        assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (AttentionConfig(16, 128, 4, 3), 1)
+        assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (AttentionConfig(16, 32, 2, 2), 1)
     fp8_default = tuning.attention_config("sm90", 128, 4, 1, torch.float8_e4m3fn)
     for num_reqs in (1, 64, 96, 257):
         assert launch(num_reqs, dtype=torch.float8_e4m3fn) == (

@@ -116,14 +116,15 @@ H200_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
     (97 * 8, 256 * 8): (AttentionConfig(16, 32, 2, 2), 1),
 }
 #: The same over an e4m3 cache (its values read as 16-bit pairs, ``paged_attention``'s
-#: ``V_PAIRS``), where the default 64-key tiles in 2 warps were not the fastest at large batches:
-#: 128-key tiles in 4 warps, 3 stages. CUDA-graph replays on the H200 (2026-12-04,
-#: docs/benchmarks.md), µs a layer: 97 requests at 640 tokens 50.8 -> 40.8, 112 at 1152 88.5 ->
-#: 82.3, 200 at 640 93.4 -> 82.3, 256 at 640 105.6 -> 102.7 and at 1152 182.1 -> 175.6; level
-#: at short contexts (128 at 256 tokens 26.0 -> 26.9, 256 at 256 48.8 -> 48.6). Workload B's
-#: throughput did not move with it (26,289.8 against 26,287.8 output tok/s in one call).
+#: ``V_PAIRS``), where the default 64-key tiles in 2 warps are not the fastest at large batches:
+#: 32-key tiles in 2 warps, 2 stages. On the H200 128-key tiles in 4 warps had beaten the default
+#: (2026-12-04: 256 requests at 640 tokens 105.6 -> 102.7 µs a layer, 97 at 640 50.8 -> 40.8) and
+#: Nsight Compute timed the 32-key tiles level with them (102.7 against 103.7 µs, 2026-12-06).
+#: On the H100 (2026-12-07, docs/benchmarks.md) the 32-key tiles win by 3.5-4.6%: 256 requests at
+#: 640 tokens 132.9 -> 126.8 µs, 128 at 1152 117.3 -> 113.2, 256 at 256 58.3 -> 56.0; workload B
+#: with FP8 weights and cache 24,467.5 -> 25,421.4 output tok/s.
 H200_FP8_DECODE_PLANS: dict[tuple[int, int], tuple[AttentionConfig, int]] = {
-    (97 * 8, 256 * 8): (AttentionConfig(16, 128, 4, 3), 1),
+    (97 * 8, 256 * 8): (AttentionConfig(16, 32, 2, 2), 1),
 }
 H200_SMS = 132
 

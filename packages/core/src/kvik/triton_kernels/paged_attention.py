@@ -12,6 +12,13 @@ one segment of the key tiles, leaving its unnormalised accumulator, running max 
 scratch; ``reduce_splits_kernel`` merges the segments. It pays for long decode contexts, where a
 batch has too few (request, KV head) programs to fill the GPU.
 
+A key tile's positions are looked up in the block table one key at a time, unless the cache's
+blocks hold whole tiles (``ONE_BLOCK_A_TILE``: BLOCK_SIZE a multiple of TILE_N, as with
+``--block-size 64`` and 32-key tiles): then a tile is one table entry and slots at a fixed
+offset within its block, and only the block's base address changes from tile to tile. On the
+H100 at 64-slot blocks: 2-3% off a decode layer over an e4m3 cache, 1-2% over bf16
+(docs/benchmarks.md).
+
 An FP8 cache (``KV_FP8``, kvik.attention.kv_quant) is read as e4m3 and widened to the queries' dtype
 (exactly: every e4m3 value is a bf16, fp16 and fp32 value) for the same products; its per-layer
 scales are never multiplied into a tile: the key scale joins the softmax scale, the value scale the
@@ -122,19 +129,32 @@ def _attend_tile(
     V_PAIRS: tl.constexpr,
     PAIR_ASM: tl.constexpr,
     MASKED: tl.constexpr,  # False: every key of the tile is in the sequence and seen by every row
+    ONE_BLOCK_A_TILE: tl.constexpr,  # BLOCK_SIZE % TILE_N == 0 (module doc)
 ):
     """One tile of keys into the online softmax: the updated (acc, acc_odd, row_max, row_sum)."""
     k_pos = tile * TILE_N + n  # [TILE_N]
-    slot_in_block = k_pos % BLOCK_SIZE
     if MASKED:
         k_valid = k_pos < seq_len
-        block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         kv_mask = k_valid[None, :] & d_valid[:, None]
     else:
-        block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
         kv_mask = d_valid[:, None] & (n < TILE_N)[None, :]
-    k_ptrs = k_head_ptr + block[None, :] * k_stride_blk + slot_in_block[None, :] * k_stride_slot
-    v_ptrs = v_head_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
+    if ONE_BLOCK_A_TILE:
+        # The tile's keys are consecutive slots of one block: one table entry (the tile's first
+        # key is in the sequence, so its entry is too), and the slots' offsets are the same for
+        # every tile, so only the block's base address changes from tile to tile.
+        first = tile * TILE_N
+        block_base = tl.load(bt_row + first // BLOCK_SIZE).to(tl.int64)
+        slot_in_block = first % BLOCK_SIZE + n
+        k_ptrs = (k_head_ptr + block_base * k_stride_blk) + slot_in_block[None, :] * k_stride_slot
+        v_ptrs = (v_head_ptr + block_base * v_stride_blk) + slot_in_block[:, None] * v_stride_slot
+    else:
+        slot_in_block = k_pos % BLOCK_SIZE
+        if MASKED:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        else:
+            block = tl.load(bt_row + k_pos // BLOCK_SIZE).to(tl.int64)
+        k_ptrs = k_head_ptr + block[None, :] * k_stride_blk + slot_in_block[None, :] * k_stride_slot
+        v_ptrs = v_head_ptr + block[:, None] * v_stride_blk + slot_in_block[:, None] * v_stride_slot
     if MASKED or HEAD_PAD != HEAD_SIZE:
         k = tl.load(k_ptrs + d[:, None], mask=kv_mask, other=0.0)  # [HEAD_PAD, TILE_N]
     else:
@@ -262,6 +282,8 @@ def paged_attention_kernel(
     # of 128, a power of two), e4m3 values to out_ptr and fp32 scales to out_scale_ptr.
     QUANTIZE_OUT: tl.constexpr = False,
     ROUND_IN_SOFTWARE: tl.constexpr = False,  # QUANTIZE_OUT: kvik.triton_kernels.fp8_quant
+    # BLOCK_SIZE % TILE_N == 0: a key tile lies in one cache block (module doc).
+    ONE_BLOCK_A_TILE: tl.constexpr = False,
 ):
     wait_for_prior_kernel(PDL)
     q_block = tl.program_id(0)
@@ -347,14 +369,14 @@ def paged_attention_kernel(
                 acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
                 k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
                 v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW,
-                KV_FP8, V_PAIRS, PAIR_ASM, False,
+                KV_FP8, V_PAIRS, PAIR_ASM, False, ONE_BLOCK_A_TILE,
             )  # fmt: skip
     for tile in range(unmasked_hi, tile_hi):
         acc, acc_odd, row_max, row_sum = _attend_tile(
             acc, acc_odd, row_max, row_sum, q, tile, n, d, d_valid, q_pos, seq_len, bt_row,
             k_head_ptr, v_head_ptr, k_stride_blk, k_stride_slot, v_stride_blk, v_stride_slot,
             v_stride_d, scale_log2, BLOCK_SIZE, TILE_N, HEAD_SIZE, HEAD_PAD, SLIDING_WINDOW, KV_FP8,
-            V_PAIRS, PAIR_ASM, True,
+            V_PAIRS, PAIR_ASM, True, ONE_BLOCK_A_TILE,
         )  # fmt: skip
     if V_PAIRS:  # dimension 2j from acc[:, j], 2j + 1 from acc_odd[:, j]
         acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_M, HEAD_PAD])
@@ -610,6 +632,7 @@ def attention_constexprs(
         "QUANTIZE_OUT": quantize_out,
         # Only quantizing launches read it: the others keep one variant.
         "ROUND_IN_SOFTWARE": quantize_out and round_in_software,
+        "ONE_BLOCK_A_TILE": block_size % config.tile_n == 0,
     }
 
 
