@@ -140,3 +140,16 @@ def test_embedding_and_tied_head() -> None:
     assert torch.equal(hidden, embedding.weight[[1, 2]])
     torch.testing.assert_close(head(hidden), hidden @ embedding.weight.T)
     assert head.weight is embedding.weight
+
+
+def test_lm_head_writes_logits_into_a_buffer() -> None:
+    """``out``: the logits land in the buffer's rows (fp32 from a bf16 head: widened as the
+    product's result would be) and the buffer is what comes back."""
+    head = LMHead(10, 4).to(torch.bfloat16)
+    head.weight.data.normal_()
+    hidden = torch.randn(3, 4, dtype=torch.bfloat16)
+    buffer = torch.full((5, 10), float("nan"))
+    logits = head(hidden, out=buffer[:3])
+    assert logits.data_ptr() == buffer.data_ptr() and logits.shape == (3, 10)
+    assert torch.equal(buffer[:3], head(hidden).float())
+    assert buffer[3:].isnan().all()

@@ -107,3 +107,8 @@ def test_fp32_logits_are_the_unrounded_sums(rows: int) -> None:
     rounded = (hidden @ head.weight.t()).double()
     # Closer to the exact sums than bf16's rounding of them.
     assert (logits.double() - exact).abs().max() < (rounded - exact).abs().max()
+    # Written into a buffer's leading rows (the CUDA graphs' shared logits): the same bits.
+    buffer = torch.full((rows + 5, 50_000), float("nan"), device="cuda")
+    into = Fp32LogitsKernel().apply_into(head, hidden, buffer[:rows])
+    assert into.data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:rows], logits) and buffer[rows:].isnan().all()

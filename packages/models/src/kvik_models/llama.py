@@ -236,8 +236,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor) -> Tensor:
         return self.model(input_ids, positions)  # [T, hidden]
 
-    def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)  # [N, vocab]
+    def compute_logits(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """[N, vocab]; with ``out``, written into that buffer and returned (``LMHead``)."""
+        return self.lm_head(hidden, out)  # [N, vocab]
 
     def decoder_stack(self) -> DecoderStack | None:
         """The layers as ``kvik.models.decoder_stack`` declares them, for a platform's own decode."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import inspect
 import logging
 import time
 import weakref
@@ -81,6 +82,9 @@ class CudaGraphStepRunner(StepRunner):
         #: at a time, and its logits are read (sampled) before the next replay on the stream.
         self._logits: Tensor | None = None
         self._logits_rows = 0
+        #: Whether the model's compute_logits takes ``out``, writing the buffer's rows itself
+        #: (kvik's models do; a plugin's model of the older signature gets its logits copied).
+        self._logits_into = "out" in inspect.signature(self.model.compute_logits).parameters
         #: FULL-graph replays so far, and per rows a request (tests and benchmarks check that
         #: graphs ran).
         self.num_replays = 0
@@ -132,14 +136,18 @@ class CudaGraphStepRunner(StepRunner):
 
     def _body(self, inputs) -> Tensor:
         hidden = self.eager_hidden(inputs)
+        rows = hidden.shape[0]
+        if self._logits is not None and self._logits_into:
+            # The LM head writes the buffer's rows itself where its kernel can (the fp32-output
+            # cuBLAS product); others compute and copy (``LinearKernel.apply_into``).
+            return self.model.compute_logits(hidden, out=self._logits[:rows])
         logits = self.model.compute_logits(hidden)
-        rows, vocab = logits.shape
-        if self._logits is None or self._logits.shape[1] != vocab:
+        if self._logits is None:
             # Sized by the first (eager) run of the largest shape, before any capture: an
             # allocation inside a capture would land in the pool.
             assert not torch.cuda.is_current_stream_capturing()
             self._logits = torch.empty(
-                self._logits_rows, vocab, dtype=torch.float32, device=logits.device
+                self._logits_rows, logits.shape[1], dtype=torch.float32, device=logits.device
             )
         out = self._logits[:rows]
         out.copy_(logits)

@@ -67,7 +67,13 @@ class LMHead(VocabEmbedding):
     def tie(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
-    def forward(self, hidden: Tensor) -> Tensor:
+    def forward(self, hidden: Tensor, out: Tensor | None = None) -> Tensor:
+        """Logits [N, vocab]; with ``out`` (a buffer of that shape, fp32 or the weight's dtype)
+        written there and returned: by the product itself where the kernel can, on one rank."""
+        if out is not None:
+            if self.tp_size == 1:
+                return self.quant_method.apply_into(self, hidden, out)
+            return out.copy_(self.forward(hidden))
         logits = self.quant_method.apply(self, hidden)  # [N, vocab / tp]
         if self.tp_size == 1:
             return logits

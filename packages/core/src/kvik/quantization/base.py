@@ -65,6 +65,10 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
         return self.kernel.apply(layer, x)
 
+    def apply_into(self, layer: nn.Module, x: Tensor, out: Tensor) -> Tensor:
+        """``apply`` written into ``out`` (``LinearKernel.apply_into``)."""
+        return self.kernel.apply_into(layer, x, out)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(kernel={self.kernel!r})"
 

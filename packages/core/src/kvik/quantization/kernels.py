@@ -66,6 +66,12 @@ class LinearKernel:
     def apply(self, layer: nn.Module, x: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def apply_into(self, layer: nn.Module, x: Tensor, out: Tensor) -> Tensor:
+        """``apply``'s product written into ``out`` (its shape; its dtype may be wider) and
+        returned. By default computed, then copied; a kernel whose product can write there
+        directly saves the copy (the CUDA graph runner's logits: kvik_cuda.linear)."""
+        return out.copy_(self.apply(layer, x))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
