@@ -286,8 +286,15 @@ def paged_attention_kernel(
     ONE_BLOCK_A_TILE: tl.constexpr = False,
 ):
     wait_for_prior_kernel(PDL)
-    q_block = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if DECODE_ONLY:
+        # A request's KV heads are adjacent programs (the grid's first axis), so the programs in
+        # flight read the same cache slots (one slot holds every KV head's key) at about the
+        # same time (module doc).
+        kv_head = tl.program_id(0)
+        q_block = tl.program_id(1)
+    else:
+        q_block = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE_ONLY:
         # Token r is request r's only one: no search, and no programs beyond the batch.
@@ -399,7 +406,7 @@ def paged_attention_kernel(
             # Every thread's partial results are written before one thread announces them
             # (release); the last segment reads the others' only after its atomic saw them all.
             tl.debug_barrier()
-            counter = counter_ptr + q_block * tl.num_programs(1) + kv_head
+            counter = counter_ptr + q_block * (NUM_HEADS // GROUP) + kv_head
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == NUM_SPLITS - 1:
                 out = _merge_segments(
@@ -758,7 +765,10 @@ def paged_attention(
             part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = output  # unused
-    grid = (num_reqs if decode_only else t // block_q + num_reqs, num_kv_heads, num_splits)
+    if decode_only:  # a request's KV heads side by side (the kernel's DECODE_ONLY)
+        grid = (num_kv_heads, num_reqs, num_splits)
+    else:  # query blocks on the first axis, which takes more than the second's 65,535
+        grid = (t // block_q + num_reqs, num_kv_heads, num_splits)
     _launch_attention(
         grid,
         (
