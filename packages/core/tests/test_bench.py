@@ -1,7 +1,7 @@
 """``kvik bench``: the workload, the JSON each benchmark writes, the output-length check, the serve
 client against a stand-in OpenAI server and against ``kvik serve``, bench/run_cpu.py's report, and
 bench/run_gpu.py (its records, table and rooflines on made-up results, and a whole run on the CPU
-with a tiny model) with the transformers peer it runs."""
+with a tiny model) with the transformers peer it runs, and bench/host_step_time.py."""
 
 from __future__ import annotations
 
@@ -563,3 +563,19 @@ def test_roofline_counts_fp8_weights_and_kv_cache_at_a_byte() -> None:
     assert ModelCost.from_config(config, kv_dtype_bytes=1).kv_bytes_per_token * 2 == (
         plain.kv_bytes_per_token
     )
+
+
+def test_host_step_time_reports_each_part_of_the_hosts_step() -> None:
+    """bench/host_step_time.py on its tiny Llama, shrunk: a median for each timed part, and the
+    parts (each called once a step) inside the whole step's."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench/host_step_time.py"), "--batch-size", "8", "--output-len", "12"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    medians = dict(re.findall(r"^(\S.*?)\s+median\s+([0-9.]+) ms a step$", result.stdout, re.M))
+    parts = ["schedule", "prepare_inputs", "update_from_output", "process_outputs"]
+    assert sorted(medians) == sorted([*parts, "engine step (all of it)"]), result.stdout
+    assert all(float(medians[p]) > 0 for p in parts)
+    step = float(medians["engine step (all of it)"])
+    assert sum(float(medians[p]) for p in parts[:3]) < step
