@@ -356,19 +356,16 @@ class Scheduler:
         target's own token; ``spec_token_ids`` the drafts proposed for the next step.
         """
         outputs = []
-        async_scheduling = self.config.async_scheduling
-        any_finished = False
         for item in scheduler_output.scheduled:
             request = item.request
-            status = request.status
-            if not item.samples or status > RequestStatus.PREEMPTED:  # or finished
+            if not item.samples or request.is_finished():
                 # A finished request's blocks are gone and its final output was given; under
                 # asynchronous scheduling its blocks may have been freed while this step was
                 # still writing into them, which is safe: see _release.
                 continue
-            if async_scheduling:
+            if self.config.async_scheduling:
                 request.num_output_placeholders -= 1
-            preempted = status == RequestStatus.PREEMPTED
+            preempted = request.status == RequestStatus.PREEMPTED
             generated = sampled_token_ids[request.request_id]
             if item.spec_token_ids:
                 self._roll_back_rejected(request, item, generated)
@@ -382,7 +379,6 @@ class Scheduler:
                     if preempted:  # preempted with this token in flight, which finished it
                         self.waiting.remove(request)
                     self._release(request)
-                    any_finished = True
                     break
             if not request.is_finished() and spec_token_ids is not None:
                 drafts = list(spec_token_ids.get(request.request_id, ()))
@@ -390,8 +386,7 @@ class Scheduler:
                     drafts = self.structured_outputs.valid_drafts(request, drafts)
                 request.spec_token_ids = drafts
             outputs.append(self._output(request, new_token_ids))
-        if any_finished:  # (requests finished otherwise left running when they finished)
-            self.running = [r for r in self.running if not r.is_finished()]
+        self.running = [r for r in self.running if not r.is_finished()]
         return outputs
 
     def must_collect_before_schedule(self) -> bool:
@@ -498,13 +493,13 @@ class Scheduler:
         if samples and self.config.async_scheduling:
             request.num_output_placeholders += 1
         return ScheduledRequest(
-            request,
-            start,
-            num_tokens,
-            self.kv.get_block_ids(request.request_id),
-            samples,
-            num_placeholder_tokens,
-            tuple(request.spec_token_ids[:num_spec]) if num_spec else (),
+            request=request,
+            start=start,
+            num_tokens=num_tokens,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            samples=samples,
+            num_placeholder_tokens=num_placeholder_tokens,
+            spec_token_ids=tuple(request.spec_token_ids[:num_spec]) if num_spec else (),
         )
 
     def _finishes_in_flight(self, request: Request) -> bool:
