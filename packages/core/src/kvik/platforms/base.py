@@ -166,6 +166,17 @@ class Platform:
         """How much memory the KV cache gets when the user gives no size."""
         return int(cls.free_memory_bytes() * MEMORY_UTILIZATION)
 
+    @classmethod
+    def zeroed_kv_cache(
+        cls, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A layer's KV cache, all zeros: masked-out slots still meet a zero attention weight, and
+        0 * NaN from uninitialised memory would poison the sum. A platform whose memory the OS
+        zeroes on first touch answers that (``kvik_cpu``), rather than writing every byte now."""
+        import torch
+
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     #: Whether a worker sizes the KV cache by profiling a step on the device (accelerators, which
     #: then answer the memory questions below) rather than from ``default_kv_cache_bytes``.
     profiles_memory: ClassVar[bool] = False

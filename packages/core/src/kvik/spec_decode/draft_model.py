@@ -73,7 +73,8 @@ class DraftModelProposer(Proposer):
             shape = self.backend.kv_cache_shape(
                 num_blocks, self.runner.block_size, layer.num_kv_heads, layer.head_size
             )
-            layer.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.runner.device)
+            platform, device = self.runner.platform, self.runner.device
+            layer.kv_cache = platform.zeroed_kv_cache(shape, self.cache_dtype, device)
 
     def _forward(self, input_ids, positions, common: AttentionMetadata) -> torch.Tensor:
         context = ForwardContext(self.builder.build(common), self.layers)

@@ -242,7 +242,8 @@ class Eagle3Proposer(Proposer):
         shape = self.backend.kv_cache_shape(
             num_blocks, self.runner.block_size, c.num_key_value_heads, c.head_dim
         )
-        self.attn.kv_cache = torch.zeros(shape, dtype=self.cache_dtype, device=self.runner.device)
+        platform, device = self.runner.platform, self.runner.device
+        self.attn.kv_cache = platform.zeroed_kv_cache(shape, self.cache_dtype, device)
 
     # --- the head's layer ---------------------------------------------------------------------
     def _init_fused_layer(self, runner: ModelRunner) -> None:

@@ -200,9 +200,7 @@ class ModelRunner:
             shape = self.backend.kv_cache_shape(
                 num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
             )
-            # Zeros, not empty: masked-out slots still meet a zero attention weight, and 0 * NaN
-            # from uninitialised memory would poison the sum.
-            layer.kv_cache = torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            layer.kv_cache = self.platform.zeroed_kv_cache(shape, self.kv_cache_dtype, self.device)
         if self.proposer is not None:
             self.proposer.initialize_kv_cache(num_blocks)
         if warm_up:
