@@ -109,7 +109,7 @@ class CpuPlatform(Platform):
     ) -> torch.Tensor:
         """The cache in anonymous memory, which the OS maps to zero pages until a page is first
         written: no memset of the whole cache at start-up (``torch.zeros`` of the default 4 GiB
-        took 2.0 s of every engine's start on CI's machine), and only the pages the cache has
+        took 2.0 s of every engine's start on a 2-core machine like CI's), and only the pages the cache has
         filled are resident. The tensor keeps the mapping alive and unmaps it when freed."""
         import torch
 
