@@ -94,6 +94,19 @@ class ModelConfig:
     #: -1: no limit.
     max_logprobs: int = 20
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The HF config travels pickled on its own, so that a spawned process (the engine core,
+        # a rank) imports its class without transformers' generated docstrings, which import
+        # the auto-modeling modules and torch._dynamo (kvik.model_loader.hf_config_classes).
+        from kvik.model_loader.hf_config_classes import dumps_hf_config
+
+        return {**self.__dict__, "hf_config": dumps_hf_config(self.hf_config)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        from kvik.model_loader.hf_config_classes import loads_hf_config
+
+        self.__dict__.update(state, hf_config=loads_hf_config(state["hf_config"]))
+
     @property
     def architecture(self) -> str:
         archs = getattr(self.hf_config, "architectures", None) or []

@@ -18,6 +18,7 @@ from kvik.model_loader.gguf_loader import (
     gguf_hf_config,
     iter_gguf_weights,
 )
+from kvik.model_loader.hf_config_classes import without_generated_docstrings
 from kvik.model_loader.kv_scales import take_kv_scales
 from kvik.model_loader.resolve import resolve_model, resolve_tokenizer
 from kvik.model_loader.safetensors_loader import (
@@ -57,7 +58,8 @@ def load_model_config(
     if resolved.kind == "gguf":
         if load_format == "safetensors":
             raise ValueError(f"{path} is a GGUF file: load_format 'safetensors' cannot read it")
-        hf_config = gguf_hf_config(path)
+        with without_generated_docstrings():
+            hf_config = gguf_hf_config(path)
         model_generation_config = gguf_generation_config(path)
     else:
         if load_format == "gguf":
@@ -65,7 +67,8 @@ def load_model_config(
         from transformers import AutoConfig
 
         try:
-            hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+            with without_generated_docstrings():
+                hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
         except Exception as e:  # transformers' validators raise several kinds
             reason = str(e).strip().splitlines()[-1].strip() if str(e).strip() else type(e).__name__
             raise ValueError(f"{path}: config.json is not a configuration transformers reads: "
