@@ -74,7 +74,7 @@ def test_a_fresh_process_reads_the_config_without_the_modeling_modules(
     report = run_python(READ_CONFIG, target, *MODELING_MODULES)
     assert report["imported"] == []
     assert report["restored"]
-    # The same config this process reads (whose classes came with their docstrings).
+    # The same config as this process reads.
     if model == "default":
         expected = load_model_config(None).hf_config
     else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -98,9 +99,7 @@ class ModelConfig:
         # The HF config travels pickled on its own, so that a spawned process (the engine core,
         # a rank) imports its class without transformers' generated docstrings, which import
         # the auto-modeling modules and torch._dynamo (kvik.model_loader.hf_config_classes).
-        from kvik.model_loader.hf_config_classes import dumps_hf_config
-
-        return {**self.__dict__, "hf_config": dumps_hf_config(self.hf_config)}
+        return {**self.__dict__, "hf_config": pickle.dumps(self.hf_config)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         from kvik.model_loader.hf_config_classes import loads_hf_config

@@ -50,12 +50,8 @@ def without_generated_docstrings() -> Iterator[None]:
             module.auto_class_docstring = original
 
 
-def dumps_hf_config(hf_config: Any) -> bytes:
-    """``hf_config`` pickled on its own, for ``loads_hf_config`` in another process."""
-    return pickle.dumps(hf_config)
-
-
 def loads_hf_config(data: bytes) -> Any:
-    """A config pickled by ``dumps_hf_config``, its class imported without generated docstrings."""
+    """A config pickled on its own (``pickle.dumps``), its class imported without generated
+    docstrings."""
     with without_generated_docstrings():
         return pickle.loads(data)
